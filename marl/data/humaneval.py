@@ -6,9 +6,11 @@ function, not a completion of the prompt. The sandbox runs the check program
 apart from the answer, so whatever the prompt defines before that function
 (imports, and in four problems helpers such as `encode_cyclic`, which the checks
 call too) is put in front of the check program, and the prompt asks the answer
-to include the helpers it uses. One check (HumanEval/33) also calls the function
-by its own name, as HumanEval's harness, which runs everything in one namespace,
-allows; there that name is bound to the candidate.
+to include the helpers it uses; the answer format (one fenced Python block) is
+left to the workflow's prompts, which state it for every code set. One check
+(HumanEval/33) also calls the function by its own name, as HumanEval's harness,
+which runs everything in one namespace, allows; there that name is bound to the
+candidate.
 """
 
 from __future__ import annotations
@@ -40,8 +42,7 @@ def _prompt(prompt: str, entry_point: str, has_helpers: bool) -> str:
     return (
         f"Complete the Python function `{entry_point}`.{helpers}\n\n"
         f"{FENCE}python\n{prompt.strip()}\n{FENCE}\n\n"
-        f"Answer with the complete function `{entry_point}` (its imports, signature and body) "
-        f"in one fenced {FENCE}python block."
+        f"Write the whole function `{entry_point}`: its imports, signature and body."
     )
 
 

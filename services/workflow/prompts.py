@@ -1,7 +1,10 @@
 """What each role is told. Kept short: the demo's tiny model reads these too.
 
 Every builder returns chat messages; the worker renders them with the model's
-chat template.
+chat template. The answer format (`\\boxed{}`, or one fenced Python block) is said
+here, once, for every data set of its task; loaders' prompts do not repeat it. Parts
+are separated by blank lines so that a fence closing the problem's (or a candidate's)
+code stays on a line of its own.
 """
 
 from __future__ import annotations
@@ -21,15 +24,16 @@ def _instruction(problem: Problem) -> str:
 
 def solver(problem: Problem) -> Messages:
     """The single agent and each Voting generator."""
-    return [{"role": "user", "content": f"{problem.prompt} {_instruction(problem)}"}]
+    return [{"role": "user", "content": f"{problem.prompt}\n\n{_instruction(problem)}"}]
 
 
 def aggregator(problem: Problem, candidates: list[str]) -> Messages:
-    listed = " ".join(f"Candidate {i + 1}: {c.strip()}" for i, c in enumerate(candidates))
+    listed = "\n\n".join(f"Candidate {i + 1}:\n{c.strip()}" for i, c in enumerate(candidates))
     return [
         {
             "role": "user",
-            "content": f"{problem.prompt} {listed} {AGGREGATOR_INSTRUCTION}. {_instruction(problem)}",
+            "content": f"{problem.prompt}\n\n{listed}\n\n"
+            f"{AGGREGATOR_INSTRUCTION}. {_instruction(problem)}",
         }
     ]
 

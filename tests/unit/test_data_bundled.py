@@ -8,7 +8,10 @@ import sys
 import textwrap
 
 from marl.config import DataSpec, RunSpec, parse_spec, task_of_dataset
-from marl.data import arithmetic, humaneval, load_problems
+from marl.data import arithmetic, deepcoder, humaneval, load_problems
+from marl.data.problem import Problem
+from marl.rewards.code import python_blocks
+from services.workflow import prompts
 
 FENCE = "```"
 
@@ -45,7 +48,27 @@ def test_humaneval_has_164_problems_with_assert_program_tests() -> None:
         assert set(test) == {"assert_program", "entry_point"}
         assert "def check(candidate)" in test["assert_program"]
         assert f"{FENCE}python\n" in p.prompt and f"`{test['entry_point']}`" in p.prompt
-        assert p.prompt.rstrip().endswith(f"in one fenced {FENCE}python block.")
+        assert p.prompt.rstrip().endswith("its imports, signature and body.")
+        assert "fenced" not in p.prompt  # the answer format is the workflow prompts' to say
+
+
+def test_humaneval_roles_are_told_the_answer_format_once() -> None:
+    for p in humaneval.load():
+        for messages in (prompts.solver(p), prompts.aggregator(p, ["a", "b"])):
+            (message,) = messages
+            assert message["content"].count(prompts.CODE_INSTRUCTION) == 1
+            assert message["content"].count("fenced") == 1
+            # the fence closing the prompt's code is on a line of its own: the block stays whole
+            assert python_blocks(message["content"]) == python_blocks(p.prompt) != []
+
+
+def test_a_prompt_ending_in_starter_code_keeps_its_fence_closed() -> None:
+    starter = "class Solution:\n    def f(self, x):"
+    problem = Problem(id="s", prompt=deepcoder.prompt("Return x.", starter, [{}]), task="code",
+                      tests=[{}])
+    assert problem.prompt.endswith(FENCE)
+    for (message,) in (prompts.solver(problem), prompts.aggregator(problem, ["a"])):
+        assert python_blocks(message["content"]) == [starter]
 
 
 def test_humaneval_canonical_solutions_pass_and_stubs_fail() -> None:
