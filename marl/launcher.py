@@ -39,6 +39,7 @@ class Cluster:
     inference_replicas: int = 1
     workflow_replicas: int = 1
     sandbox_replicas: int = 1
+    learner: bool = True
     threads: dict[str, int] = field(
         default_factory=lambda: {"inference": 2, "learner": 2, "workflow": 1, "sandbox": 1}
     )
@@ -85,21 +86,32 @@ class Cluster:
             self._spawn("sandbox", [])
         sandbox = [p.address for p in self.processes if p.kind == "sandbox"]
         for _ in range(self.inference_replicas):
-            self._spawn(
-                "inference", [*redis_args, "--model", self.model_path, "--engine", self.engine]
-            )
+            self._spawn("inference", self._inference_args())
         for i in range(self.workflow_replicas):
             extra = ["--sandbox", sandbox[i % len(sandbox)]] if sandbox else []
             self._spawn("workflow", [*redis_args, *extra])
-        self._spawn("learner", [*redis_args, "--runs-dir", str(self.workdir / "runs")])
+        if self.learner:
+            self._spawn("learner", [*redis_args, "--runs-dir", str(self.workdir / "runs")])
         try:
-            asyncio.run(self._wait_all(timeout_s))
+            asyncio.run(self._wait(self.processes, timeout_s))
         except BaseException:
             self.stop()
             raise
         return self.endpoints()
 
-    async def _wait_all(self, timeout_s: float) -> None:
+    def _inference_args(self) -> list[str]:
+        assert self.redis_url is not None
+        return ["--redis", self.redis_url, "--model", self.model_path, "--engine", self.engine]
+
+    def add_inference_replica(self, wait: bool = True, timeout_s: float = 300.0) -> Process:
+        """Start one more inference replica in the running cluster (one that joins mid-run);
+        with `wait`, return once it reports SERVING, i.e. holds every current adapter."""
+        p = self._spawn("inference", self._inference_args())
+        if wait:
+            asyncio.run(self._wait([p], timeout_s))
+        return p
+
+    async def _wait(self, processes: list[Process], timeout_s: float) -> None:
         async def one(p: Process) -> None:
             waiter = asyncio.create_task(wait_healthy(p.address, timeout_s))
             while not waiter.done():
@@ -110,14 +122,14 @@ class Cluster:
                 await asyncio.sleep(0.2)
             await waiter
 
-        await asyncio.gather(*(one(p) for p in self.processes))
+        await asyncio.gather(*(one(p) for p in processes))
 
     def endpoints(self) -> dict[str, Any]:
         def of(kind: str) -> list[str]:
             return [p.address for p in self.processes if p.kind == kind]
 
         return {
-            "learner": of("learner")[0],
+            "learner": next(iter(of("learner")), None),
             "inference": of("inference"),
             "sandbox": of("sandbox"),
             "workflow": of("workflow"),

@@ -58,6 +58,13 @@ class AdapterRegistry:
     def all(self) -> list[LoadedVersion]:
         return sorted(self._versions.values(), key=lambda v: (v.name, v.version))
 
+    def holds(self, name: str, version: int) -> bool:
+        """Whether `name@version` (or a newer version of it) can serve new requests."""
+        return any(
+            v.name == name and v.version >= version and not v.retired
+            for v in self._versions.values()
+        )
+
     async def added(self, loaded: LoadedVersion) -> None:
         """Record a freshly loaded version and retire what falls out of retention."""
         async with self._lock:

@@ -1,4 +1,9 @@
-"""The Inference gRPC service: multi-LoRA generation and the adapter push protocol."""
+"""The Inference gRPC service: multi-LoRA generation and the adapter push protocol.
+
+A replica reports SERVING only once it holds the current version of every adapter
+an active run uses (see `marl.replicas`): one that starts mid-run announces
+itself as joining, takes the learner's pushes, and only then takes requests.
+"""
 
 from __future__ import annotations
 
@@ -8,19 +13,27 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
+import redis.asyncio as aioredis
 
 from marl import adapter_io, replicas, streams
 from marl.serving import ServiceHost, configure_logging, serve_until_stopped
 from marl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from services.inference.adapters import AdapterNotLoaded, AdapterRegistry, LoadedVersion
+from services.inference.adapters import (
+    AdapterNotLoaded,
+    AdapterRegistry,
+    LoadedVersion,
+    adapter_key,
+)
 from services.inference.engine import AdapterWeights, Engine, GenerationRequest
 from services.inference.factory import EngineName, make_engine
 
 log = logging.getLogger(__name__)
 
 MAX_ADAPTER_BYTES = 4 << 30
+JOIN_CHECK_S = 0.5
 
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
@@ -225,6 +238,39 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         )
 
 
+async def await_current_adapters(
+    host: ServiceHost,
+    service: InferenceService,
+    r: aioredis.Redis,
+    info: dict[str, Any],
+) -> None:
+    """Stay joining (announced, NOT_SERVING, taking pushes) until this replica holds the
+    current version of every adapter an active run uses.
+
+    The requirement is read again on every check, so a version published while this
+    replica catches up is waited for too. Learners publish a version before pushing it
+    and this replica announces itself before reading what is current, so either the
+    learner's push includes this replica or this replica waits for that version.
+    """
+    waiting_for: list[str] = []
+    # ServiceHost has no public flag for a requested stop; without this check a replica
+    # that never catches up would ignore SIGTERM.
+    while not host._stop.is_set():
+        await replicas.announce(r, "inference", service.replica_id, {**info, "serving": False})
+        required = await replicas.current(r, service.engine.base_model)
+        missing = sorted(
+            adapter_key(name, v)
+            for name, v in required.items()
+            if not service.registry.holds(name, v)
+        )
+        if not missing:
+            return
+        if missing != waiting_for:
+            log.info("not serving until these adapters are pushed: %s", ", ".join(missing))
+            waiting_for = missing
+        await asyncio.sleep(JOIN_CHECK_S)
+
+
 async def _serve(
     port: int,
     host: str,
@@ -240,23 +286,23 @@ async def _serve(
     replica_id = f"inference-{uuid.uuid4().hex[:8]}"
     service = InferenceService(replica_id)
     inference_pb2_grpc.add_InferenceServicer_to_server(service, server.server)
+    redis_client = streams.connect(redis_url) if redis_url else None
+    info: dict[str, Any] = {"address": server.address}
 
     async def ready() -> None:
         engine = await asyncio.to_thread(make_engine, engine_name, model_path, dtype, max_lora_rank)
         service.attach(engine, AdapterRegistry(engine.unload_adapter, retention=retention))
+        info.update(base_model=engine.base_model, engine=engine.name)
+        if redis_client is not None:
+            await await_current_adapters(server, service, redis_client, info)
 
     background = []
-    redis_client = streams.connect(redis_url) if redis_url else None
     if redis_client is not None:
 
         async def beat() -> None:
-            engine = service.engine
-            info = {
-                "address": server.address,
-                "base_model": engine.base_model,
-                "engine": engine.name,
-            }
-            await replicas.heartbeat(redis_client, "inference", replica_id, info)
+            await replicas.heartbeat(
+                redis_client, "inference", replica_id, {**info, "serving": True}
+            )
 
         background.append(beat)
 
@@ -264,6 +310,7 @@ async def _serve(
         if service._engine is not None:
             await service.engine.close()
         if redis_client is not None:
+            await redis_client.hdel(replicas.registry_key("inference"), replica_id)
             await redis_client.aclose()
 
     await serve_until_stopped(server, ready=ready, background=background, on_stop=on_stop)

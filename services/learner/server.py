@@ -67,7 +67,7 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         except SpecError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         model = base_model_id(spec.model.path)
-        live = await replicas.live(self.r, "inference")
+        live = await replicas.live(self.r, "inference", include_joining=True)
         if live and not any(v.get("base_model") == model for v in live.values()):
             served = sorted({str(v.get("base_model")) for v in live.values()})
             await context.abort(

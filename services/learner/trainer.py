@@ -5,6 +5,10 @@ adapter version of every policy; when all rollouts are in, the GRPO update
 runs, version t+1 of every adapter is pushed to every live inference replica
 (each acknowledgement recorded), and step t+1 starts. Validation runs at step
 0, every `val_interval` steps and at the end, through the same workflow path.
+
+While the run lasts, the current versions are published in Redis (names and
+versions, not weights) and a sync loop pushes them to replicas that start
+mid-run; such a replica reports SERVING only once it holds them.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import json
 import logging
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +31,7 @@ from marl.data import load_problems
 from marl.data.problem import Problem
 from marl.model_id import base_model_id
 from marl.rollout import AdapterRef, Rollout, Task
-from marl.v1 import inference_pb2_grpc
+from marl.v1 import common_pb2, inference_pb2_grpc
 from marl.workflows import policy_of_role
 from services.learner import checkpoint
 from services.learner.runs import RunStore
@@ -36,6 +41,8 @@ log = logging.getLogger(__name__)
 LEARNER_GROUP = "learner"
 PUSH_DEADLINE_S = 300.0
 REPLICA_WAIT_S = 300.0
+SYNC_INTERVAL_S = 1.0
+SYNC_RETRY_S = 5.0
 
 
 class RunCancelled(Exception):
@@ -44,6 +51,15 @@ class RunCancelled(Exception):
 
 class RunFailed(Exception):
     """A run cannot go on; the message is for the user."""
+
+
+@dataclass
+class Published:
+    """The current version of one adapter, kept so replicas that join later get these bytes."""
+
+    version: int
+    manifest: common_pb2.AdapterManifest
+    payload: bytes
 
 
 class DataSampler:
@@ -89,6 +105,12 @@ class RunExecutor:
         self.base_model = base_model_id(spec.model.path)
         self.versions = dict.fromkeys(self.policy_names, 0)
         self.rollouts_stream = streams.rollouts_stream(run_id)
+        self.current: dict[str, Published] = {}
+        # (replica id, policy, version): acknowledged, being pushed, last failed at
+        self._acked: set[tuple[str, str, int]] = set()
+        self._pushes: dict[tuple[str, str, int], asyncio.Task[None]] = {}
+        self._failed_at: dict[tuple[str, str, int], float] = {}
+        self._publish_lock = asyncio.Lock()
 
     def adapter_name(self, policy: str) -> str:
         return f"{self.run_id}/{policy}"
@@ -96,6 +118,18 @@ class RunExecutor:
     # ------------------------------------------------------------------ run
 
     async def execute(self) -> None:
+        sync = asyncio.create_task(self.sync_replicas())
+        sync.add_done_callback(_log_crash)
+        try:
+            await self.train()
+        finally:
+            pushes = [sync, *self._pushes.values()]
+            for task in pushes:
+                task.cancel()
+            await asyncio.gather(*pushes, return_exceptions=True)
+            await replicas.retire_current(self.r, [self.adapter_name(p) for p in self.current])
+
+    async def train(self) -> None:
         from services.learner.policy import MultiAdapterPolicy
 
         spec = self.spec
@@ -250,15 +284,13 @@ class RunExecutor:
     # ------------------------------------------------------------ adapters
 
     async def push(self, policy: Any) -> None:
-        """Push the current version of every adapter to every live replica; wait for all acks."""
-        payloads = {}
+        """Publish the current version of every adapter, push it to every live replica and
+        wait for all acks. Publishing first means a replica that joins meanwhile either is
+        one of these targets or waits for this version before it serves."""
+        current = {}
         for p in self.policy_names:
             state = await asyncio.to_thread(policy.state_dict, p)
-            payloads[p] = await asyncio.to_thread(adapter_io.serialize, state)
-        targets = await self.replicas()
-        acks_key = f"marl:run:{self.run_id}:acks"
-
-        async def push_one(rid: str, address: str, p: str) -> None:
+            payload = await asyncio.to_thread(adapter_io.serialize, state)
             manifest = adapter_io.make_manifest(
                 self.adapter_name(p),
                 self.versions[p],
@@ -266,33 +298,89 @@ class RunExecutor:
                 self.spec.lora.rank,
                 self.spec.lora.alpha,
                 policy.target_modules(p),
-                payloads[p],
+                payload,
             )
-            async with grpc.aio.insecure_channel(address) as channel:
-                stub = inference_pb2_grpc.InferenceStub(channel)
-                try:
-                    await stub.PushAdapter(
-                        adapter_io.chunks(manifest, payloads[p]), timeout=PUSH_DEADLINE_S
-                    )
-                except grpc.aio.AioRpcError as err:
-                    raise RunFailed(
-                        f"inference replica {rid} ({address}) refused adapter "
-                        f"{self.adapter_name(p)}@{self.versions[p]}: {err.details()}"
-                    ) from None
-            await self.r.hset(acks_key, f"{rid}/{p}@{self.versions[p]}", time.time())
-
+            current[p] = Published(self.versions[p], manifest, payload)
+        self.current = current
+        await self.publish()
+        targets = await self.replicas()
         await asyncio.gather(
             *(
-                push_one(rid, info["address"], p)
+                self._push_to(rid, info["address"], p)
                 for rid, info in targets.items()
                 for p in self.policy_names
+                if (rid, p, self.versions[p]) not in self._acked
             )
         )
+
+    async def publish(self) -> None:
+        """Record (or refresh) the current versions in Redis; serialised so that a refresh
+        taken before a new version was published cannot land after it."""
+        async with self._publish_lock:
+            versions = {self.adapter_name(p): pub.version for p, pub in self.current.items()}
+            await replicas.publish_current(self.r, self.base_model, self.run_id, versions)
+
+    def _push_to(self, rid: str, address: str, p: str) -> asyncio.Task[None]:
+        """The push of p's current version to one replica; a push already under way (from a
+        step or from the sync loop) is shared, not repeated."""
+        pub = self.current[p]
+        key = (rid, p, pub.version)
+        task = self._pushes.get(key)
+        if task is None:
+            task = asyncio.create_task(self._push_one(rid, address, p, pub))
+            self._pushes[key] = task
+
+            def done(t: asyncio.Task[None]) -> None:
+                del self._pushes[key]
+                if not t.cancelled() and t.exception() is not None:
+                    self._failed_at[key] = time.monotonic()
+                    log.warning("%s", t.exception())
+
+            task.add_done_callback(done)
+        return task
+
+    async def _push_one(self, rid: str, address: str, p: str, pub: Published) -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            try:
+                await stub.PushAdapter(
+                    adapter_io.chunks(pub.manifest, pub.payload), timeout=PUSH_DEADLINE_S
+                )
+            except grpc.aio.AioRpcError as err:
+                raise RunFailed(
+                    f"inference replica {rid} ({address}) refused adapter "
+                    f"{self.adapter_name(p)}@{pub.version}: {err.details()}"
+                ) from None
+        self._acked.add((rid, p, pub.version))
+        await self.r.hset(f"marl:run:{self.run_id}:acks", f"{rid}/{p}@{pub.version}", time.time())
+
+    async def sync_replicas(self) -> None:
+        """Keep the published versions fresh and push them to every live replica that has
+        not acknowledged them: one that started mid-run waits for them before it serves."""
+        while True:
+            await asyncio.sleep(SYNC_INTERVAL_S)
+            if not self.current:
+                continue
+            await self.publish()
+            live = await replicas.live(self.r, "inference", include_joining=True)
+            now = time.monotonic()
+            for rid, info in live.items():
+                if info.get("base_model") != self.base_model:
+                    continue
+                for p, pub in self.current.items():
+                    key = (rid, p, pub.version)
+                    failed_at = self._failed_at.get(key)
+                    if key in self._acked or key in self._pushes:
+                        continue
+                    if failed_at is not None and now - failed_at < SYNC_RETRY_S:
+                        continue
+                    log.info("pushing %s@%d to replica %s", self.adapter_name(p), pub.version, rid)
+                    self._push_to(rid, info["address"], p)
 
     async def replicas(self) -> dict[str, dict[str, Any]]:
         deadline = time.monotonic() + REPLICA_WAIT_S
         while True:
-            live = await replicas.live(self.r, "inference")
+            live = await replicas.live(self.r, "inference", include_joining=True)
             matching = {k: v for k, v in live.items() if v.get("base_model") == self.base_model}
             if matching:
                 return matching
@@ -324,6 +412,13 @@ class RunExecutor:
             f.write(line + "\n")
         await self.store.update(self.run_id, step=record["step"], last_metrics_json=line)
         await self.r.xadd(streams.metrics_stream(self.run_id), {"json": line})
+
+
+def _log_crash(task: asyncio.Task[None]) -> None:
+    # Training goes on without the sync loop; replicas that start later serve once the
+    # published versions expire, and workers fail over from them until a step's push.
+    if not task.cancelled() and task.exception() is not None:
+        log.error("adapter sync loop crashed", exc_info=task.exception())
 
 
 def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:

@@ -34,3 +34,18 @@ async def test_unknown_version_names_what_is_loaded() -> None:
     await reg.added(LoadedVersion("r/p", 3, reg.next_int_id(), "a"))
     with pytest.raises(AdapterNotLoaded, match=r"r/p@4 is not loaded.*\[3\]"):
         reg.acquire("r/p", 4)
+
+
+async def test_holds_a_version_or_a_newer_one_until_retired() -> None:
+    async def unload(key: str) -> None: ...
+
+    reg = AdapterRegistry(unload, retention=1)
+    assert not reg.holds("r/p", 0)
+    await reg.added(LoadedVersion("r/p", 1, reg.next_int_id(), "a"))
+    assert reg.holds("r/p", 0) and reg.holds("r/p", 1)
+    assert not reg.holds("r/p", 2) and not reg.holds("r/q", 0)
+    held = reg.acquire("r/p", 1)
+    await reg.added(LoadedVersion("r/p", 2, reg.next_int_id(), "b"))
+    await reg.retire("r/p", 2)
+    assert not reg.holds("r/p", 1)  # still loaded for its request, but retired
+    await reg.release(held)
