@@ -59,7 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             dtype=cfg.get("dtype", "float32"),
             redis_url=redis_url,
             retention=int(cfg.get("retention", 2)),
-            max_lora_rank=int(cfg.get("max_lora_rank", 64)),
+            max_lora_rank=args.max_lora_rank or int(cfg.get("max_lora_rank", 64)),
         )
     elif args.service == "workflow":
         from services.workflow import server as workflow
@@ -245,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="YAML file with the same settings")
     p.add_argument("--model", default=None, help="inference: base model directory")
     p.add_argument("--engine", default=None, choices=["auto", "vllm", "transformers"])
+    p.add_argument(
+        "--max-lora-rank", type=int, default=None, help="inference: largest adapter rank served"
+    )
     p.add_argument("--sandbox", default=None, help="workflow: sandbox address for code rewards")
     p.add_argument("--runs-dir", default=None, help="learner: where run directories go")
     p.set_defaults(fn=cmd_serve)

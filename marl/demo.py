@@ -18,13 +18,13 @@ DEMO_SPEC: dict[str, Any] = {
     "engine": "transformers",
     "lora": {"rank": 16, "alpha": 32},
     "optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "constant"},
-    "grpo": {"group_size": 8, "mini_batch_problems": 16, "micro_batch_sequences": 128},
+    "grpo": {"group_size": 8, "mini_batch_problems": 4, "micro_batch_sequences": 128},
     "train": {
-        "steps": 100,
+        "steps": 40,
         "problems_per_step": 16,
-        "val_interval": 20,
+        "val_interval": 10,
         "val_problems": 200,
-        "checkpoint_interval": 50,
+        "checkpoint_interval": 20,
         "step_timeout_s": 300,
     },
     "sampling": {"temperature": 1.0, "max_tokens": 8},
@@ -71,6 +71,7 @@ def run_demo(out: str | None, steps: int | None, overrides: list[str]) -> int:
         spec.model.path,
         engine=engine,
         sandbox_replicas=int(os.environ.get("MARL_DEMO_SANDBOXES", "1")),
+        max_lora_rank=spec.lora.rank,
     )
     endpoints = cluster.start()
     print(

@@ -3,10 +3,16 @@
 Nothing can be downloaded, so `marl demo` builds its model: a 0.5M-parameter
 Qwen3ForCausalLM (hidden 128, 2 layers, 4 heads of head_dim 32 so vLLM's CPU
 backend accepts it) and a word-level tokenizer whose vocabulary covers digits,
-punctuation, `\\boxed{` and every word the roles are told. A short supervised
-warm start on the arithmetic task (answer tokens only) stops while the model is
-still weak (greedy accuracy on training prompts >= `target_accuracy`), so RL has
-something to improve. The result is cached by a hash of everything that shapes it.
+punctuation, `\\boxed{` and every word the roles are told.
+
+A short supervised warm start on the arithmetic task (answer tokens only)
+imitates a weak instruct model: its demonstrations put the sum in `\\boxed{}`
+only `BOXED_SHARE` of the time and otherwise say "The answer is N", which the
+math reward scores as a format failure, and it stops while the model's sums are
+still often wrong (greedy arithmetic accuracy on training prompts >=
+`target_accuracy`, whatever the format). RL then has two habits to fix that the
+reward sees: answering in the asked format, and adding correctly. The result is
+cached by a hash of everything that shapes it.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 from marl.data import arithmetic
 from marl.data.problem import Problem
 
-BUILDER_VERSION = "3"
+BUILDER_VERSION = "4"
+BOXED_SHARE = 0.5
+PLAIN_ANSWER = "The answer is {}"
 SPECIALS = ["<pad>", "<unk>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>"]
 SPLIT_PATTERN = r"\\boxed\{|\d|[A-Za-z]+|[^\sA-Za-z\d]"
 CHAT_TEMPLATE = (
@@ -92,6 +100,15 @@ def _encode(
     return p_ids + a_ids, len(p_ids)
 
 
+def _last_integer(text: str) -> str | None:
+    found = re.findall(r"-?\d+", text)
+    return found[-1] if found else None
+
+
+def _answer_text(value: int, rng: random.Random) -> str:
+    return f"\\boxed{{{value}}}" if rng.random() < BOXED_SHARE else PLAIN_ANSWER.format(value)
+
+
 @torch.no_grad()
 def greedy_accuracy(
     model: Qwen3ForCausalLM,
@@ -99,8 +116,7 @@ def greedy_accuracy(
     examples: list[tuple[Messages, str]],
     max_new_tokens: int = 8,
 ) -> float:
-    from marl.rewards.math import last_boxed
-
+    """Share of examples whose last integer in the greedy output is the target's, in any format."""
     model.eval()
     prompts = [
         tokenizer.encode(
@@ -125,7 +141,7 @@ def greedy_accuracy(
     texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
     right = 0
     for text, (_, target) in zip(texts, examples, strict=True):
-        right += int(last_boxed(text) == last_boxed(target))
+        right += int(_last_integer(text) == _last_integer(target))
     model.train()
     return right / len(examples)
 
@@ -180,7 +196,7 @@ def warm_start(
 def solver_example(problem: Problem, rng: random.Random) -> tuple[Messages, str]:
     from services.workflow import prompts
 
-    return prompts.solver(problem), f"\\boxed{{{problem.answer}}}"
+    return prompts.solver(problem), _answer_text(int(problem.answer), rng)
 
 
 def aggregator_example(problem: Problem, rng: random.Random) -> tuple[Messages, str]:
@@ -188,17 +204,17 @@ def aggregator_example(problem: Problem, rng: random.Random) -> tuple[Messages, 
 
     answer = int(problem.answer)
     candidates = [
-        f"\\boxed{{{answer if rng.random() < 0.4 else max(0, answer + rng.randint(-3, 3))}}}"
+        _answer_text(answer if rng.random() < 0.4 else max(0, answer + rng.randint(-3, 3)), rng)
         for _ in range(3)
     ]
-    return prompts.aggregator(problem, candidates), f"\\boxed{{{problem.answer}}}"
+    return prompts.aggregator(problem, candidates), _answer_text(answer, rng)
 
 
 def prepare_demo_model(cache_root: Path, seed: int = 0, log: Callable[[str], None] = print) -> Path:
     """Build (or reuse) the warm-started demo model; returns its directory."""
     from services.workflow import prompts
 
-    texts = [prompts.ALL_TEMPLATE_TEXT, *(p.prompt for p in arithmetic.split(seed)[0][:50])]
+    texts = [prompts.ALL_TEMPLATE_TEXT, PLAIN_ANSWER, *(p.prompt for p in arithmetic.split(seed)[0][:50])]
     key = hashlib.sha256(
         json.dumps([BUILDER_VERSION, seed, texts, SPLIT_PATTERN, CHAT_TEMPLATE]).encode()
     ).hexdigest()[:12]

@@ -40,6 +40,7 @@ class Cluster:
     workflow_replicas: int = 1
     sandbox_replicas: int = 1
     learner: bool = True
+    max_lora_rank: int = 64
     threads: dict[str, int] = field(
         default_factory=lambda: {"inference": 2, "learner": 2, "workflow": 1, "sandbox": 1}
     )
@@ -57,6 +58,9 @@ class Cluster:
         env.update(
             OMP_NUM_THREADS=threads,
             MKL_NUM_THREADS=threads,
+            # Idle OpenMP threads sleep instead of spinning: the services share few cores
+            # and take turns (rollout, then update), so a spinning pool starves the others.
+            OMP_WAIT_POLICY="PASSIVE",
             TOKENIZERS_PARALLELISM="false",
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
@@ -101,7 +105,10 @@ class Cluster:
 
     def _inference_args(self) -> list[str]:
         assert self.redis_url is not None
-        return ["--redis", self.redis_url, "--model", self.model_path, "--engine", self.engine]
+        return [
+            *("--redis", self.redis_url, "--model", self.model_path, "--engine", self.engine),
+            *("--max-lora-rank", str(self.max_lora_rank)),
+        ]
 
     def add_inference_replica(self, wait: bool = True, timeout_s: float = 300.0) -> Process:
         """Start one more inference replica in the running cluster (one that joins mid-run);

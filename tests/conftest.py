@@ -18,6 +18,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     a few SFT steps so rewards vary within a group (answers mostly still wrong)."""
     from marl.data import arithmetic
     from marl.demo_model import (
+        PLAIN_ANSWER,
         aggregator_example,
         build_model,
         build_tokenizer,
@@ -27,7 +28,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from services.workflow import prompts
 
     out = tmp_path_factory.mktemp("tiny-qwen3")
-    tok = build_tokenizer([prompts.ALL_TEMPLATE_TEXT, "What is"])
+    tok = build_tokenizer([prompts.ALL_TEMPLATE_TEXT, PLAIN_ANSWER, "What is"])
     model = build_model(tok, seed=0)
     train, _ = arithmetic.split(0)
     warm_start(

@@ -109,7 +109,11 @@ class TransformersEngine:
     def _unload(self, key: str) -> None:
         name = self._names.pop(key)
         assert self.model is not None
-        self.model.delete_adapter(name)
+        if self._names:
+            self.model.delete_adapter(name)
+        else:  # PEFT keeps its last adapter marked active after deleting it: back to the bare base
+            self.base = self.model.unload()
+            self.model = None
 
     # generation -------------------------------------------------------------
 

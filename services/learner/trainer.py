@@ -76,11 +76,20 @@ class DataSampler:
         return idx
 
     def next(self, n: int) -> list[Problem]:
-        out = []
-        for _ in range(n):
+        """The next `n` distinct problems; a step that crosses an epoch boundary skips the
+        new epoch's copies of problems it already holds (a repeated problem would share
+        its task ids with the first copy and be dropped as a duplicate)."""
+        out: list[Problem] = []
+        seen: set[str] = set()
+        distinct = n <= len(self.problems)
+        while len(out) < n:
             epoch, offset = divmod(self.position, len(self.problems))
-            out.append(self.problems[self._order(epoch)[offset]])
+            problem = self.problems[self._order(epoch)[offset]]
             self.position += 1
+            if distinct and problem.id in seen:
+                continue
+            seen.add(problem.id)
+            out.append(problem)
         return out
 
 
@@ -137,6 +146,12 @@ class RunExecutor:
         (self.out_dir / "run.yaml").write_text(dump_spec(spec))
         train = load_problems(spec.data, "train", spec.seed)
         val = load_problems(spec.data, "val", spec.seed)[: spec.train.val_problems]
+        if spec.train.problems_per_step > len(train):
+            raise RunFailed(
+                f"train.problems_per_step={spec.train.problems_per_step} is larger than the "
+                f"training set ({len(train)} problems in data.train={spec.data.train!r}); "
+                "lower it or use a larger data set"
+            )
         await streams.ensure_group(self.r, self.rollouts_stream, LEARNER_GROUP)
         await streams.ensure_group(self.r, streams.TASKS, streams.WORKERS_GROUP)
         policy = await asyncio.to_thread(

@@ -34,7 +34,6 @@ from marl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 pytestmark = pytest.mark.timeout(600)  # the session's tiny model may be built first
 
 NAME = "churn/p"
-PIN = "churn/pin"  # loaded throughout: the engine cannot yet unload its last adapter
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA = 64, 32  # 1.5 MB per version on the tiny model: a leak shows in RSS
 RETENTION = 2  # the replica's default
@@ -177,7 +176,6 @@ def test_twenty_versions_under_load(tiny_model_dir: Path, tmp_path: Path) -> Non
             info = await info_stub.GetInfo(inference_pb2.GetInfoRequest(), timeout=10)
             churn = Churn(server.address, shapes, info.base_model)
             # warm up: the first load wraps the model for PEFT and the allocator grows
-            await churn.push(0, PIN)
             await churn.run(range(0, WARMUP))
             before = await settled_rss_kib(pid)
             started = time.monotonic()

@@ -411,3 +411,26 @@ async def test_vllm_and_transformers_agree_on_greedy_tokens(
         assert v.token_ids == t.token_ids
         assert v.finish_reason == t.finish_reason
         assert v.logprobs == pytest.approx(t.logprobs, abs=ATOL)
+
+
+async def test_transformers_engine_serves_again_after_its_last_adapter_is_unloaded(
+    tiny: TinyModel,
+) -> None:
+    """PEFT keeps a deleted last adapter marked active; the engine must drop back to the base."""
+    from services.inference.transformers_engine import BASE
+
+    engine = _start_transformers(tiny.path)
+    try:
+        base = await engine.generate(greedy(tiny.prompts[0], BASE))
+        first = make_adapter(tiny, "run/only", 90)
+        await engine.load_adapter(first)
+        await engine.generate(greedy(tiny.prompts[0], first.key))
+        await engine.unload_adapter(first.key)
+        assert (await engine.generate(greedy(tiny.prompts[0], BASE))).token_ids == base.token_ids
+        second = make_adapter(tiny, "run/next", 91)
+        await engine.load_adapter(second)
+        served = await engine.generate(greedy(tiny.prompts[0], second.key))
+        ref = reference_logprobs(tiny, second, tiny.prompts[0], served.token_ids, 0.0)
+        assert served.token_ids == ref.argmax(-1).tolist()
+    finally:
+        await engine.close()

@@ -86,3 +86,18 @@ def test_bundled_training_sets_reload_in_the_same_order(dataset: str) -> None:
     step_1, step_2 = ids(original.next(4)), ids(original.next(4))
     assert ids(DataSampler(again, SEED, position=4).next(4)) == step_2
     assert not set(step_1) & set(step_2)
+
+
+def test_a_step_across_the_epoch_boundary_holds_distinct_problems() -> None:
+    # 5 problems, 2 per step, seed 3: epoch 0 ends with p0 and epoch 1 starts with p0
+    five = PROBLEMS[:5]
+    sampler = DataSampler(five, SEED)
+    steps = [ids(sampler.next(PER_STEP)) for _ in range(3)]
+    assert steps[2][0] == "p0"
+    assert len(set(steps[2])) == PER_STEP, steps
+    assert sampler.position == 7  # epoch 1's p0 was skipped, not served twice
+
+
+def test_more_problems_per_step_than_the_set_repeats_rather_than_stalls() -> None:
+    sampler = DataSampler(PROBLEMS[:2], SEED)
+    assert len(sampler.next(3)) == 3
