@@ -29,7 +29,7 @@ test-vllm: ## the engine contract suite and a short `marl demo engine=vllm` (bui
 	.venv-vllm/bin/python -m pytest -m vllm -q tests/integration/test_engine_contract.py tests/e2e/test_demo_vllm.py
 
 test-e2e: setup ## marl demo end to end, SP and IP: validation accuracy +20 points (~6-10 min)
-	$(BIN)/python -m pytest -q -s tests/e2e
+	$(BIN)/python -m pytest -q -s -m "not vllm" tests/e2e
 
 check: setup ## ruff and mypy
 	$(BIN)/ruff check marl services tests bench scripts

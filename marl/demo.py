@@ -54,14 +54,20 @@ def run_demo(out: str | None, steps: int | None, overrides: list[str]) -> int:
     if (out_dir / "metrics.jsonl").exists():
         raise UserError(f"--out: {out_dir} already holds a run; choose another directory")
     started = time.monotonic()
+    from services.inference.factory import vllm_available
+
+    engine = spec.engine
+    if engine == "auto":
+        engine = "vllm" if vllm_available() else "transformers"
+    elif engine == "vllm" and not vllm_available():
+        raise UserError(
+            "engine=vllm: the vllm package is not installed in this environment; "
+            "run scripts/setup_vllm_env.sh and start marl from .venv-vllm "
+            "(.venv-vllm/bin/marl demo engine=vllm), or use engine=transformers"
+        )
     if "model.path" not in " ".join(overrides):
         spec.model.path = str(demo_model(spec.seed))
     spec.out_dir = str(out_dir)
-    engine = "transformers" if spec.engine == "auto" else spec.engine
-    if spec.engine == "auto":
-        from services.inference.factory import vllm_available
-
-        engine = "vllm" if vllm_available() else "transformers"
     print(
         f"marl demo: {spec.workflow} workflow, {spec.policy} policy, {engine} engine, "
         f"{spec.train.steps} steps -> {out_dir}"

@@ -63,6 +63,11 @@ class ServiceHost:
     def request_stop(self) -> None:
         self._stop.set()
 
+    @property
+    def stopping(self) -> bool:
+        """A stop was requested (SIGTERM, SIGINT or `request_stop`)."""
+        return self._stop.is_set()
+
     async def wait_for_stop(self, grace: float = 5.0) -> None:
         await self._stop.wait()
         log.info("stopping %s", self.address)
@@ -82,7 +87,8 @@ async def serve_until_stopped(
     print(f"listening on {host.address}", flush=True)
     if ready is not None:
         await ready()
-    await host.set_serving(True)
+    if not host.stopping:
+        await host.set_serving(True)
     tasks: list[asyncio.Task[None]] = [asyncio.create_task(fn()) for fn in background or []]
     for t in tasks:
         t.add_done_callback(_stop_on_crash(host))

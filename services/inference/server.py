@@ -253,9 +253,8 @@ async def await_current_adapters(
     learner's push includes this replica or this replica waits for that version.
     """
     waiting_for: list[str] = []
-    # ServiceHost has no public flag for a requested stop; without this check a replica
-    # that never catches up would ignore SIGTERM.
-    while not host._stop.is_set():
+    # a replica that never catches up must still stop on SIGTERM
+    while not host.stopping:
         await replicas.announce(r, "inference", service.replica_id, {**info, "serving": False})
         required = await replicas.current(r, service.engine.base_model)
         missing = sorted(
