@@ -105,8 +105,8 @@ def _last_integer(text: str) -> str | None:
     return found[-1] if found else None
 
 
-def _answer_text(value: int, rng: random.Random) -> str:
-    return f"\\boxed{{{value}}}" if rng.random() < BOXED_SHARE else PLAIN_ANSWER.format(value)
+def _answer_text(value: int, rng: random.Random, boxed_share: float) -> str:
+    return f"\\boxed{{{value}}}" if rng.random() < boxed_share else PLAIN_ANSWER.format(value)
 
 
 @torch.no_grad()
@@ -193,21 +193,27 @@ def warm_start(
     return {"steps": step, "train_accuracy": accuracy, "seconds": time.monotonic() - start}
 
 
-def solver_example(problem: Problem, rng: random.Random) -> tuple[Messages, str]:
+def solver_example(
+    problem: Problem, rng: random.Random, boxed_share: float = BOXED_SHARE
+) -> tuple[Messages, str]:
     from services.workflow import prompts
 
-    return prompts.solver(problem), _answer_text(int(problem.answer), rng)
+    return prompts.solver(problem), _answer_text(int(problem.answer), rng, boxed_share)
 
 
-def aggregator_example(problem: Problem, rng: random.Random) -> tuple[Messages, str]:
+def aggregator_example(
+    problem: Problem, rng: random.Random, boxed_share: float = BOXED_SHARE
+) -> tuple[Messages, str]:
     from services.workflow import prompts
 
     answer = int(problem.answer)
     candidates = [
-        _answer_text(answer if rng.random() < 0.4 else max(0, answer + rng.randint(-3, 3)), rng)
+        _answer_text(
+            answer if rng.random() < 0.4 else max(0, answer + rng.randint(-3, 3)), rng, boxed_share
+        )
         for _ in range(3)
     ]
-    return prompts.aggregator(problem, candidates), _answer_text(answer, rng)
+    return prompts.aggregator(problem, candidates), _answer_text(answer, rng, boxed_share)
 
 
 def prepare_demo_model(cache_root: Path, seed: int = 0, log: Callable[[str], None] = print) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     warm_start(
         model,
         tok,
-        [solver_example, aggregator_example],
+        # always boxed: rewards then vary within a group (0 or 1), so every step
+        # carries a GRPO signal; the demo's format lesson is not what these tests check
+        [partial(solver_example, boxed_share=1.0), partial(aggregator_example, boxed_share=1.0)],
         train,
         seed=0,
         target_accuracy=0.1,

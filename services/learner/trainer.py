@@ -31,7 +31,7 @@ from marl.data import load_problems
 from marl.data.problem import Problem
 from marl.model_id import base_model_id
 from marl.rollout import AdapterRef, Rollout, Task
-from marl.v1 import common_pb2, inference_pb2_grpc
+from marl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from marl.workflows import policy_of_role
 from services.learner import checkpoint
 from services.learner.runs import RunStore
@@ -43,6 +43,7 @@ PUSH_DEADLINE_S = 300.0
 REPLICA_WAIT_S = 300.0
 SYNC_INTERVAL_S = 1.0
 SYNC_RETRY_S = 5.0
+RELEASE_DEADLINE_S = 30.0
 
 
 class RunCancelled(Exception):
@@ -137,6 +138,7 @@ class RunExecutor:
                 task.cancel()
             await asyncio.gather(*pushes, return_exceptions=True)
             await replicas.retire_current(self.r, [self.adapter_name(p) for p in self.current])
+            await self.release_adapters()
 
     async def train(self) -> None:
         from services.learner.policy import MultiAdapterPolicy
@@ -368,6 +370,33 @@ class RunExecutor:
                 ) from None
         self._acked.add((rid, p, pub.version))
         await self.r.hset(f"marl:run:{self.run_id}:acks", f"{rid}/{p}@{pub.version}", time.time())
+
+    async def release_adapters(self) -> None:
+        """Unload this run's adapters from every live replica once the run is over (the
+        checkpoints keep them), so a long-lived cluster does not grow with every run. A
+        replica that cannot be reached is only logged: its memory dies with it."""
+        names = {self.adapter_name(p) for p in self.policy_names}
+        live = await replicas.live(self.r, "inference", include_joining=True)
+
+        async def release(rid: str, address: str) -> None:
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = inference_pb2_grpc.InferenceStub(channel)
+                try:
+                    listed = await stub.ListAdapters(
+                        inference_pb2.ListAdaptersRequest(), timeout=RELEASE_DEADLINE_S
+                    )
+                    for loaded in listed.adapters:
+                        if loaded.ref.name in names:
+                            await stub.UnloadAdapter(
+                                inference_pb2.UnloadAdapterRequest(ref=loaded.ref),
+                                timeout=RELEASE_DEADLINE_S,
+                            )
+                except grpc.aio.AioRpcError as err:
+                    if err.code() != grpc.StatusCode.NOT_FOUND:
+                        log.warning("could not release %s's adapters on %s: %s",
+                                    self.run_id, rid, err.details())
+
+        await asyncio.gather(*(release(rid, info["address"]) for rid, info in live.items()))
 
     async def sync_replicas(self) -> None:
         """Keep the published versions fresh and push them to every live replica that has

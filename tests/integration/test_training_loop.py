@@ -97,6 +97,13 @@ def test_two_steps_end_to_end(
                     "version": step - 1,
                 }
 
+    # a finished run's adapters are unloaded from the replicas (its checkpoints keep them)
+    inference = inference_pb2_grpc.InferenceStub(
+        grpc.insecure_channel(cluster.endpoints()["inference"][0])
+    )
+    listed = inference.ListAdapters(inference_pb2.ListAdaptersRequest(), timeout=10).adapters
+    assert not [a.ref.name for a in listed if a.ref.name.startswith(f"{run.run_id}/")]
+
     # the learner trained something: step-1 adapters are not the zero-B version 0
     for p in policies:
         weights = load_file(str(out / "checkpoints" / "step_000001" / f"adapter_{p}.safetensors"))
