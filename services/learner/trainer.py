@@ -54,6 +54,14 @@ class RunFailed(Exception):
     """A run cannot go on; the message is for the user."""
 
 
+class ReplicaUnreachable(RunFailed):
+    """A replica could not be reached (it died or is restarting): the step goes on as long
+    as another replica took the adapter."""
+
+
+UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
 @dataclass
 class Published:
     """The current version of one adapter, kept so replicas that join later get these bytes."""
@@ -321,14 +329,27 @@ class RunExecutor:
         self.current = current
         await self.publish()
         targets = await self.replicas()
-        await asyncio.gather(
+        results = await asyncio.gather(
             *(
                 self._push_to(rid, info["address"], p)
                 for rid, info in targets.items()
                 for p in self.policy_names
                 if (rid, p, self.versions[p]) not in self._acked
-            )
+            ),
+            return_exceptions=True,
         )
+        unreachable = []
+        for result in results:
+            if isinstance(result, ReplicaUnreachable):
+                unreachable.append(str(result))
+            elif isinstance(result, BaseException):
+                raise result
+        for p in self.policy_names:
+            if not any((rid, p, self.versions[p]) in self._acked for rid in targets):
+                raise RunFailed(
+                    f"no inference replica took {self.adapter_name(p)}@{self.versions[p]}: "
+                    + "; ".join(unreachable)
+                )
 
     async def publish(self) -> None:
         """Record (or refresh) the current versions in Redis; serialised so that a refresh
@@ -364,9 +385,14 @@ class RunExecutor:
                     adapter_io.chunks(pub.manifest, pub.payload), timeout=PUSH_DEADLINE_S
                 )
             except grpc.aio.AioRpcError as err:
+                ref = f"{self.adapter_name(p)}@{pub.version}"
+                if err.code() in UNREACHABLE:
+                    raise ReplicaUnreachable(
+                        f"inference replica {rid} ({address}) unreachable for {ref}: "
+                        f"{err.details()}"
+                    ) from None
                 raise RunFailed(
-                    f"inference replica {rid} ({address}) refused adapter "
-                    f"{self.adapter_name(p)}@{pub.version}: {err.details()}"
+                    f"inference replica {rid} ({address}) refused adapter {ref}: {err.details()}"
                 ) from None
         self._acked.add((rid, p, pub.version))
         await self.r.hset(f"marl:run:{self.run_id}:acks", f"{rid}/{p}@{pub.version}", time.time())
