@@ -164,7 +164,8 @@ def test_twenty_versions_under_load(tiny_model_dir: Path, tmp_path: Path) -> Non
         workflow_replicas=0,
         sandbox_replicas=0,
         learner=False,
-        threads={"inference": 1},  # two OpenMP threads on a busy 2-core box spin for seconds
+        # one engine thread: RSS then tracks adapters, not per-thread allocator arenas
+        threads={"inference": 1},
     )
     cluster.start()
     try:

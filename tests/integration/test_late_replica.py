@@ -15,41 +15,16 @@ from typing import Any
 import grpc
 import pytest
 import redis
-import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from replica_runs import small_run_spec, submit, wait_for
 
 from marl import replicas
 from marl.launcher import Cluster
-from marl.v1 import inference_pb2, inference_pb2_grpc, learner_pb2, learner_pb2_grpc
+from marl.v1 import inference_pb2, inference_pb2_grpc, learner_pb2
 
 pytestmark = pytest.mark.timeout(600)  # the session's tiny model may be built first
 
 POLICIES = ("generator", "aggregator")
-
-
-def long_spec(model_dir: Path, out_dir: Path) -> dict[str, Any]:
-    return {
-        "name": "it-late",
-        "workflow": "voting",
-        "policy": "isolated",  # two adapters: both must be synced
-        "out_dir": str(out_dir),
-        "model": {"path": str(model_dir)},
-        "lora": {"rank": 4, "alpha": 8},
-        "optim": {"lr": 1e-2, "warmup_steps": 0},
-        "grpo": {"group_size": 2},
-        "caps": {"voting_candidates": 1},
-        "train": {
-            "steps": 200,  # cancelled long before
-            "problems_per_step": 2,
-            "val_interval": 1000,
-            "val_problems": 2,
-            "checkpoint_interval": 1000,
-            "rollouts_logged": 0,
-            "step_timeout_s": 120,
-        },
-        "sampling": {"temperature": 2.0, "max_tokens": 4},
-        "data": {"train": "arithmetic", "val": "arithmetic"},
-    }
 
 
 def current_versions(r: redis.Redis, run_id: str) -> dict[str, int]:
@@ -60,16 +35,6 @@ def current_versions(r: redis.Redis, run_id: str) -> dict[str, int]:
         if json.loads(raw)["run_id"] == run_id:
             out[name.split("/", 1)[1]] = int(json.loads(raw)["version"])
     return out
-
-
-def wait_for(predicate: Any, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
 def health_status(stub: health_pb2_grpc.HealthStub) -> int | None:
@@ -86,18 +51,14 @@ def test_late_replica_serves_only_with_current_adapters(
         tmp_path / "cluster",
         str(tiny_model_dir),
         sandbox_replicas=0,
-        # three torch processes on a 2-core box: more OpenMP threads only spin
-        threads={"inference": 1, "learner": 1, "workflow": 1},
     )
     cluster.start()
     try:
         assert cluster.redis_url is not None
         r = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
-        learner = learner_pb2_grpc.LearnerStub(
-            grpc.insecure_channel(cluster.endpoints()["learner"])
-        )
-        spec = yaml.safe_dump(long_spec(tiny_model_dir, tmp_path / "run"))
-        run_id = learner.SubmitRun(learner_pb2.SubmitRunRequest(spec_yaml=spec), timeout=60).run_id
+        # two adapters (isolated), both to be synced; cancelled long before step 200
+        spec = small_run_spec(tiny_model_dir, tmp_path / "run", "it-late", "isolated", steps=200)
+        learner, run_id = submit(cluster, spec)
 
         # the late replica misses at least the initial push and the first step's
         missed = wait_for(

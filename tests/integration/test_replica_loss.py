@@ -7,46 +7,19 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 import redis
-import yaml
+from replica_runs import small_run_spec, submit, wait_for
 
 from marl.launcher import Cluster
-from marl.v1 import learner_pb2, learner_pb2_grpc
+from marl.v1 import learner_pb2
 
 pytestmark = pytest.mark.timeout(600)  # the session's tiny model may be built first
 
 STEPS = 8
-
-
-def spec(model_dir: Path, out_dir: Path) -> dict[str, Any]:
-    return {
-        "name": "it-replica-loss",
-        "workflow": "voting",
-        "policy": "shared",
-        "out_dir": str(out_dir),
-        "model": {"path": str(model_dir)},
-        "lora": {"rank": 4, "alpha": 8},
-        "optim": {"lr": 1e-2, "warmup_steps": 0},
-        "grpo": {"group_size": 2},
-        "caps": {"voting_candidates": 1},
-        "train": {
-            "steps": STEPS,
-            "problems_per_step": 2,
-            "val_interval": 1000,
-            "val_problems": 2,
-            "checkpoint_interval": 1000,
-            "rollouts_logged": 0,
-            "step_timeout_s": 120,
-        },
-        "sampling": {"temperature": 2.0, "max_tokens": 4},
-        "data": {"train": "arithmetic", "val": "arithmetic"},
-    }
 
 
 def steps_done(metrics: Path) -> int:
@@ -63,24 +36,15 @@ def test_run_survives_the_loss_of_one_inference_replica(
         str(tiny_model_dir),
         inference_replicas=2,
         sandbox_replicas=0,
-        threads={"inference": 1, "learner": 1, "workflow": 1},
     )
     cluster.start()
     try:
         assert cluster.redis_url is not None
         r = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
-        learner = learner_pb2_grpc.LearnerStub(
-            grpc.insecure_channel(cluster.endpoints()["learner"])
-        )
         out = tmp_path / "run"
-        run_id = learner.SubmitRun(
-            learner_pb2.SubmitRunRequest(spec_yaml=yaml.safe_dump(spec(tiny_model_dir, out))),
-            timeout=60,
-        ).run_id
-        deadline = time.monotonic() + 300
-        while steps_done(out / "metrics.jsonl") < 2:
-            assert time.monotonic() < deadline, "the run did not reach step 2"
-            time.sleep(0.1)
+        spec = small_run_spec(tiny_model_dir, out, "it-replica-loss", "shared", steps=STEPS)
+        learner, run_id = submit(cluster, spec)
+        wait_for(lambda: steps_done(out / "metrics.jsonl") >= 2, 300, "the run to reach step 2")
 
         victim = [p for p in cluster.processes if p.kind == "inference"][0]
         victim.proc.send_signal(signal.SIGKILL)  # no goodbye: its registry entry stays behind
