@@ -97,8 +97,9 @@ class SandboxServer:
             time.sleep(0.05)
         return last
 
-    def leftovers(self, timeout: float = 3.0) -> tuple[list[int], list[str]]:
-        """Processes beyond the idle set and files in the scratch root, after settling."""
+    def leftovers(self, timeout: float = 10.0) -> tuple[list[int], list[str]]:
+        """Processes beyond the idle set and files in the scratch root, after settling (jails
+        killed by a cancel take seconds to be reaped when the suite loads both cores)."""
         deadline = time.monotonic() + timeout
         while True:
             pids = self.pids()
