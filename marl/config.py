@@ -7,13 +7,23 @@ resolved spec is written next to the run's outputs as `run.yaml`.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-WorkflowName = Literal["single", "voting", "eval_opt", "orch_workers"]
+BUILTIN_WORKFLOWS = ("single", "voting", "eval_opt", "orch_workers")
+"""The workflows marl ships (`marl/workflows/`); a spec may instead name `module:VALUE`."""
+_USER_WORKFLOW = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_]\w*$")
 EngineName = Literal["auto", "vllm", "transformers"]
 
 
@@ -32,6 +42,8 @@ class ModelSpec(_Spec):
     """Parameter dtype of the frozen base model in learner and inference."""
     chat_template: bool = True
     """Render role prompts with the tokenizer's chat template (plain text if it has none)."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Passed to the tokenizer's chat template, e.g. `{enable_thinking: false}` for Qwen3."""
 
 
 class LoraSpec(_Spec):
@@ -69,12 +81,30 @@ class GRPOSpec(_Spec):
     """PPO ratio clip above 1 (clip-higher)."""
     epochs: int = Field(1, ge=1)
     """PPO epochs per step."""
-    mini_batch_problems: int = Field(64, ge=1)
-    """Problems per PPO mini-batch (all their rollouts go together)."""
+    mini_batch_size: int = Field(64, ge=1)
+    """Role-turn sequences of one adapter per PPO mini-batch (Table 7: 64), one optimizer
+    step each: an adapter serving more turns per step (Voting's 3 generators under IP)
+    takes more steps, every one after its first off-policy (paper §5.1)."""
+    loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "seq_mean_token_mean"
+    """Loss aggregation within a mini-batch, as verl names it: `token_mean` averages over
+    all its tokens; `seq_mean_token_mean` averages each sequence's token-mean. Table 7
+    says "sequence-mean, token-mean", read here as verl's seq-mean-token-mean (it could
+    also list two modes); token_mean weighs long turns more."""
     micro_batch_sequences: int = Field(64, ge=1)
     """Role turns per forward/backward; memory only, no effect on the math."""
     normalize_std: bool = True
     """Divide group-relative advantages by the group's std (GRPO); False = Dr. GRPO."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "mini_batch_problems" in data:
+            raise ValueError(
+                "grpo.mini_batch_problems was replaced by grpo.mini_batch_size, which counts "
+                "role-turn sequences of one adapter (e.g. 4 problems x 8 rollouts x 4 Voting "
+                "turns = mini_batch_size 128)"
+            )
+        return data
 
 
 class TrainSpec(_Spec):
@@ -88,6 +118,8 @@ class TrainSpec(_Spec):
     """Validation problems per evaluation (capped by the validation set's size)."""
     checkpoint_interval: int = Field(5, ge=1)
     """Checkpoint every this many steps."""
+    checkpoints_kept: int = Field(3, ge=1)
+    """Step checkpoints kept on disk (the newest); `checkpoints/best` is kept besides."""
     step_timeout_s: float = Field(1800.0, gt=0)
     """A step whose rollouts do not all arrive in time fails the run."""
     rollouts_logged: int = Field(8, ge=0)
@@ -114,6 +146,11 @@ class WorkflowCaps(_Spec):
     """Generators in Voting."""
     orch_workers: int = Field(3, ge=1)
     """Workers in Orch-Workers."""
+    prompt_tokens_math: int = Field(0, ge=0)
+    """A role prompt longer than this fails its episode; 0 = the paper's cap for the
+    workflow (Eval-Opt 30720, others 20480)."""
+    prompt_tokens_code: int = Field(0, ge=0)
+    """As `prompt_tokens_math`, on code; 0 = the paper's 10240."""
 
 
 class DataSpec(_Spec):
@@ -140,6 +177,63 @@ class RewardSpec(_Spec):
     """Time limit for one equivalence check."""
 
 
+AlarmKind = Literal["gradient_amplification", "sp_role_capture", "entropy_collapse", "accuracy_cliff"]
+GuardAction = Literal["warn", "stop"]
+
+
+class AlarmSpec(_Spec):
+    """Thresholds of the role drift alarms (marl/diagnostics/alarms.py; paper §4-5, §A.6.2)."""
+
+    min_points: int = Field(3, ge=1)
+    """A role's series fires only once it has this many logged values (first ones are noisy)."""
+    amplification_ratio: float = Field(3.0, gt=1)
+    """gradient_amplification: a role's χ² or perplexity over its first logged value reaches this..."""
+    amplification_margin: float = Field(2.0, ge=1)
+    """...and this many times every other role's ratio of the same signal (Fig. 6a's shape)."""
+    capture_length_ratio: float = Field(2.0, gt=1)
+    """sp_role_capture: a role's median length over its first value reaches this while it
+    closes the gap to a longer role."""
+    capture_terse_drop: float = Field(0.3, gt=0, le=1)
+    """sp_role_capture: the aggregator's terse rate falls this far below its first value."""
+    capture_fence_rise: float = Field(0.3, gt=0, le=1)
+    """sp_role_capture: the evaluator's python-code-fence rate rises this far above its first value."""
+    capture_share_rise: float = Field(0.2, gt=0, le=1)
+    """sp_role_capture (shared adapters only): a role's gradient-mass share rises this far
+    above its first value and past one half."""
+    entropy_drop: float = Field(0.5, gt=0, lt=1)
+    """entropy_collapse: a role's token entropy falls below (1 - this) times its first value."""
+    cliff_drop: float = Field(0.1, gt=0, le=1)
+    """accuracy_cliff: validation accuracy falls this far (absolute) below its best so far."""
+
+
+class GuardSpec(_Spec):
+    """What a fired alarm does to the run."""
+
+    on_alarm: dict[AlarmKind, GuardAction] = Field(default_factory=dict)
+    """Alarm kind -> warn (logged in metrics.jsonl `alarms`) | stop (the run ends FAILED,
+    its error naming the alarm); kinds not named warn."""
+
+
+class WandbSpec(_Spec):
+    """A Weights & Biases run mirroring metrics.jsonl (needs `pip install marl[wandb]`)."""
+
+    project: str = Field(min_length=1)
+    """W&B project name."""
+    entity: str | None = None
+    """W&B team or user; None: the logged-in default."""
+    mode: Literal["online", "offline"] = "offline"
+    """offline writes the run under RUN_DIR/wandb for a later `wandb sync`."""
+
+
+class LoggingSpec(_Spec):
+    """Where a run's metrics go besides metrics.jsonl."""
+
+    tensorboard: bool = True
+    """TensorBoard event files in RUN_DIR/tensorboard (`tensorboard --logdir RUN_DIR`)."""
+    wandb: WandbSpec | None = None
+    """Set to mirror every logged step to Weights & Biases."""
+
+
 class RunSpec(_Spec):
     """A training run: what to train, on what, and how."""
 
@@ -147,8 +241,9 @@ class RunSpec(_Spec):
     """Run name; the run id is `<name>-<random>`."""
     seed: int = 0
     """Seed for data order, splits and sampling."""
-    workflow: WorkflowName = "voting"
-    """Workflow topology."""
+    workflow: str = "voting"
+    """Workflow: single, voting, eval_opt, orch_workers, or `module:VALUE` naming a
+    `marl.workflows.Workflow` importable on the workers' Python path."""
     policy: Literal["shared", "isolated"] = "shared"
     """Shared-Policy (one adapter for all roles) or Isolated-Policy (one per role type)."""
     policy_groups: dict[str, str] | None = None
@@ -166,6 +261,19 @@ class RunSpec(_Spec):
     caps: WorkflowCaps = WorkflowCaps()
     data: DataSpec = DataSpec()
     reward: RewardSpec = RewardSpec()
+    alarms: AlarmSpec = AlarmSpec()
+    guard: GuardSpec = GuardSpec()
+    logging: LoggingSpec = LoggingSpec()
+
+    @field_validator("workflow")
+    @classmethod
+    def _workflow_name(cls, value: str) -> str:
+        if value not in BUILTIN_WORKFLOWS and not _USER_WORKFLOW.match(value):
+            raise ValueError(
+                f"choose one of {', '.join(BUILTIN_WORKFLOWS)}, or name your own as "
+                "`package.module:VALUE`"
+            )
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> RunSpec:

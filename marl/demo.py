@@ -18,7 +18,7 @@ DEMO_SPEC: dict[str, Any] = {
     "engine": "transformers",
     "lora": {"rank": 16, "alpha": 32},
     "optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "constant"},
-    "grpo": {"group_size": 8, "mini_batch_problems": 4, "micro_batch_sequences": 128},
+    "grpo": {"group_size": 8, "mini_batch_size": 128, "micro_batch_sequences": 128},
     "train": {
         "steps": 40,
         "problems_per_step": 16,
@@ -33,11 +33,10 @@ DEMO_SPEC: dict[str, Any] = {
 """The paper's defaults scaled to a 0.5M-parameter model on 2 cores."""
 
 
-def demo_model(seed: int = 0) -> Path:
-    from marl.cli import _cache_root
-    from marl.demo_model import prepare_demo_model
+def demo_model() -> Path:
+    from marl.demo_model import demo_model_dir
 
-    return prepare_demo_model(_cache_root(), seed=seed)
+    return demo_model_dir()
 
 
 def run_demo(out: str | None, steps: int | None, overrides: list[str]) -> int:
@@ -66,7 +65,7 @@ def run_demo(out: str | None, steps: int | None, overrides: list[str]) -> int:
             "(.venv-vllm/bin/marl demo engine=vllm), or use engine=transformers"
         )
     if "model.path" not in " ".join(overrides):
-        spec.model.path = str(demo_model(spec.seed))
+        spec.model.path = str(demo_model())
     spec.out_dir = str(out_dir)
     print(
         f"marl demo: {spec.workflow} workflow, {spec.policy} policy, {engine} engine, "
@@ -100,11 +99,14 @@ def run_demo(out: str | None, steps: int | None, overrides: list[str]) -> int:
         print(f"run ended {state}: {run.error}\nlogs: {out_dir / 'cluster' / 'logs'}")
         return 1
     summary = summarize(out_dir / "metrics.jsonl")
-    print(
-        f"validation accuracy: step 0 {summary['val_first']:.3f} -> step {summary['last_step']} "
-        f"{summary['val_last']:.3f} ({summary['val_last'] - summary['val_first']:+.3f}) "
-        f"in {time.monotonic() - started:.0f}s"
-    )
+    for key, label in (("accuracy", "validation accuracy"), ("any_format", "any-format accuracy")):
+        first, last = summary[f"{key}_first"], summary[f"{key}_last"]
+        if first is not None and last is not None:
+            print(
+                f"{label}: step 0 {first:.3f} -> step {summary['last_step']} {last:.3f} "
+                f"({last - first:+.3f})"
+            )
+    print(f"finished in {time.monotonic() - started:.0f}s")
     print(f"metrics: {out_dir / 'metrics.jsonl'}")
     return 0
 
@@ -113,8 +115,10 @@ def summarize(metrics_path: Path) -> dict[str, Any]:
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     vals = [r for r in rows if "val/accuracy" in r]
     return {
-        "val_first": vals[0]["val/accuracy"],
-        "val_last": vals[-1]["val/accuracy"],
+        "accuracy_first": vals[0]["val/accuracy"],
+        "accuracy_last": vals[-1]["val/accuracy"],
+        "any_format_first": vals[0].get("val/any_format_correct"),
+        "any_format_last": vals[-1].get("val/any_format_correct"),
         "last_step": rows[-1]["step"],
         "rows": rows,
     }

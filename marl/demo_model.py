@@ -17,7 +17,6 @@ cached by a hash of everything that shapes it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import re
@@ -34,8 +33,21 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 from marl.data import arithmetic
 from marl.data.problem import Problem
 
-BUILDER_VERSION = "4"
+BUILDER_VERSION = "5"
 BOXED_SHARE = 0.5
+WARM_START_STEPS = 700
+WARM_START_SEED = 0
+SHIPPED_DIR = Path(__file__).resolve().parent / "assets" / "demo-model"
+EXTRA_WORDS = (
+    "a an and answer answers are as at based be best by can candidate candidates check "
+    "combine correct critique does each error evaluate evaluator feedback final find first "
+    "for from give given if in incorrect is it its mistake no not of on one or orchestrator "
+    "outputs plan previous problem reply result review revise revised short solution solve "
+    "state step steps subtask synthesizer task that the then this to verdict whether with "
+    "worker workers write wrong yes you your"
+).split()
+"""Words later prompts (Eval-Opt, Orch-Workers, user workflows) are likely to use; each
+also gets a capitalised form."""
 PLAIN_ANSWER = "The answer is {}"
 SPECIALS = ["<pad>", "<unk>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>"]
 SPLIT_PATTERN = r"\\boxed\{|\d|[A-Za-z]+|[^\sA-Za-z\d]"
@@ -50,7 +62,8 @@ ExampleBuilder = Callable[[Problem, random.Random], tuple[Messages, str]]
 
 def build_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
     """Word-level tokenizer; whitespace is dropped and decoding concatenates tokens."""
-    words = sorted({w for t in texts for w in re.findall(r"[A-Za-z]+", t)})
+    found = {w for t in texts for w in re.findall(r"[A-Za-z]+", t)}
+    words = sorted(found | {w.capitalize() for w in found if w.islower()})
     punct = [c for c in string.punctuation]
     vocab_list = SPECIALS + list(string.digits) + punct + ["\\boxed{"] + words
     vocab = {tok: i for i, tok in enumerate(dict.fromkeys(vocab_list))}
@@ -110,20 +123,20 @@ def _answer_text(value: int, rng: random.Random, boxed_share: float) -> str:
 
 
 @torch.no_grad()
-def greedy_accuracy(
+def greedy_texts(
     model: Qwen3ForCausalLM,
     tokenizer: PreTrainedTokenizerFast,
-    examples: list[tuple[Messages, str]],
+    conversations: list[Messages],
     max_new_tokens: int = 8,
-) -> float:
-    """Share of examples whose last integer in the greedy output is the target's, in any format."""
+) -> list[str]:
+    """The model's greedy completion of each conversation (one left-padded batch)."""
     model.eval()
     prompts = [
         tokenizer.encode(
             str(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False)),
             add_special_tokens=False,
         )
-        for m, _ in examples
+        for m in conversations
     ]
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
@@ -138,12 +151,49 @@ def greedy_accuracy(
         do_sample=False,
         pad_token_id=tokenizer.pad_token_id,
     )
-    texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    model.train()
+    return list(tokenizer.batch_decode(out[:, width:], skip_special_tokens=True))
+
+
+def greedy_accuracy(
+    model: Qwen3ForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    examples: list[tuple[Messages, str]],
+    max_new_tokens: int = 8,
+) -> float:
+    """Share of examples whose last integer in the greedy output is the target's, in any format."""
+    texts = greedy_texts(model, tokenizer, [m for m, _ in examples], max_new_tokens)
     right = 0
     for text, (_, target) in zip(texts, examples, strict=True):
         right += int(_last_integer(text) == _last_integer(target))
-    model.train()
     return right / len(examples)
+
+
+def validation_behaviour(
+    model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast
+) -> dict[str, float]:
+    """Greedy answers on the demo's 200 validation problems, as the generator and as an
+    aggregator shown three copies of the generator's answer: the untrained workflow."""
+    from marl.rewards.math import last_boxed
+    from marl.workflows import prompts
+
+    _, val = arithmetic.split(WARM_START_SEED)
+    generated = greedy_texts(model, tokenizer, [prompts.generator(p) for p in val])
+    aggregated = greedy_texts(
+        model,
+        tokenizer,
+        [prompts.aggregator(p, [t] * 3) for p, t in zip(val, generated, strict=True)],
+    )
+    out: dict[str, float] = {}
+    for role, texts in (("generator", generated), ("aggregator", aggregated)):
+        boxed = [(last_boxed(t) or "").strip() for t in texts]
+        out[f"{role}_boxed_accuracy"] = sum(
+            b == p.answer for b, p in zip(boxed, val, strict=True)
+        ) / len(val)
+        out[f"{role}_any_format_accuracy"] = sum(
+            _last_integer(t) == p.answer for t, p in zip(texts, val, strict=True)
+        ) / len(val)
+    return out
 
 
 def warm_start(
@@ -152,13 +202,14 @@ def warm_start(
     builders: list[ExampleBuilder],
     problems: list[Problem],
     seed: int,
-    target_accuracy: float = 0.35,
+    target_accuracy: float | None = 0.35,
     lr: float = 3e-3,
     batch_size: int = 64,
     max_steps: int = 3000,
     log: Callable[[str], None] = print,
 ) -> dict[str, float]:
-    """Full-parameter SFT on answer tokens; stop once greedy train accuracy >= target."""
+    """Full-parameter SFT on answer tokens; stop once greedy train accuracy >= target
+    (None: run exactly `max_steps`)."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -187,7 +238,7 @@ def warm_start(
             log(
                 f"warm start step {step}: loss {loss.item():.3f}, greedy train accuracy {accuracy:.2f}"
             )
-            if accuracy >= target_accuracy:
+            if target_accuracy is not None and accuracy >= target_accuracy:
                 break
     model.eval()
     return {"steps": step, "train_accuracy": accuracy, "seconds": time.monotonic() - start}
@@ -196,15 +247,15 @@ def warm_start(
 def solver_example(
     problem: Problem, rng: random.Random, boxed_share: float = BOXED_SHARE
 ) -> tuple[Messages, str]:
-    from services.workflow import prompts
+    from marl.workflows import prompts
 
-    return prompts.solver(problem), _answer_text(int(problem.answer), rng, boxed_share)
+    return prompts.generator(problem), _answer_text(int(problem.answer), rng, boxed_share)
 
 
 def aggregator_example(
     problem: Problem, rng: random.Random, boxed_share: float = BOXED_SHARE
 ) -> tuple[Messages, str]:
-    from services.workflow import prompts
+    from marl.workflows import prompts
 
     answer = int(problem.answer)
     candidates = [
@@ -216,27 +267,59 @@ def aggregator_example(
     return prompts.aggregator(problem, candidates), _answer_text(answer, rng, boxed_share)
 
 
-def prepare_demo_model(cache_root: Path, seed: int = 0, log: Callable[[str], None] = print) -> Path:
-    """Build (or reuse) the warm-started demo model; returns its directory."""
-    from services.workflow import prompts
+def vocabulary_texts() -> list[str]:
+    """Every fixed word the demo tokenizer knows: the roles' template words, the plain
+    answer, and `EXTRA_WORDS` so that later prompts mostly stay off `<unk>`."""
+    from marl.workflows import prompts
 
-    texts = [prompts.ALL_TEMPLATE_TEXT, PLAIN_ANSWER, *(p.prompt for p in arithmetic.split(seed)[0][:50])]
-    key = hashlib.sha256(
-        json.dumps([BUILDER_VERSION, seed, texts, SPLIT_PATTERN, CHAT_TEMPLATE]).encode()
-    ).hexdigest()[:12]
-    out = cache_root / f"demo-qwen3-tiny-{key}"
-    if (out / "model.safetensors").exists():
-        log(f"demo model: cached at {out}")
-        return out
-    log("demo model: building a tiny Qwen3 and warm-starting it on arithmetic")
-    tokenizer = build_tokenizer(texts)
-    model = build_model(tokenizer, seed)
-    train, _ = arithmetic.split(seed)
-    stats = warm_start(model, tokenizer, [solver_example, aggregator_example], train, seed, log=log)
-    tmp = out.with_name(out.name + ".tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "warm_start.json").write_text(json.dumps(stats))
-    tmp.rename(out)
-    log(f"demo model: ready at {out} ({stats['seconds']:.0f}s warm start)")
-    return out
+    return [prompts.ALL_TEMPLATE_TEXT, PLAIN_ANSWER, "What is", " ".join(EXTRA_WORDS)]
+
+
+def build_demo_model(out: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Build the demo model into `out` the same way on every run of this machine.
+
+    One thread, deterministic kernels and a fixed number of SFT steps (no stop rule
+    that depends on the arithmetic of the machine). Another machine may still round
+    differently, which is why the result ships with marl instead of being rebuilt.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    try:
+        tokenizer = build_tokenizer(vocabulary_texts())
+        model = build_model(tokenizer, WARM_START_SEED)
+        train, _ = arithmetic.split(WARM_START_SEED)
+        stats = warm_start(
+            model,
+            tokenizer,
+            [solver_example, aggregator_example],
+            train,
+            WARM_START_SEED,
+            target_accuracy=None,
+            max_steps=WARM_START_STEPS,
+            log=log,
+        )
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.set_num_threads(threads)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    info = {
+        "builder_version": BUILDER_VERSION,
+        "boxed_share": BOXED_SHARE,
+        **stats,
+        "validation": validation_behaviour(model, tokenizer),
+    }
+    (out / "warm_start.json").write_text(json.dumps(info, indent=1) + "\n")
+    return info
+
+
+def demo_model_dir() -> Path:
+    """The demo model that ships inside the marl package (`scripts/build_demo_model.py`)."""
+    if not (SHIPPED_DIR / "model.safetensors").exists():
+        raise FileNotFoundError(
+            f"the demo model is missing from {SHIPPED_DIR}; rebuild it with "
+            "`python scripts/build_demo_model.py`"
+        )
+    return SHIPPED_DIR

@@ -2,7 +2,9 @@
 
 Used by `marl demo`, `marl up` and the integration tests: a private Redis (or
 the one given), then inference, sandbox, workflow and learner processes, each
-waited on until its health check reports SERVING.
+waited on until its health check reports SERVING. Inference and sandbox also get
+an HTTP port (OpenAI `/v1`, SandboxFusion `/run_code`), listed in endpoints.json
+as `inference_http` and `sandbox_http`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from typing import Any
 from marl.redis_server import PrivateRedis, die_with_parent, free_port
 from marl.serving import wait_healthy
 
+HTTP_SERVICES = ("inference", "sandbox", "workflow", "learner")
+"""Services started with an HTTP port too (OpenAI /v1, SandboxFusion /run_code; every
+one's Prometheus /metrics)."""
+
 
 @dataclass
 class Process:
@@ -28,6 +34,8 @@ class Process:
     address: str
     proc: subprocess.Popen[bytes]
     log_path: Path
+    http_address: str | None = None
+    """HTTP front end (inference: OpenAI /v1; sandbox: SandboxFusion /run_code)."""
 
 
 @dataclass
@@ -49,6 +57,9 @@ class Cluster:
 
     def _spawn(self, kind: str, extra: list[str]) -> Process:
         port = free_port()
+        http_port = free_port() if kind in HTTP_SERVICES else None
+        if http_port is not None:
+            extra = [*extra, "--http-port", str(http_port)]
         logs = self.workdir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         n = sum(p.kind == kind for p in self.processes)
@@ -76,7 +87,8 @@ class Cluster:
                 start_new_session=True,
                 preexec_fn=die_with_parent,
             )
-        p = Process(kind, f"127.0.0.1:{port}", proc, log_path)
+        http = None if http_port is None else f"127.0.0.1:{http_port}"
+        p = Process(kind, f"127.0.0.1:{port}", proc, log_path, http)
         self.processes.append(p)
         return p
 
@@ -140,6 +152,14 @@ class Cluster:
             "inference": of("inference"),
             "sandbox": of("sandbox"),
             "workflow": of("workflow"),
+            "inference_http": [p.http_address for p in self.processes
+                               if p.kind == "inference" and p.http_address],
+            "sandbox_http": [p.http_address for p in self.processes
+                             if p.kind == "sandbox" and p.http_address],
+            "workflow_http": [p.http_address for p in self.processes
+                              if p.kind == "workflow" and p.http_address],
+            "learner_http": [p.http_address for p in self.processes
+                             if p.kind == "learner" and p.http_address],
             "redis": self.redis_url,
             "pids": {
                 k: [p.proc.pid for p in self.processes if p.kind == k]

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from marl.data.problem import Problem
+
+if TYPE_CHECKING:
+    from marl.config import RunSpec
 
 Kind = Literal["train", "val"]
 
@@ -37,6 +40,12 @@ class Task:
     format_penalty: float = -0.1
     math_timeout_s: float = 5.0
     seed: int = 0
+    """The run's seed; each turn's sampling seed is derived from it and the task (see
+    `services/workflow/episode.py`), so a rerun samples the same tokens on the same engine."""
+    chat_template: bool = True
+    """`model.chat_template`: render prompts with the tokenizer's chat template."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """`model.chat_template_kwargs`, passed to the chat template (e.g. enable_thinking)."""
 
     @property
     def id(self) -> str:
@@ -45,6 +54,43 @@ class Task:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def for_spec(
+        cls,
+        spec: RunSpec,
+        run_id: str,
+        problem: Problem,
+        step: int,
+        kind: Kind,
+        sample: int,
+        adapters: dict[str, AdapterRef],
+    ) -> Task:
+        """The task a run's spec makes for one (problem, sample): everything a worker needs
+        from the spec travels in it (sampling, caps, reward settings, seed, chat template)."""
+        from marl.config import response_cap
+
+        return cls(
+            run_id=run_id,
+            step=step,
+            kind=kind,
+            problem=problem,
+            sample=sample,
+            workflow=spec.workflow,
+            adapters=adapters,
+            model_path=spec.model.path,
+            temperature=spec.sampling.temperature
+            if kind == "train"
+            else spec.sampling.val_temperature,
+            top_p=spec.sampling.top_p,
+            max_tokens=response_cap(spec),
+            caps=spec.caps.model_dump(),
+            format_penalty=spec.reward.format_penalty,
+            math_timeout_s=spec.reward.math_timeout_s,
+            seed=spec.seed,
+            chat_template=spec.model.chat_template,
+            chat_template_kwargs=dict(spec.model.chat_template_kwargs),
+        )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Task:
@@ -81,6 +127,10 @@ class Rollout:
     worker_id: str = ""
     seconds: float = 0.0
     error: str | None = None
+    """Set when the episode could not run (no replica, sandbox down): not a score."""
+    facts: dict[str, float] = field(default_factory=dict)
+    """Numbers the worker observed about the episode (workflow facts, scoring facts such as
+    `any_format_correct`); the learner logs each one's mean as `train/<fact>` and `val/<fact>`."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -90,3 +140,13 @@ class Rollout:
         d = dict(d)
         d["turns"] = [Turn(**{**t, "adapter": AdapterRef(**t["adapter"])}) for t in d["turns"]]
         return cls(**d)
+
+
+def mean_facts(rollouts: list[Rollout], prefix: str) -> dict[str, float]:
+    """`prefix/<fact>`: each fact's mean over the rollouts that report it (failed ones excluded)."""
+    sums: dict[str, list[float]] = {}
+    for r in rollouts:
+        if r.error is None:
+            for name, value in r.facts.items():
+                sums.setdefault(name, []).append(value)
+    return {f"{prefix}/{name}": sum(v) / len(v) for name, v in sorted(sums.items())}

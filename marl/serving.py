@@ -17,6 +17,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from marl.prometheus_metrics import GrpcMetrics
+
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -31,7 +33,7 @@ class ServiceHost:
     """One grpc.aio server with health and reflection for a set of services."""
 
     def __init__(self, service_names: Iterable[str], host: str = "127.0.0.1", port: int = 0):
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[GrpcMetrics()])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)

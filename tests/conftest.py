@@ -13,10 +13,20 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+TEST_MODELS = Path(__file__).resolve().parents[1] / ".cache" / "test-models"
+"""Built models are kept here (gitignored) between test runs, keyed by what shapes them:
+a suite run on a loaded machine then skips the warm start after its first run."""
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny Qwen3 (head_dim 32) + word-level tokenizer, taught the `\\boxed{}` format in
     a few SFT steps so rewards vary within a group (answers mostly still wrong)."""
+    import hashlib
+    import inspect
+    import shutil
+
+    import marl.demo_model
     from marl.data import arithmetic
     from marl.demo_model import (
         PLAIN_ANSWER,
@@ -26,8 +36,13 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         solver_example,
         warm_start,
     )
-    from services.workflow import prompts
+    from marl.workflows import prompts
 
+    shaped_by = inspect.getsource(marl.demo_model) + inspect.getsource(tiny_model_dir)
+    key = hashlib.sha256((shaped_by + prompts.ALL_TEMPLATE_TEXT).encode()).hexdigest()[:16]
+    cached = TEST_MODELS / f"tiny-qwen3-{key}"
+    if (cached / "model.safetensors").exists():
+        return cached
     out = tmp_path_factory.mktemp("tiny-qwen3")
     tok = build_tokenizer([prompts.ALL_TEMPLATE_TEXT, PLAIN_ANSWER, "What is"])
     model = build_model(tok, seed=0)
@@ -47,6 +62,13 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     model.save_pretrained(out)
     tok.save_pretrained(out)
+    TEST_MODELS.mkdir(parents=True, exist_ok=True)
+    staging = TEST_MODELS / f".{cached.name}.{os.getpid()}"
+    shutil.copytree(out, staging, dirs_exist_ok=True)
+    try:
+        staging.rename(cached)  # atomic: a half-copied model is never taken for a built one
+    except OSError:  # another run got there first
+        shutil.rmtree(staging, ignore_errors=True)
     return out
 
 

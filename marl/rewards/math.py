@@ -15,6 +15,7 @@ time limit holds from any thread and from asyncio code (`score_async`).
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Literal
 
 from marl.rewards.verifier_pool import get_pool
@@ -112,6 +113,27 @@ def score(
     if verdict == "unparsed":
         return format_penalty
     return 0.0
+
+
+def loose_answer(text: str) -> str | None:
+    """The answer a reader would take from `text` whatever its format: the last boxed
+    answer, else the last number written in it."""
+    boxed = last_boxed(text)
+    if boxed is not None and boxed.strip():
+        return boxed.strip()
+    numbers = re.findall(r"-?\d+(?:\.\d+)?(?:/\d+)?", text)
+    return numbers[-1] if numbers else None
+
+
+def any_format_correct(response: str, ground_truth: str, timeout_s: float = TIMEOUT_S) -> bool:
+    """Whether the response holds the right answer even where the format is wrong
+    (`The answer is 42` for 42): tells format learning apart from getting answers right."""
+    answer = loose_answer(response)
+    if answer is None:
+        return False
+    if answer == ground_truth.strip():
+        return True
+    return check(answer, ground_truth, timeout_s) == "correct"
 
 
 async def score_async(

@@ -3,6 +3,7 @@
 A replica reports SERVING only once it holds the current version of every adapter
 an active run uses (see `marl.replicas`): one that starts mid-run announces
 itself as joining, takes the learner's pushes, and only then takes requests.
+With an HTTP port, the same engine also answers OpenAI's `/v1` API (`openai_api`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import grpc
 import redis.asyncio as aioredis
 
 from marl import adapter_io, replicas, streams
+from marl.http_server import HttpServer
+from marl.prometheus_metrics import ADAPTER_VERSIONS
 from marl.serving import ServiceHost, configure_logging, serve_until_stopped
 from marl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.inference.adapters import (
@@ -47,6 +50,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
     def attach(self, engine: Engine, registry: AdapterRegistry) -> None:
         self._engine, self._registry = engine, registry
+
+    @property
+    def engine_or_none(self) -> Engine | None:
+        """The engine once attached (other front ends check before calling `engine`)."""
+        return self._engine
 
     @property
     def engine(self) -> Engine:
@@ -279,17 +287,32 @@ async def _serve(
     redis_url: str | None,
     retention: int,
     max_lora_rank: int,
+    http_port: int | None = None,
 ) -> None:
     service_name = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
     server = ServiceHost([service_name], host, port)
     replica_id = f"inference-{uuid.uuid4().hex[:8]}"
     service = InferenceService(replica_id)
     inference_pb2_grpc.add_InferenceServicer_to_server(service, server.server)
+    ADAPTER_VERSIONS.set_function(
+        lambda: 0 if service._registry is None else len(service._registry.all())
+    )
     redis_client = streams.connect(redis_url) if redis_url else None
     info: dict[str, Any] = {"address": server.address}
+    http = openai = None
+    if http_port is not None:  # OpenAI's /v1 API, served by the same engine and registry
+        from services.inference.openai_api import OpenAIApi
+
+        http = HttpServer(host, http_port)
+        openai = OpenAIApi(service, model_path)
+        openai.add_routes(http)
+        await http.start()
+        info["http_address"] = http.address
 
     async def ready() -> None:
         engine = await asyncio.to_thread(make_engine, engine_name, model_path, dtype, max_lora_rank)
+        if openai is not None:
+            await openai.load_tokenizer()
         service.attach(engine, AdapterRegistry(engine.unload_adapter, retention=retention))
         info.update(base_model=engine.base_model, engine=engine.name)
         if redis_client is not None:
@@ -306,6 +329,8 @@ async def _serve(
         background.append(beat)
 
     async def on_stop() -> None:
+        if http is not None:
+            await http.stop()
         if service._engine is not None:
             await service.engine.close()
         if redis_client is not None:
@@ -324,6 +349,11 @@ def run(
     redis_url: str | None = None,
     retention: int = 2,
     max_lora_rank: int = 64,
+    http_port: int | None = None,
 ) -> None:
     configure_logging("inference")
-    asyncio.run(_serve(port, host, model_path, engine, dtype, redis_url, retention, max_lora_rank))
+    asyncio.run(
+        _serve(
+            port, host, model_path, engine, dtype, redis_url, retention, max_lora_rank, http_port
+        )
+    )

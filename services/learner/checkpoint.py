@@ -1,13 +1,21 @@
-"""Atomic checkpoints: adapters, optimizer states, step and data position.
+"""Checkpoints a run resumes from, and that PEFT and vLLM load as they are.
 
-A checkpoint is written to a temporary directory and renamed into place, then
-`latest` is replaced atomically; a crash leaves either the old or the new one.
+`checkpoints/step_N/` holds, per adapter, a PEFT directory
+`adapters/<policy>/{adapter_config.json, adapter_model.safetensors}`
+(`PeftModel.from_pretrained(base, dir)`, vLLM `LoRARequest(name, id, dir)`), its
+optimizer and LR-scheduler states, the RNG states, and `state.json` (step, data
+position, adapter versions). Each is written to a temporary directory and renamed
+into place, then `latest` is replaced atomically: a learner killed at any point
+leaves the previous checkpoint whole. `best` is a copy of the checkpoint with the
+best validation accuracy; only the newest `train.checkpoints_kept` step
+checkpoints stay on disk.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 from pathlib import Path
 from typing import Any
@@ -18,6 +26,10 @@ from safetensors.torch import load_file, save_file
 from services.learner.policy import MultiAdapterPolicy
 
 
+def adapter_dir(ckpt: Path, policy: str) -> Path:
+    return ckpt / "adapters" / policy
+
+
 def save(out_dir: Path, step: int, policy: MultiAdapterPolicy, state: dict[str, Any]) -> Path:
     root = out_dir / "checkpoints"
     final = root / f"step_{step:06d}"
@@ -25,25 +37,115 @@ def save(out_dir: Path, step: int, policy: MultiAdapterPolicy, state: dict[str, 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for p in policy.policies:
-        save_file(policy.state_dict(p), str(tmp / f"adapter_{p}.safetensors"))
-        torch.save(policy.optimizers[p].state_dict(), tmp / f"optimizer_{p}.pt")
+        folder = adapter_dir(tmp, p)
+        folder.mkdir(parents=True)
+        save_file(
+            policy.state_dict(p),
+            str(folder / "adapter_model.safetensors"),
+            metadata={"format": "pt"},
+        )
+        policy.model.peft_config[p].save_pretrained(str(folder))
+        torch.save(
+            {
+                "optimizer": policy.optimizers[p].state_dict(),
+                "scheduler": policy.schedulers[p].state_dict(),
+            },
+            tmp / f"optimizer_{p}.pt",
+        )
+    torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
     (tmp / "state.json").write_text(json.dumps({**state, "step": step, "updates": policy.updates}))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    latest_tmp = root / ".latest.tmp"
-    latest_tmp.write_text(final.name)
-    os.replace(latest_tmp, root / "latest")
+    _point(root, "latest", final.name)
     return final
+
+
+def _point(root: Path, name: str, target: str) -> None:
+    tmp = root / f".{name}.tmp"
+    tmp.write_text(target)
+    os.replace(tmp, root / name)
+
+
+def load(ckpt: Path, policy: MultiAdapterPolicy) -> dict[str, Any]:
+    for p in policy.policies:
+        policy.load_state_dict(
+            p, load_file(str(adapter_dir(ckpt, p) / "adapter_model.safetensors"))
+        )
+        states = torch.load(ckpt / f"optimizer_{p}.pt", weights_only=False)
+        policy.optimizers[p].load_state_dict(states["optimizer"])
+        policy.schedulers[p].load_state_dict(states["scheduler"])
+    rng = torch.load(ckpt / "rng.pt", weights_only=False)
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    state: dict[str, Any] = json.loads((ckpt / "state.json").read_text())
+    policy.updates = int(state["updates"])
+    return state
 
 
 def load_latest(out_dir: Path, policy: MultiAdapterPolicy) -> dict[str, Any] | None:
     latest = out_dir / "checkpoints" / "latest"
     if not latest.exists():
         return None
-    ckpt = out_dir / "checkpoints" / latest.read_text().strip()
-    for p in policy.policies:
-        policy.load_state_dict(p, load_file(str(ckpt / f"adapter_{p}.safetensors")))
-        policy.optimizers[p].load_state_dict(torch.load(ckpt / f"optimizer_{p}.pt"))
-    state: dict[str, Any] = json.loads((ckpt / "state.json").read_text())
-    policy.updates = int(state["updates"])
-    return state
+    return load(out_dir / "checkpoints" / latest.read_text().strip(), policy)
+
+
+class Checkpointer:
+    """Decides when to checkpoint (every `interval` steps, at the end, and whenever
+    validation beats the best so far), keeps `best` and prunes old checkpoints."""
+
+    def __init__(self, out_dir: Path, interval: int, total_steps: int, keep: int):
+        self.root = out_dir / "checkpoints"
+        self.out_dir = out_dir
+        self.interval = interval
+        self.total_steps = total_steps
+        self.keep = keep
+        self.best_accuracy = self._best_accuracy()
+
+    def _best_accuracy(self) -> float | None:
+        old = self.root / ".best.old"
+        if not (self.root / "best").exists() and old.exists():
+            os.replace(old, self.root / "best")  # killed between best's two renames
+        state = self.root / "best" / "state.json"
+        if not state.exists():
+            return None
+        value = json.loads(state.read_text()).get("val_accuracy")
+        return None if value is None else float(value)
+
+    def improves(self, val_accuracy: float | None) -> bool:
+        return val_accuracy is not None and (
+            self.best_accuracy is None or val_accuracy > self.best_accuracy
+        )
+
+    def due(self, step: int, val_accuracy: float | None) -> bool:
+        return step % self.interval == 0 or step == self.total_steps or self.improves(val_accuracy)
+
+    def save(
+        self,
+        step: int,
+        policy: MultiAdapterPolicy,
+        state: dict[str, Any],
+        val_accuracy: float | None,
+    ) -> Path:
+        final = save(self.out_dir, step, policy, {**state, "val_accuracy": val_accuracy})
+        if self.improves(val_accuracy):
+            tmp, old = self.root / ".best.tmp", self.root / ".best.old"
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(old, ignore_errors=True)
+            shutil.copytree(final, tmp)
+            if (self.root / "best").exists():
+                os.replace(self.root / "best", old)
+            os.replace(tmp, self.root / "best")
+            shutil.rmtree(old, ignore_errors=True)
+            self.best_accuracy = val_accuracy
+        self.prune()
+        return final
+
+    def prune(self) -> None:
+        steps = sorted(p for p in self.root.glob("step_*") if p.is_dir())
+        for old in steps[: -self.keep]:
+            shutil.rmtree(old)
+        for tmp in self.root.glob(".step_*.tmp"):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def restore(self, policy: MultiAdapterPolicy) -> dict[str, Any] | None:
+        return load_latest(self.out_dir, policy)

@@ -1,9 +1,11 @@
-"""GRPO's math: group-relative advantages and the clipped token-mean loss.
+"""GRPO's math: group-relative advantages, failed-episode filtering and the clipped loss.
 
 One outcome reward per whole-workflow rollout; the advantage is relative to the
 other rollouts of the same problem, and every token every role emitted in the
-rollout carries it (paper §A.7). Each adapter's loss is averaged over the tokens
-its own roles emitted in the mini-batch (token-mean); no KL term.
+rollout carries it (paper §A.7). A failed episode (no replica, sandbox down) is
+no score: it is left out of its group, and a group left with fewer than two
+good rollouts carries no comparison and is dropped. Each adapter's loss is
+aggregated over its own mini-batch as `grpo.loss_agg` says; no KL term.
 """
 
 from __future__ import annotations
@@ -41,12 +43,52 @@ def group_advantages(
     return out
 
 
+def good_rollouts(errors: Sequence[bool], groups: Sequence[Hashable]) -> tuple[list[int], int]:
+    """Indices of the rollouts that train: not failed, in a group with >= 2 good ones.
+
+    Returns them and the number of groups dropped (every group that had a failed
+    rollout and kept fewer than two good ones).
+    """
+    good: dict[Hashable, list[int]] = defaultdict(list)
+    seen: dict[Hashable, None] = {}
+    for i, (err, g) in enumerate(zip(errors, groups, strict=True)):
+        seen[g] = None
+        if not err:
+            good[g].append(i)
+    kept = sorted(i for idx in good.values() if len(idx) >= 2 for i in idx)
+    dropped = sum(1 for g in seen if len(good.get(g, [])) < 2)
+    return kept, dropped
+
+
+def token_weights(completion_lengths: Sequence[int], loss_agg: str) -> list[float]:
+    """Weight of each token of each sequence in one mini-batch's loss (they sum to 1).
+
+    token_mean: 1 / (tokens in the mini-batch); seq_mean_token_mean: 1 / (sequences
+    x this sequence's tokens). Weights fixed per mini-batch make micro-batches
+    accumulate to exactly the mini-batch's loss.
+    """
+    if loss_agg == "token_mean":
+        total = sum(completion_lengths)
+        return [1.0 / max(total, 1)] * len(completion_lengths)
+    assert loss_agg == "seq_mean_token_mean", loss_agg
+    n = len(completion_lengths)
+    return [1.0 / (n * max(length, 1)) for length in completion_lengths]
+
+
 @dataclass
 class LossStats:
     loss: float
-    clip_fraction: float
-    ratio_mean: float
     tokens: int
+    clipped_low: int
+    """Tokens whose ratio fell below 1 - clip_low with a negative advantage (no gradient)."""
+    clipped_high: int
+    """Tokens whose ratio rose above 1 + clip_high with a positive advantage."""
+    ratio_min: float
+    ratio_max: float
+
+    @property
+    def clip_fraction(self) -> float:
+        return (self.clipped_low + self.clipped_high) / max(self.tokens, 1)
 
 
 def clipped_loss(
@@ -56,29 +98,33 @@ def clipped_loss(
     mask: torch.Tensor,
     clip_low: float,
     clip_high: float,
-    token_count: int | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
-    """PPO-clip surrogate, summed over masked tokens and divided by `token_count`.
+    """PPO-clip surrogate: sum over masked tokens of per-token loss x `weights`.
 
-    All tensors are [batch, length]; `advantages` is already spread over tokens.
-    `token_count` is the number of loss tokens in the whole mini-batch, so that
-    micro-batches accumulate to one token-mean (defaults to this batch's count).
+    All tensors are [batch, length]; `advantages` and `weights` are already spread
+    over tokens. `weights` defaults to a token-mean over this batch's mask.
     """
     mask = mask.to(logp.dtype)
-    n = int(mask.sum().item()) if token_count is None else token_count
+    if weights is None:
+        weights = torch.full_like(logp, 1.0 / max(float(mask.sum()), 1.0))
     ratio = torch.exp(logp - old_logp)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
-    loss = (per_token * mask).sum() / max(n, 1)
+    loss = (per_token * mask * weights).sum()
     with torch.no_grad():
-        was_clipped = (clipped > unclipped).to(logp.dtype) * mask
-        local = max(float(mask.sum()), 1.0)
+        m = mask.bool()
+        low = (ratio < 1.0 - clip_low) & (advantages < 0) & m
+        high = (ratio > 1.0 + clip_high) & (advantages > 0) & m
+        r = ratio[m]
         stats = LossStats(
             loss=float(loss),
-            clip_fraction=float(was_clipped.sum()) / local,
-            ratio_mean=float((ratio * mask).sum()) / local,
-            tokens=int(mask.sum()),
+            tokens=int(m.sum()),
+            clipped_low=int(low.sum()),
+            clipped_high=int(high.sum()),
+            ratio_min=float(r.min()) if r.numel() else 1.0,
+            ratio_max=float(r.max()) if r.numel() else 1.0,
         )
     return loss, stats
 

@@ -8,6 +8,8 @@ comes from the tokens of the roles it serves.
 from __future__ import annotations
 
 import math
+import warnings
+from functools import partial
 from typing import Any
 
 import torch
@@ -73,6 +75,14 @@ class MultiAdapterPolicy:
             )
             for p in self.policies
         }
+        # one scheduler step per training step (the paper's warmup counts steps), whatever
+        # the number of optimizer steps an adapter takes within it
+        factor = partial(
+            lr_factor, warmup=optim.warmup_steps, total=total_steps, schedule=optim.schedule
+        )
+        self.schedulers = {
+            p: torch.optim.lr_scheduler.LambdaLR(opt, factor) for p, opt in self.optimizers.items()
+        }
         self.updates = 0
 
     def parameters(self, policy: str) -> list[torch.nn.Parameter]:
@@ -102,14 +112,23 @@ class MultiAdapterPolicy:
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
 
-    def set_lr(self) -> float:
-        lr = self.optim.lr * lr_factor(
-            self.updates, self.optim.warmup_steps, self.total_steps, self.optim.schedule
-        )
-        for opt in self.optimizers.values():
-            for group in opt.param_groups:
-                group["lr"] = lr
-        return lr
+    def base_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The frozen base model's logits (every adapter disabled): the KL reference."""
+        with self.model.disable_adapter():
+            return self.logits(input_ids, attention_mask)
+
+    def lr(self) -> float:
+        return float(self.schedulers[self.policies[0]].get_last_lr()[0])
+
+    def end_step(self) -> None:
+        """A training step is over: advance every adapter's schedule by one."""
+        with warnings.catch_warnings():
+            # an adapter that served no turn this step took no optimizer step; its schedule
+            # still follows the training step
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+            for sched in self.schedulers.values():
+                sched.step()
+        self.updates += 1
 
     def step(self, policy: str) -> float:
         """Clip this adapter's gradient, apply AdamW, zero it; returns the pre-clip norm."""

@@ -1,7 +1,13 @@
-"""Training runs as records in Redis: queued by SubmitRun, taken by one learner at a time."""
+"""Training runs as records in Redis: queued by SubmitRun, taken by one learner at a time.
+
+A learner training a run holds its lease (a Redis key with a time to live) and
+renews it while it lives; a RUNNING run whose lease lapsed lost its learner and
+is taken over, under the same run id, by the next learner that looks.
+"""
 
 from __future__ import annotations
 
+import builtins
 import json
 import secrets
 import time
@@ -12,10 +18,16 @@ import redis.asyncio as aioredis
 QUEUE = "marl:runs:queue"
 INDEX = "marl:runs"
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
+LEASE_S = 10.0
+"""A learner that has not renewed its lease for this long is taken for dead."""
 
 
 def _key(run_id: str) -> str:
     return f"marl:run:{run_id}"
+
+
+def _lease(run_id: str) -> str:
+    return f"marl:run:{run_id}:lease"
 
 
 def new_run_id(name: str) -> str:
@@ -68,3 +80,35 @@ class RunStore:
 
     async def cancel_requested(self, run_id: str) -> bool:
         return str(await self.r.hget(_key(run_id), "cancel")) == "1"
+
+    async def claim(self, run_id: str, learner_id: str) -> bool:
+        """Take the run's lease if no live learner holds it."""
+        return bool(await self.r.set(_lease(run_id), learner_id, nx=True, px=int(LEASE_S * 1000)))
+
+    async def renew(self, run_id: str, learner_id: str) -> bool:
+        """Extend the lease; False if another learner holds it now."""
+        if str(await self.r.get(_lease(run_id))) != learner_id:
+            return False
+        await self.r.pexpire(_lease(run_id), int(LEASE_S * 1000))
+        return True
+
+    async def release(self, run_id: str, learner_id: str) -> None:
+        if str(await self.r.get(_lease(run_id))) == learner_id:
+            await self.r.delete(_lease(run_id))
+
+    async def orphaned(self) -> builtins.list[str]:
+        """RUNNING runs whose learner's lease lapsed, oldest first."""
+        ids: Any = await self.r.zrange(INDEX, 0, -1)
+        out = []
+        for run_id in ids:
+            state = await self.r.hget(_key(run_id), "state")
+            if str(state) == "RUNNING" and not await self.r.exists(_lease(run_id)):
+                out.append(str(run_id))
+        return out
+
+    async def count_takeover(self, run_id: str) -> int:
+        """How many times this run has been taken over, this one included."""
+        return int(await self.r.hincrby(_key(run_id), "takeovers", 1))
+
+    async def takeovers(self, run_id: str) -> int:
+        return int(await self.r.hget(_key(run_id), "takeovers") or 0)

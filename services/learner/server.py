@@ -15,11 +15,13 @@ import redis.asyncio as aioredis
 from marl import replicas, streams
 from marl.config import RunSpec, SpecError, dump_spec, load_spec_text
 from marl.data import load_problems
+from marl.http_server import HttpServer
+from marl.metrics_export import extra_sinks
 from marl.model_id import base_model_id
 from marl.serving import ServiceHost, configure_logging, serve_until_stopped
 from marl.v1 import learner_pb2, learner_pb2_grpc
 from marl.workflows import policy_of_role
-from services.learner.runs import TERMINAL, RunStore, new_run_id
+from services.learner.runs import LEASE_S, TERMINAL, RunStore, new_run_id
 from services.learner.trainer import RunCancelled, RunExecutor, RunFailed
 
 log = logging.getLogger(__name__)
@@ -137,20 +139,52 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
                 return
 
 
-async def run_loop(r: aioredis.Redis, store: RunStore, learner_id: str) -> None:
-    """Take queued runs one at a time and train them."""
-    while True:
-        run_id = await store.take_next(timeout_s=1.0)
-        if run_id is None:
-            continue
+async def _next_run(store: RunStore, learner_id: str) -> tuple[str, int] | None:
+    """A queued run, or a RUNNING one whose learner died (its lease lapsed): (run id, the
+    number of times it has been taken over)."""
+    run_id = await store.take_next(timeout_s=1.0)
+    if run_id is not None:
         record = await store.get(run_id)
-        if record is None or record["state"] != "QUEUED":
+        if (
+            record is None
+            or record["state"] != "QUEUED"
+            or not await store.claim(run_id, learner_id)
+        ):
+            return None
+        return run_id, 0
+    for orphan in await store.orphaned():
+        if await store.claim(orphan, learner_id):
+            log.info("taking over run %s: its learner stopped renewing its lease", orphan)
+            return orphan, await store.count_takeover(orphan)
+    return None
+
+
+async def _keep_lease(store: RunStore, run_id: str, learner_id: str) -> None:
+    while True:
+        await asyncio.sleep(LEASE_S / 3)
+        if not await store.renew(run_id, learner_id):
+            log.error("lost the lease of run %s to another learner", run_id)
+
+
+async def run_loop(r: aioredis.Redis, store: RunStore, learner_id: str) -> None:
+    """Take queued runs, and runs whose learner died, one at a time and train them."""
+    while True:
+        taken = await _next_run(store, learner_id)
+        if taken is None:
             continue
+        run_id, takeover = taken
+        record = await store.get(run_id)
+        assert record is not None
         spec = load_spec_text(record["spec_yaml"])
         await store.update(run_id, state="RUNNING")
         log.info("training run %s", run_id)
+        lease = asyncio.create_task(_keep_lease(store, run_id, learner_id))
         try:
-            executor = RunExecutor(run_id, spec, Path(record["out_dir"]), r, store, learner_id)
+            out_dir = Path(record["out_dir"])
+            sinks = extra_sinks(spec, out_dir, run_id)  # TensorBoard, W&B (`logging`)
+            executor = RunExecutor(
+                run_id, spec, out_dir, r, store, learner_id, takeover, extra_sinks=sinks
+            )
             await executor.execute()
         except RunCancelled:
             await store.update(run_id, state="CANCELLED")
@@ -161,13 +195,23 @@ async def run_loop(r: aioredis.Redis, store: RunStore, learner_id: str) -> None:
             await store.update(run_id, state="FAILED", error=f"{type(err).__name__}: {err}")
         else:
             await store.update(run_id, state="SUCCEEDED")
+        finally:
+            lease.cancel()
+            await asyncio.gather(lease, return_exceptions=True)
+            await store.release(run_id, learner_id)
         final = await store.get(run_id)
         log.info("run %s ended: %s", run_id, final and final["state"])
 
 
-async def _serve(port: int, host: str, redis_url: str, runs_dir: Path) -> None:
+async def _serve(
+    port: int, host: str, redis_url: str, runs_dir: Path, http_port: int | None = None
+) -> None:
     name = learner_pb2.DESCRIPTOR.services_by_name["Learner"].full_name
     server = ServiceHost([name], host, port)
+    http = None
+    if http_port is not None:  # Prometheus /metrics
+        http = HttpServer(host, http_port)
+        await http.start()
     r = streams.connect(redis_url)
     store = RunStore(r)
     learner_pb2_grpc.add_LearnerServicer_to_server(
@@ -182,11 +226,19 @@ async def _serve(port: int, host: str, redis_url: str, runs_dir: Path) -> None:
         await run_loop(r, store, learner_id)
 
     async def on_stop() -> None:
+        if http is not None:
+            await http.stop()
         await r.aclose()
 
     await serve_until_stopped(server, ready=ready, background=[loop], on_stop=on_stop)
 
 
-def run(port: int, redis_url: str, host: str = "127.0.0.1", runs_dir: str = "runs") -> None:
+def run(
+    port: int,
+    redis_url: str,
+    host: str = "127.0.0.1",
+    runs_dir: str = "runs",
+    http_port: int | None = None,
+) -> None:
     configure_logging("learner")
-    asyncio.run(_serve(port, host, redis_url, Path(runs_dir).resolve()))
+    asyncio.run(_serve(port, host, redis_url, Path(runs_dir).resolve(), http_port))

@@ -1,55 +1,121 @@
-"""One GRPO step over a step's rollouts: advantages, old log-probs, PPO-clip, AdamW.
+"""One GRPO step over a step's rollouts, with mini-batches counted as the paper counts them.
 
-π_old is recomputed by the learner before the first update (the sampling
-log-probs from inference are kept only to report the train/inference gap).
-Mini-batches are formed by problem, so a group always updates together; within
-a mini-batch each adapter takes the token-mean loss over its own roles' tokens.
+Failed episodes leave their groups; advantages are group-relative over the rest.
+Each adapter's role-turn sequences are shuffled into mini-batches of
+`grpo.mini_batch_size`, one AdamW step each, so an adapter serving more turns
+takes more steps (Voting-IP's generator about 3x its aggregator's). π_old is
+the policy before the step's first update: the first mini-batch's own forward
+(detached) gives it for its sequences, one no-grad forward before that update
+gives it for the others; every later mini-batch is off-policy, so ratios,
+clipping and clip fractions are real. The per-role signals live in
+diagnostics.py; this module only computes the update and feeds them.
 """
 
 from __future__ import annotations
 
+import random
+import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 import torch
 
 from marl.config import RunSpec
 from marl.rollout import Rollout
-from services.learner.grpo import clipped_loss, group_advantages, token_entropy, token_logprobs
+from services.learner import diagnostics
+from services.learner.grpo import (
+    clipped_loss,
+    good_rollouts,
+    group_advantages,
+    token_entropy,
+    token_logprobs,
+    token_weights,
+)
 from services.learner.policy import MultiAdapterPolicy
 from services.learner.sequences import Sequence, build_sequences, collate
 
-CHI2_MAX_SEQUENCES = 128
+
+@dataclass
+class MiniBatchStats:
+    policy: str
+    index: int
+    """Optimizer step of this adapter within the step (0 = on-policy)."""
+    sequences: int
+    loss: float
+    grad_norm: float
+    tokens: int = 0
+    clipped_low: int = 0
+    clipped_high: int = 0
+    ratio_min: float = float("inf")
+    ratio_max: float = float("-inf")
 
 
-def _chunks(items: list[Sequence], size: int) -> list[list[Sequence]]:
-    """Micro-batches of similar length, so little compute goes to padding."""
-    ordered = sorted(items, key=lambda s: len(s.tokens))
-    return [ordered[i : i + size] for i in range(0, len(ordered), size)]
+@dataclass
+class StepResult:
+    metrics: dict[str, float]
+    mini_batches: list[MiniBatchStats] = field(default_factory=list)
 
 
-def _completion_slice(s: Sequence) -> slice:
+def plan_mini_batches(
+    seqs: list[Sequence], size: int, epochs: int, rng: random.Random
+) -> dict[str, list[list[int]]]:
+    """Adapter -> its mini-batches (indices into `seqs`), each epoch freshly shuffled.
+
+    Under SP every role's turns are in one adapter's stream; under IP each adapter
+    has its own, and its number of optimizer steps is ceil(turns / size) x epochs.
+    """
+    by_policy: dict[str, list[int]] = defaultdict(list)
+    for i, s in enumerate(seqs):
+        by_policy[s.policy].append(i)
+    plan: dict[str, list[list[int]]] = {}
+    for p in sorted(by_policy):
+        mbs = []
+        for _ in range(epochs):
+            order = list(by_policy[p])
+            rng.shuffle(order)
+            mbs += [order[k : k + size] for k in range(0, len(order), size)]
+        plan[p] = mbs
+    return plan
+
+
+def _micro_batches(seqs: list[Sequence], idx: list[int], size: int) -> list[list[int]]:
+    """Role-pure micro-batches of similar length: little padding, and each role's part of
+    the gradient can be read apart."""
+    by_role: dict[str, list[int]] = defaultdict(list)
+    for i in idx:
+        by_role[seqs[i].role].append(i)
+    out = []
+    for role in sorted(by_role):
+        ordered = sorted(by_role[role], key=lambda i: len(seqs[i].tokens))
+        out += [ordered[k : k + size] for k in range(0, len(ordered), size)]
+    return out
+
+
+def _completion(s: Sequence) -> slice:
     return slice(s.n_prompt - 1, len(s.tokens) - 1)
 
 
 @torch.no_grad()
-def _logprobs(
-    policy: MultiAdapterPolicy, seqs: list[Sequence], temperature: float, micro: int
-) -> dict[int, torch.Tensor]:
-    """id(seq) -> log-probs of its completion tokens under the current weights."""
-    out: dict[int, torch.Tensor] = {}
-    for p in policy.policies:
-        mine = [s for s in seqs if s.policy == p]
-        if not mine:
-            continue
-        policy.activate(p)
-        for chunk in _chunks(mine, micro):
-            b = collate(chunk, policy.pad_id)
-            logp = token_logprobs(
-                policy.logits(b.input_ids, b.attention_mask), b.targets, temperature
-            )
-            for i, s in enumerate(chunk):
-                out[id(s)] = logp[i, _completion_slice(s)].clone()
-    return out
+def _old_logprobs(
+    policy: MultiAdapterPolicy,
+    seqs: list[Sequence],
+    idx: list[int],
+    temperature: float,
+    micro: int,
+    old: list[torch.Tensor | None],
+) -> None:
+    for chunk in _micro_batches(seqs, idx, micro):
+        b = collate([seqs[i] for i in chunk], policy.pad_id)
+        logp = token_logprobs(policy.logits(b.input_ids, b.attention_mask), b.targets, temperature)
+        for row, i in enumerate(chunk):
+            old[i] = logp[row, _completion(seqs[i])].clone()
+
+
+def _grads(policy: MultiAdapterPolicy, p: str) -> list[torch.Tensor]:
+    return [
+        x.grad.detach().clone() if x.grad is not None else torch.zeros_like(x)
+        for x in policy.parameters(p)
+    ]
 
 
 def grpo_step(
@@ -58,90 +124,110 @@ def grpo_step(
     groups: list[str],
     policy_of_role: dict[str, str],
     spec: RunSpec,
-) -> dict[str, float]:
+) -> StepResult:
     g = spec.grpo
     temperature = spec.sampling.temperature
+    keep, dropped = good_rollouts([r.error is not None for r in rollouts], groups)
+    rollouts = [rollouts[i] for i in keep]
+    groups = [groups[i] for i in keep]
     advantages = group_advantages([r.reward for r in rollouts], groups, g.normalize_std)
-    group_of: dict[int, str] = {}
-    seqs: list[Sequence] = []
-    for rollout, adv, group in zip(rollouts, advantages, groups, strict=True):
-        for s in build_sequences([rollout], [adv], policy_of_role):
-            group_of[id(s)] = group
-            seqs.append(s)
-    metrics: dict[str, float] = {"train/lr": policy.set_lr(), "train/sequences": len(seqs)}
-    if not seqs:
-        policy.updates += 1
-        return metrics
+    seqs = build_sequences(rollouts, advantages, policy_of_role)
+    result = StepResult(
+        {
+            "train/lr": policy.lr(),
+            "train/sequences": len(seqs),
+            "train/groups_dropped": dropped,
+        }
+    )
+    # seeded by the step, so a resumed run shuffles as an uninterrupted one
+    rng = random.Random(spec.seed * 1_000_003 + policy.updates)
+    plan = plan_mini_batches(seqs, g.mini_batch_size, g.epochs, rng)
+    signals = diagnostics.RoleSignals()
+    old: list[torch.Tensor | None] = [None] * len(seqs)
+    diag_s = 0.0
     policy.model.train()
-    ordered_groups = list(dict.fromkeys(groups))
-    size = g.mini_batch_problems
-    # With one epoch over one mini-batch, pi_old is exactly the current policy:
-    # its log-probs come from the training forward itself, detached.
-    on_policy = g.epochs == 1 and len(ordered_groups) <= size
-    old = {} if on_policy else _logprobs(policy, seqs, temperature, g.micro_batch_sequences)
-
-    role_sums: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    policy_sums: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for _epoch in range(g.epochs):
-        for start in range(0, len(ordered_groups), size):
-            chosen = set(ordered_groups[start : start + size])
-            mb = [s for s in seqs if group_of[id(s)] in chosen]
-            for p in policy.policies:
-                mine = [s for s in mb if s.policy == p]
-                if not mine:
-                    continue
-                policy.activate(p)
-                n_tokens = sum(len(s.tokens) - s.n_prompt for s in mine)
-                for chunk in _chunks(mine, g.micro_batch_sequences):
-                    b = collate(chunk, policy.pad_id)
-                    logits = policy.logits(b.input_ids, b.attention_mask)
-                    logp = token_logprobs(logits, b.targets, temperature)
-                    if on_policy:
-                        for i, s in enumerate(chunk):
-                            old[id(s)] = logp[i, _completion_slice(s)].detach().clone()
-                    old_b = torch.zeros_like(logp)
-                    for i, s in enumerate(chunk):
-                        old_b[i, _completion_slice(s)] = old[id(s)]
-                    loss, st = clipped_loss(
-                        logp, old_b, b.advantages, b.loss_mask, g.clip_low, g.clip_high, n_tokens
-                    )
-                    loss.backward()
-                    policy_sums[p]["loss"] += float(loss.detach())
+    for p, mbs in plan.items():
+        policy.activate(p)
+        first = set(mbs[0])
+        rest = sorted({i for mb in mbs for i in mb} - first)
+        _old_logprobs(policy, seqs, rest, temperature, g.micro_batch_sequences, old)
+        per_epoch = len(mbs) // g.epochs
+        for k, mb in enumerate(mbs):
+            lengths = [len(seqs[i].tokens) - seqs[i].n_prompt for i in mb]
+            weight_of = dict(zip(mb, token_weights(lengths, g.loss_agg), strict=True))
+            st = MiniBatchStats(p, k, len(mb), 0.0, 0.0)
+            before: list[torch.Tensor] | None = None
+            chunks = _micro_batches(seqs, mb, g.micro_batch_sequences)
+            for c, chunk in enumerate(chunks):
+                role = seqs[chunk[0]].role
+                t0 = time.perf_counter()
+                if k == 0 and before is None:
+                    before = _grads(policy, p)
+                diag_s += time.perf_counter() - t0
+                b = collate([seqs[i] for i in chunk], policy.pad_id)
+                logits = policy.logits(b.input_ids, b.attention_mask)
+                logp = token_logprobs(logits, b.targets, temperature)
+                old_b = torch.zeros_like(logp)
+                w = torch.zeros_like(logp)
+                for row, i in enumerate(chunk):
+                    o = old[i]
+                    if o is None:  # the first mini-batch: π_old is this very forward
+                        o = old[i] = logp[row, _completion(seqs[i])].detach().clone()
+                    old_b[row, _completion(seqs[i])] = o
+                    w[row] = weight_of[i]
+                loss, ls = clipped_loss(
+                    logp, old_b, b.advantages, b.loss_mask, g.clip_low, g.clip_high, w
+                )
+                loss.backward()
+                st.loss += ls.loss
+                st.tokens += ls.tokens
+                st.clipped_low += ls.clipped_low
+                st.clipped_high += ls.clipped_high
+                st.ratio_min = min(st.ratio_min, ls.ratio_min)
+                st.ratio_max = max(st.ratio_max, ls.ratio_max)
+                t0 = time.perf_counter()
+                entropy = None
+                if k < per_epoch:
                     with torch.no_grad():
-                        entropy = token_entropy(logits, temperature)
-                        ratio = torch.exp(logp - old_b)
-                        clipped = ((ratio < 1 - g.clip_low) & (b.advantages < 0)) | (
-                            (ratio > 1 + g.clip_high) & (b.advantages > 0)
-                        )
-                        for i, s in enumerate(chunk):
-                            m = b.loss_mask[i].bool()
-                            role_sums[s.role]["entropy"] += float(entropy[i][m].sum())
-                            role_sums[s.role]["clipped"] += float(clipped[i][m].sum())
-                            role_sums[s.role]["loss_tokens"] += float(m.sum())
-                policy_sums[p]["grad_norm"] += policy.step(p)
-                policy_sums[p]["updates"] += 1
-    policy.updates += 1
+                        e = token_entropy(logits, temperature)
+                        entropy = float((e * b.loss_mask).sum())
+                signals.add_update(role, ls.tokens, ls.clipped_low + ls.clipped_high, entropy)
+                last_of_role = c + 1 == len(chunks) or seqs[chunks[c + 1][0]].role != role
+                if before is not None and last_of_role:
+                    # this role's part of the first mini-batch's gradient, read apart
+                    after = _grads(policy, p)
+                    sq = sum(
+                        float(((a - z) ** 2).sum()) for a, z in zip(after, before, strict=True)
+                    )
+                    signals.add_grad(role, sq**0.5)
+                    before = None
+                diag_s += time.perf_counter() - t0
+            st.grad_norm = policy.step(p)
+            result.mini_batches.append(st)
     policy.model.eval()
 
-    for s in seqs:
-        n = len(s.tokens) - s.n_prompt
-        gap = (old[id(s)] - torch.tensor(s.sample_logprobs[:n])).abs().sum()
-        role_sums[s.role]["logprob_gap"] += float(gap)
-        role_sums[s.role]["tokens"] += n
+    t0 = time.perf_counter()
+    final_old = [o if o is not None else torch.zeros(0) for o in old]
+    for s, o in zip(seqs, final_old, strict=True):
+        signals.add_old(s, o)
+    picked = diagnostics.sample_tokens(seqs, diagnostics.SAMPLE_TOKENS_PER_ROLE, rng)
+    diagnostics.sampled_drift(
+        policy, seqs, final_old, picked, temperature, g.micro_batch_sequences, signals
+    )
+    diag_s += time.perf_counter() - t0
+    policy.end_step()
 
-    sample = seqs[:CHI2_MAX_SEQUENCES]
-    new = _logprobs(policy, sample, temperature, g.micro_batch_sequences)
-    for s in sample:
-        r = torch.exp(new[id(s)] - old[id(s)])
-        role_sums[s.role]["chi2"] += float(((r - 1) ** 2).sum())
-        role_sums[s.role]["chi2_tokens"] += len(r)
-
-    for role, sums in role_sums.items():
-        metrics[f"role/{role}/entropy"] = sums["entropy"] / max(sums["loss_tokens"], 1)
-        metrics[f"role/{role}/clip_fraction"] = sums["clipped"] / max(sums["loss_tokens"], 1)
-        metrics[f"role/{role}/logprob_gap"] = sums["logprob_gap"] / max(sums["tokens"], 1)
-        metrics[f"role/{role}/chi2"] = sums["chi2"] / max(sums["chi2_tokens"], 1)
-    for p, sums in policy_sums.items():
-        metrics[f"policy/{p}/grad_norm"] = sums["grad_norm"] / max(sums["updates"], 1)
-        metrics[f"policy/{p}/loss"] = sums["loss"] / max(sums["updates"], 1)
-    return metrics
+    m = result.metrics
+    m.update(signals.metrics())
+    per_policy: dict[str, list[MiniBatchStats]] = defaultdict(list)
+    for st in result.mini_batches:
+        per_policy[st.policy].append(st)
+    for p, sts in per_policy.items():
+        m[f"policy/{p}/optimizer_steps"] = len(sts)
+        m[f"policy/{p}/grad_norm"] = sum(s.grad_norm for s in sts) / len(sts)
+        m[f"policy/{p}/loss"] = sum(s.loss for s in sts) / len(sts)
+        tokens = max(sum(s.tokens for s in sts), 1)
+        m[f"policy/{p}/clip_low_fraction"] = sum(s.clipped_low for s in sts) / tokens
+        m[f"policy/{p}/clip_high_fraction"] = sum(s.clipped_high for s in sts) / tokens
+    m["time/diagnostics_s"] = diag_s
+    return result

@@ -52,6 +52,24 @@ def confine(policy: dict[str, Any], limits: dict[str, Any]) -> None:
         seccomp.install(seccomp.strict_program(os.getpid()))
 
 
+_HOST_PATHS = sorted({p for q in (sys.base_prefix, sys.prefix, sys.base_exec_prefix)
+                      for p in (q, os.path.realpath(q))}, key=len, reverse=True)
+_MARL_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _print_traceback(exc: BaseException) -> None:
+    """The program's traceback as a caller may see it: from its own first frame on
+    (not this runner's), with the host's install paths replaced by `<python>`."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename != "solution.py":
+        tb = tb.tb_next
+    text = "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
+    text = text.replace(_MARL_ROOT, "<sandbox>")
+    for path in _HOST_PATHS:
+        text = text.replace(path, "<python>")
+    sys.stderr.write(text)
+
+
 def _std_streams() -> None:
     sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(STDIN, "rb", closefd=False)),
                                  encoding="utf-8", errors="replace")
@@ -129,10 +147,10 @@ def run_main(code: str) -> NoReturn:
         exit_code = _exit_code(e)
     except MemoryError:
         status, exit_code = "memory", 1
-    except BaseException:  # the program's own crash, reported like the interpreter would
+    except BaseException as e:  # the program's own crash, reported like the interpreter would
         status, exit_code = "exception", 1
         try:
-            traceback.print_exc()
+            _print_traceback(e)
         except BaseException:
             pass
     status = _flush() or status
@@ -156,7 +174,10 @@ def _call(ns: dict[str, Any], req: dict[str, Any]) -> dict[str, Any]:
     except MemoryError:
         return {"raise": "MemoryError", "msg": "", "memory": True}
     except BaseException as e:  # the candidate's exception is the test's outcome
-        return {"raise": type(e).__name__, "msg": str(e)[:1000]}
+        try:
+            return {"raise": type(e).__name__[:200], "msg": str(e)[:1000]}
+        except BaseException:  # a str() or a name that itself raises
+            return {"raise": "Exception", "msg": ""}
     try:
         reply: dict[str, Any] = {"ok": plain.encode(result)}
         if req.get("writeback"):
@@ -201,11 +222,11 @@ def run_serve(code: str) -> NoReturn:
         os._exit(1)
     except BaseException as e:  # includes SystemExit: exiting while loading is a failure
         try:
-            traceback.print_exc()
+            _print_traceback(e)
         except BaseException:
             pass
         _flush()
-        _report({"load_error": type(e).__name__})
+        _report({"load_error": type(e).__name__[:200]})
         os._exit(1)
     _flush()
     _report({"loaded": True})

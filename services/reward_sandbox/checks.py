@@ -91,10 +91,18 @@ def _write_back(originals: tuple[Any, ...], updated: list[Any]) -> None:
             old.update(new)
 
 
+_STEERING = (StopIteration, StopAsyncIteration)
+"""Exceptions that end iteration instead of failing: raised from a candidate inside
+`map`, `filter`, `zip` or `next(it, default)`, a StopIteration would silently cut
+the test's loop short (`all(map(...))` over no items is True)."""
+
+
 def _rebuild_exception(name: str, msg: str) -> BaseException:
+    """The candidate's exception as the assert program sees it: the builtin of that
+    name (tests may expect ValueError), except one that steers iteration."""
     cls = getattr(builtins, str(name), None)
     if (isinstance(cls, type) and issubclass(cls, Exception)
-            and not issubclass(cls, (SystemExit, KeyboardInterrupt))):
+            and not issubclass(cls, _STEERING)):
         try:
             return cls(msg)
         except Exception:  # exceptions whose constructor wants more arguments

@@ -86,8 +86,8 @@ class Executor:
             if self.sabotage:
                 cap = 1 << 31
             try:
-                fatal = await asyncio.wait_for(self._collect(rec_r, nonce, cap, records),
-                                               timeout=max(0.0, budget))
+                async with asyncio.timeout(max(0.0, budget)):
+                    fatal = await self._collect(rec_r, nonce, cap, records)
             except TimeoutError:
                 timed_out = True
         finally:
@@ -120,7 +120,7 @@ class Executor:
                     if size > cap:
                         return f"record of {size} bytes is over the cap"
                     frame = json.loads(await reader.readexactly(size))
-                except (asyncio.IncompleteReadError, ValueError):
+                except (asyncio.IncompleteReadError, ValueError, RecursionError):
                     return "the jail exited before it finished"
                 if not isinstance(frame, dict):
                     continue

@@ -13,6 +13,7 @@ outputs of stdio and function-call tests never enter the jail at all.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -24,6 +25,7 @@ from .checks import CandidateGone
 
 _GRACE = 5.0
 _REPLY_CAP = 64 << 20
+_ERROR_CHARS = 1000
 
 
 def _memfd(name: str, data: bytes = b"") -> int:
@@ -283,11 +285,21 @@ class Harness:
         except CandidateGone as e:
             return {"outcome": e.outcome, **self._output(e)}
         if "ok" in reply:
-            return {"outcome": "ok", "value": reply["ok"], **self._output()}
+            value = reply["ok"]
+            try:
+                plain.decode(value)
+                size = len(json.dumps(value))
+            except (ValueError, TypeError, RecursionError):
+                return {"outcome": "not_plain", **self._output()}
+            if size > self.output_bytes:
+                # The record must stay under the server's cap; a return value is output.
+                return {"outcome": "output_limit", **self._output()}
+            return {"outcome": "ok", "value": value, **self._output()}
         if "not_plain" in reply:
             return {"outcome": "not_plain", **self._output()}
         outcome = "memory" if reply.get("memory") else "runtime_error"
-        return {"outcome": outcome, "error": str(reply.get("raise")), **self._output()}
+        return {"outcome": outcome, "error": str(reply.get("raise"))[:_ERROR_CHARS],
+                **self._output()}
 
     def run_assert(self, test: dict[str, Any], program: str) -> dict[str, Any]:
         gone: CandidateGone | None = None
@@ -300,4 +312,4 @@ class Harness:
             outcome, error = "timeout", ""
             if self.cand is not None and self.cand.alive:
                 self.cand._gone("timeout")
-        return {"outcome": outcome, "error": error, **self._output(gone)}
+        return {"outcome": outcome, "error": error[:_ERROR_CHARS], **self._output(gone)}

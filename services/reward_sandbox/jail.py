@@ -37,8 +37,9 @@ from .harness import Harness
 NOBODY = 65534
 
 
-def warm(spec: dict[str, Any], sock: socket.socket) -> NoReturn:
-    """Entry of a freshly forked jail; never returns."""
+def warm(spec: dict[str, Any], sock: socket.socket, uid: int | None = None) -> NoReturn:
+    """Entry of a freshly forked jail; never returns. `uid`: the jail's own uid outside
+    its user namespace (namespaces tier, server running as root)."""
     tier = spec["tier"]
     failure = ""
     harness: Harness | None = None
@@ -46,7 +47,7 @@ def warm(spec: dict[str, Any], sock: socket.socket) -> NoReturn:
         syscalls.prctl(syscalls.PR_SET_PDEATHSIG, signal.SIGKILL)
         if tier != "none":
             os.setsid()
-        policy = enter(tier, spec, [sock.fileno()])
+        policy = enter(tier, spec, [sock.fileno()], uid)
         if tier != "none":
             harness = Harness(policy)
             harness.start_template(close=[sock.fileno()])
@@ -76,7 +77,8 @@ def warm(spec: dict[str, Any], sock: socket.socket) -> NoReturn:
     _wait_to_be_killed()
 
 
-def enter(tier: str, spec: dict[str, Any], keep: list[int]) -> dict[str, Any]:
+def enter(tier: str, spec: dict[str, Any], keep: list[int],
+          uid: int | None = None) -> dict[str, Any]:
     """Confine this process for `tier`; returns the policy the candidates apply.
 
     In the namespaces tier this forks: the caller's process stays outside,
@@ -86,7 +88,8 @@ def enter(tier: str, spec: dict[str, Any], keep: list[int]) -> dict[str, Any]:
                               "seccomp": tier in ("namespaces", "seccomp"), "nproc": 0,
                               "baseline_vsz": _vsz() + (32 << 20)}
     if tier == "namespaces":
-        namespaces.enter()
+        plan = namespaces.RootPlan(**spec["root"])
+        staged = namespaces.enter(uid, plan)
         pid = os.fork()
         if pid:
             for fd in keep:
@@ -94,7 +97,7 @@ def enter(tier: str, spec: dict[str, Any], keep: list[int]) -> dict[str, Any]:
             os.waitpid(pid, 0)
             _wait_to_be_killed()
         syscalls.prctl(syscalls.PR_SET_PDEATHSIG, signal.SIGKILL)
-        namespaces.build_root(namespaces.RootPlan(**spec["root"]))
+        namespaces.build_root(plan, staged)
         # Root of the new user namespace needed its capabilities to build the
         # root; nothing after this does (the harness runs client assert programs).
         syscalls.drop_capabilities()

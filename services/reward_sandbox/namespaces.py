@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import glob
 import os
+import signal
 import sys
 from dataclasses import asdict, dataclass, field
 
@@ -28,6 +29,7 @@ from . import syscalls
 ALL_FLAGS = (syscalls.CLONE_NEWUSER | syscalls.CLONE_NEWNS | syscalls.CLONE_NEWPID
              | syscalls.CLONE_NEWNET | syscalls.CLONE_NEWIPC | syscalls.CLONE_NEWUTS)
 _NEW_ROOT = "/tmp"
+_STAGE = "/var/tmp"
 _DEVICES = ("null", "zero", "full", "random", "urandom")
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
 _SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/localtime")
@@ -72,17 +74,64 @@ def plan_root(tmp_bytes: int, tmp_inodes: int) -> RootPlan:
     return plan
 
 
-def enter() -> None:
-    """Unshare every namespace; the next fork becomes PID 1 of the new PID namespace."""
+def enter(outside_id: int | None = None, plan: RootPlan | None = None) -> dict[str, str]:
+    """Unshare every namespace; the next fork becomes PID 1 of the new PID namespace.
+
+    Root inside is the caller's own uid outside, or `outside_id` when given: a
+    server running as root must give each jail an unprivileged uid of its own,
+    because the kernel never applies RLIMIT_NPROC to processes of the real root
+    uid, so a job's process and thread cap would not hold. Returns where
+    `build_root` finds the plan's directories that uid could not reach itself.
+    """
+    staged: dict[str, str] = {}
+    if outside_id is not None:
+        staged = _stage_unreachable(plan.dirs if plan is not None else [])
+        os.setgroups([])
+        os.setresgid(outside_id, outside_id, outside_id)
+        os.setresuid(outside_id, outside_id, outside_id)
+        # A change of credentials clears the parent-death signal and makes the
+        # process non-dumpable (its /proc files root's); the jail turns dumpable
+        # off again once confined.
+        syscalls.prctl(syscalls.PR_SET_PDEATHSIG, signal.SIGKILL)
+        syscalls.prctl(syscalls.PR_SET_DUMPABLE, 1)
     uid, gid = os.geteuid(), os.getegid()
     syscalls.unshare(ALL_FLAGS)
     _write("/proc/self/setgroups", "deny")
     _write("/proc/self/uid_map", f"0 {uid} 1")
     _write("/proc/self/gid_map", f"0 {gid} 1")
+    return staged
 
 
-def build_root(plan: RootPlan) -> None:
-    """Pivot into a fresh minimal root; leaves the process in /tmp."""
+def _searchable_by_anyone(path: str) -> bool:
+    parts = os.path.abspath(path).split("/")
+    return all(os.stat("/" + "/".join(parts[1:i])).st_mode & 0o001
+               for i in range(1, len(parts) + 1))
+
+
+def _stage_unreachable(dirs: list[str]) -> dict[str, str]:
+    """While still root: bind each directory an unprivileged uid cannot reach (the
+    Python installation below /root, say) under a world-searchable tmpfs, in a
+    private mount namespace the jail's own namespaces then copy."""
+    hidden = [d for d in dirs if not _searchable_by_anyone(d)]
+    if not hidden:
+        return {}
+    syscalls.unshare(syscalls.CLONE_NEWNS)
+    syscalls.mount(None, "/", None, syscalls.MS_REC | syscalls.MS_PRIVATE)
+    syscalls.mount("tmpfs", _STAGE, "tmpfs", syscalls.MS_NOSUID | syscalls.MS_NODEV,
+                   "size=64k,nr_inodes=64,mode=0755")
+    staged = {}
+    for i, path in enumerate(hidden):
+        target = f"{_STAGE}/{i}"
+        os.mkdir(target)
+        syscalls.mount(path, target, None, syscalls.MS_BIND | syscalls.MS_REC)
+        staged[path] = target
+    return staged
+
+
+def build_root(plan: RootPlan, staged: dict[str, str] | None = None) -> None:
+    """Pivot into a fresh minimal root; leaves the process in /tmp. `staged`: where
+    `enter` put directories the jail's uid could not reach."""
+    staged = staged or {}
     syscalls.mount(None, "/", None, syscalls.MS_REC | syscalls.MS_PRIVATE)
     new = _NEW_ROOT
     syscalls.mount("tmpfs", new, "tmpfs", syscalls.MS_NOSUID | syscalls.MS_NODEV,
@@ -90,7 +139,7 @@ def build_root(plan: RootPlan) -> None:
     for path in plan.dirs:
         target = new + path
         os.makedirs(target, exist_ok=True)
-        syscalls.mount(path, target, None, syscalls.MS_BIND | syscalls.MS_REC)
+        syscalls.mount(staged.get(path, path), target, None, syscalls.MS_BIND | syscalls.MS_REC)
         syscalls.remount_readonly(target)
     for path in plan.files:
         target = new + path

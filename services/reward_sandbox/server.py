@@ -4,7 +4,8 @@ No Redis, no model, no torch. Start-up: load the config, start the zygote,
 which detects the isolation tier; health turns SERVING only then. The tier is
 printed, returned by the `Info` RPC and in every ExecuteResponse, and published
 as a health entry named `marl.v1.Sandbox/isolation=<tier>` (SERVING), so a
-plain health probe can check it. The server makes itself non-dumpable so a job
+plain health probe can check it. With `--http-port` (`http_port`) the same jobs
+are also taken over HTTP as SandboxFusion's `POST /run_code` (see `http_api`). The server makes itself non-dumpable so a job
 running under the same uid cannot read its memory or /proc/<pid>/environ.
 
 MARL_SANDBOX_SABOTAGE=1 switches every protection off (see `naive`); it exists
@@ -22,11 +23,13 @@ import tempfile
 
 from grpc_health.v1 import health_pb2
 
+from marl.http_server import HttpServer
+from marl.service_config import load_sandbox
 from marl.serving import ServiceHost, configure_logging, serve_until_stopped
 from marl.v1 import sandbox_pb2, sandbox_pb2_grpc
 
-from . import syscalls
-from .config import SandboxConfig, load_config
+from . import http_api, syscalls
+from .config import SandboxConfig
 from .executor import Executor
 from .service import SandboxService
 from .zygote import ZygoteClient
@@ -61,6 +64,11 @@ async def serve(cfg: SandboxConfig, host: str, port: int) -> None:
     scratch_root = cfg.scratch_root or tempfile.mkdtemp(prefix="marl-sandbox-")
     os.makedirs(scratch_root, exist_ok=True)
     os.chmod(scratch_root, 0o711)
+    http = None
+    if cfg.http_port is not None:  # SandboxFusion's POST /run_code, same admission and jails
+        http = HttpServer(host, cfg.http_port)
+        http_api.add_routes(http, service)
+        await http.start()
 
     async def ready() -> None:
         report = await zygote.start()
@@ -74,6 +82,8 @@ async def serve(cfg: SandboxConfig, host: str, port: int) -> None:
                                       health_pb2.HealthCheckResponse.SERVING)
 
     async def on_stop() -> None:
+        if http is not None:
+            await http.stop()
         zygote.close()
         if own_scratch:
             shutil.rmtree(scratch_root, ignore_errors=True)
@@ -81,21 +91,24 @@ async def serve(cfg: SandboxConfig, host: str, port: int) -> None:
     await serve_until_stopped(service_host, ready=ready, on_stop=on_stop)
 
 
-def run(port: int, host: str = "127.0.0.1", config_path: str | None = None) -> None:
-    """Serve until SIGTERM/SIGINT; blocking."""
-    cfg = load_config(config_path)
+def run(port: int | None = None, host: str | None = None, config_path: str | None = None,
+        http_port: int | None = None) -> None:
+    """Serve until SIGTERM/SIGINT; blocking. Arguments win over the file and MARL_SANDBOX_*."""
+    cfg = load_sandbox(config_path, port=port, host=host, http_port=http_port)
     configure_logging("sandbox")
-    asyncio.run(serve(cfg, host, port))
+    asyncio.run(serve(cfg, cfg.host, cfg.port))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.reward_sandbox.server")
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--config", default=None)
+    parser.add_argument("--port", type=int, default=None, help="default: the config's, else free")
+    parser.add_argument("--host", default=None, help="default: the config's, else 127.0.0.1")
+    parser.add_argument("--config", default=None, help="YAML with marl.service_config fields")
+    parser.add_argument("--http-port", type=int, default=None,
+                        help="serve SandboxFusion's POST /run_code on this port (0: a free one)")
     args = parser.parse_args(argv)
     try:
-        run(args.port, args.host, args.config)
+        run(args.port, args.host, args.config, args.http_port)
     except ValueError as e:
         print(f"error: {e}")
         return 2

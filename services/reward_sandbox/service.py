@@ -4,26 +4,39 @@ Malformed requests are refused with INVALID_ARGUMENT naming the field. At most
 `max_concurrency` jobs run and `max_queue` wait; anything beyond is refused at
 once with RESOURCE_EXHAUSTED, never queued without bound. A job's time is
 bounded by its tests' timeouts and by the client's deadline, and a cancelled
-call kills its job (see `executor`).
+call kills its job (see `executor`). `run_job` is that admission, shared with the
+SandboxFusion HTTP front end (`http_api`), so both protocols fill the same slots
+and are refused the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 
+from marl.prometheus_metrics import SANDBOX_VERDICTS
 from marl.v1 import sandbox_pb2, sandbox_pb2_grpc
 
 from . import jobspec, tiers
 from .config import SandboxConfig
-from .executor import Executor
+from .executor import Executor, JobResult
+from .jobspec import Job
 from .zygote import ZygoteError
 
 log = logging.getLogger(__name__)
 _DEADLINE_MARGIN = 0.1
+
+
+class SandboxStarting(Exception):
+    """No job can run yet: the zygote is still detecting the tier."""
+
+
+class SandboxBusy(Exception):
+    """Every slot is taken and the queue is full; the caller should retry later."""
 
 
 class SandboxService(sandbox_pb2_grpc.SandboxServicer):
@@ -39,33 +52,50 @@ class SandboxService(sandbox_pb2_grpc.SandboxServicer):
         self.executor = executor
         self.report = report
 
+    async def run_job(self, job: Job,
+                      time_left: Callable[[], float | None] = lambda: None) -> JobResult:
+        """Run a validated job under admission control; `time_left` is asked once a slot is free.
+
+        Raises SandboxStarting, SandboxBusy (refused at once, never queued past
+        `max_queue`) or ZygoteError (the job was lost with its zygote).
+        """
+        if self.executor is None:
+            raise SandboxStarting("sandbox is still starting")
+        if self.admitted >= self.cfg.max_concurrency + self.cfg.max_queue:
+            raise SandboxBusy(f"sandbox busy: {self.cfg.max_concurrency} jobs running and "
+                              f"{self.cfg.max_queue} queued; retry later")
+        self.admitted += 1
+        try:
+            async with self.slots:
+                assert self.executor is not None
+                result = await self.executor.run(job, time_left())
+        finally:
+            self.admitted -= 1
+        for r in result.results:
+            SANDBOX_VERDICTS.labels(r.verdict).inc()
+        return result
+
     async def Execute(self, request: sandbox_pb2.ExecuteRequest,
                       context: grpc.aio.ServicerContext) -> sandbox_pb2.ExecuteResponse:
         try:
             job = jobspec.parse(request, self.cfg)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if self.executor is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "sandbox is still starting")
-        if self.admitted >= self.cfg.max_concurrency + self.cfg.max_queue:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"sandbox busy: {self.cfg.max_concurrency} jobs running and "
-                f"{self.cfg.max_queue} queued; retry later")
-        self.admitted += 1
+
+        def time_left() -> float | None:
+            remaining = context.time_remaining()
+            return None if remaining is None else remaining - _DEADLINE_MARGIN
+
         try:
-            async with self.slots:
-                remaining = context.time_remaining()
-                time_left = None if remaining is None else remaining - _DEADLINE_MARGIN
-                assert self.executor is not None
-                try:
-                    result = await self.executor.run(job, time_left)
-                except ZygoteError as e:
-                    log.error("job lost: %s", e)
-                    await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                        f"{e}; it is being restarted, retry the call")
-        finally:
-            self.admitted -= 1
+            result = await self.run_job(job, time_left)
+        except SandboxStarting as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except SandboxBusy as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except ZygoteError as e:
+            log.error("job lost: %s", e)
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"{e}; it is being restarted, retry the call")
         return sandbox_pb2.ExecuteResponse(
             results=[sandbox_pb2.TestResult(verdict=sandbox_pb2.Verdict.Value(r.verdict),
                                             stdout=r.stdout, stderr=r.stderr,

@@ -86,8 +86,8 @@ class FrameReader:
                     del self.buf[:_HEADER.size + size]
                     try:
                         return json.loads(data)
-                    except ValueError as e:
-                        raise FrameError(f"malformed frame: {e}") from None
+                    except (ValueError, RecursionError) as e:
+                        raise FrameError(f"malformed frame: {type(e).__name__}") from None
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready, _, _ = select.select([self.fd], [], [], wait)
             if not ready:

@@ -14,6 +14,7 @@ behind is re-parented to it and reaped, and it dies with the server.
 from __future__ import annotations
 
 import asyncio
+import collections
 import gc
 import itertools
 import json
@@ -29,6 +30,8 @@ from typing import Any
 from . import wire
 
 MARKER = "marl-sandbox-zygote"
+JAIL_UID_BASE = 990_000
+"""First of the uids the jails run as when the server is root (namespaces tier)."""
 _ROOT = str(Path(__file__).resolve().parents[2])
 _PRELOAD = ("array", "bisect", "collections", "copy", "dataclasses", "datetime", "decimal",
             "fractions", "functools", "hashlib", "heapq", "itertools", "math", "operator",
@@ -78,7 +81,7 @@ def main() -> None:
         ready, _, _ = select.select([ctl.fileno(), wake_r], [], [])
         if wake_r in ready:
             os.read(wake_r, 512)
-            _reap(pool.jobs)
+            pool.reap()
         if ctl.fileno() in ready:
             got = wire.recv_msg(ctl)
             if got is None:
@@ -103,11 +106,18 @@ class _Pool:
         self.jobs: set[int] = set()
         self.wake_fds: tuple[int, int] = (-1, -1)
         self.devnull = os.open(os.devnull, os.O_RDWR)
+        # A uid per live jail when root in the namespaces tier (see namespaces.enter);
+        # freed uids go to the back of the line so a dying jail's is not reused at once.
+        self.own_uids = spec["tier"] == "namespaces" and os.geteuid() == 0
+        self.free_uids: collections.deque[int] = collections.deque()
+        self.uids_made = 0
+        self.uid_of: dict[int, int] = {}
 
     def fork_jail(self) -> None:
         from . import jail
 
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        uid = self._take_uid() if self.own_uids else None
         pid = os.fork()
         if pid == 0:
             self.ctl.close()
@@ -120,10 +130,18 @@ class _Pool:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             for fd in (0, 1, 2):
                 os.dup2(self.devnull, fd)
-            jail.warm(self.spec, theirs)
+            jail.warm(self.spec, theirs, uid)
         theirs.close()
         self.jobs.add(pid)
+        if uid is not None:
+            self.uid_of[pid] = uid
         self.idle.append((pid, mine))
+
+    def _take_uid(self) -> int:
+        if len(self.free_uids) > 4:
+            return self.free_uids.popleft()
+        self.uids_made += 1
+        return JAIL_UID_BASE + self.uids_made - 1
 
     def refill(self) -> None:
         while len(self.idle) < self.size:
@@ -147,16 +165,17 @@ class _Pool:
             for fd in fds:
                 os.close(fd)
 
-
-def _reap(jobs: set[int]) -> None:
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        jobs.discard(pid)
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.jobs.discard(pid)
+            if pid in self.uid_of:
+                self.free_uids.append(self.uid_of.pop(pid))
 
 
 def _killpg(pid: int) -> None:
@@ -261,10 +280,14 @@ class ZygoteClient:
             except BlockingIOError:
                 await asyncio.sleep(0.001)
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout=30)
+            # Not asyncio.wait_for: on Python 3.11 it returns the result instead of
+            # raising when the caller is cancelled just as the pid arrives, so a
+            # cancelled call would go on running its job to the time limit.
+            async with asyncio.timeout(30):
+                return await asyncio.shield(fut)
         except BaseException:
-            # The caller gave up before the pid arrived: kill the jail when it does,
-            # or it would wait forever for a server that no longer reads it.
+            # The caller gave up before it got the pid: kill the jail once the pid is
+            # known (at once if it already is), or it runs on with no one reading it.
             fut.add_done_callback(_kill_spawned)
             raise
 

@@ -1,41 +1,88 @@
-"""One episode's plumbing: a role turn goes through the chat template to inference.
+"""One episode's runtime: a role turn goes through the chat template to inference.
 
-Workflows only call `turn(role, slot, messages)`; this records every turn's
+Workflows (`marl/workflows/`) only call `turn(role, slot, messages)`; this
+renders the messages, checks the prompt against its cap, picks the role's
+adapter version, derives the turn's sampling seed, and records every turn's
 token ids, sampling log-probs, finish reason and serving adapter version.
 """
 
 from __future__ import annotations
 
+import hashlib
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 
 from marl.rollout import AdapterRef, Task, Turn
 from marl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from marl.workflows.base import Caps, EpisodeError
 
 GENERATE_DEADLINE_S = 600.0
 
 
-class EpisodeError(RuntimeError):
-    """The episode could not be completed (no replica could serve a turn)."""
+class PromptTooLong(EpisodeError):
+    """A rendered role prompt is over the workflow's prompt cap."""
+
+
+class NoReplica(EpisodeError):
+    """No inference replica could serve the turn."""
+
+
+def turn_seed(task: Task, role: str, slot: int, nth: int) -> int:
+    """A nonzero 63-bit sampling seed from the run seed and the task (not the run id, which
+    is random per submission), the role, the slot and the n-th turn of that role slot."""
+    key = f"{task.seed}:{task.kind}:{task.step}:{task.problem.id}:{task.sample}:{role}:{slot}:{nth}"
+    value = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") & (2**63 - 1)
+    return value or 1
 
 
 class Episode:
-    def __init__(self, task: Task, tokenizer: Any, stubs: list[inference_pb2_grpc.InferenceStub]):
+    def __init__(
+        self,
+        task: Task,
+        tokenizer: Any,
+        stubs: list[inference_pb2_grpc.InferenceStub],
+        caps: Caps,
+        oracle: Callable[[str], Awaitable[bool]] | None = None,
+    ):
         self.task = task
         self.tokenizer = tokenizer
         self.stubs = stubs
         self.turns: list[Turn] = []
+        self._caps = caps
+        self._facts: dict[str, float] = {}
+        self._oracle = oracle
         self._next = 0
+        self._started: dict[tuple[str, int], int] = {}
 
-    def caps(self, name: str, default: int) -> int:
-        return int(self.task.caps.get(name, default))
+    @property
+    def caps(self) -> Caps:
+        return self._caps
+
+    @property
+    def facts(self) -> dict[str, float]:
+        return self._facts
+
+    async def correct(self, answer: str) -> bool:
+        if self._oracle is None:
+            raise EpisodeError("this episode has no scorer for `correct`")
+        return await self._oracle(answer)
+
+    async def openai_base_url(self) -> str:
+        """An OpenAI-compatible endpoint whose chat calls are this episode's role turns."""
+        from services.workflow import openai_proxy
+
+        return await openai_proxy.base_url(self)
 
     def render(self, messages: list[dict[str, str]]) -> list[int]:
-        if getattr(self.tokenizer, "chat_template", None):
+        if self.task.chat_template and getattr(self.tokenizer, "chat_template", None):
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
+                messages,
+                add_generation_prompt=True,
+                tokenize=False,
+                **self.task.chat_template_kwargs,
             )
         else:
             text = "\n\n".join(m["content"] for m in messages) + "\n\n"
@@ -44,8 +91,19 @@ class Episode:
     async def turn(self, role: str, slot: int, messages: list[dict[str, str]]) -> str:
         ref = self.task.adapters.get(role)
         if ref is None:
-            raise EpisodeError(f"task has no adapter for role {role!r}")
+            raise ValueError(
+                f"role {role!r} is not a role of workflow {self.task.workflow!r} "
+                f"(roles: {', '.join(self.task.adapters)})"
+            )
+        nth = self._started.get((role, slot), 0)
+        self._started[(role, slot)] = nth + 1
         prompt_ids = self.render(messages)
+        if len(prompt_ids) > self._caps.prompt_tokens:
+            raise PromptTooLong(
+                f"the {role} prompt (slot {slot}) is {len(prompt_ids)} tokens, over the "
+                f"{self.task.problem.task} prompt cap of {self._caps.prompt_tokens} "
+                f"(caps.prompt_tokens_{self.task.problem.task})"
+            )
         request = inference_pb2.GenerateRequest(
             prompt_token_ids=prompt_ids,
             adapter=common_pb2.AdapterRef(name=ref.name, version=ref.version),
@@ -53,10 +111,13 @@ class Episode:
                 max_tokens=self.task.max_tokens,
                 temperature=self.task.temperature,
                 top_p=self.task.top_p,
+                seed=turn_seed(self.task, role, slot, nth),
             ),
             request_id=f"{self.task.id}:{role}:{slot}:{uuid.uuid4().hex[:6]}",
         )
         last_error: grpc.aio.AioRpcError | None = None
+        if not self.stubs:
+            raise NoReplica("no live inference replica is registered")
         for attempt in range(len(self.stubs)):
             stub = self.stubs[(self._next + attempt) % len(self.stubs)]
             try:
@@ -70,7 +131,7 @@ class Episode:
                     raise
                 last_error = err
         else:
-            raise EpisodeError(
+            raise NoReplica(
                 f"no inference replica could serve {ref.name}@{ref.version}: {last_error}"
             )
         self._next += 1

@@ -9,6 +9,8 @@ import uuid
 import grpc
 
 from marl import streams
+from marl.http_server import HttpServer
+from marl.prometheus_metrics import INFLIGHT_EPISODES
 from marl.rollout import Task
 from marl.serving import ServiceHost, configure_logging, serve_until_stopped
 from marl.v1 import workflow_pb2, workflow_pb2_grpc
@@ -43,13 +45,23 @@ class WorkflowService(workflow_pb2_grpc.WorkflowServicer):
 
 
 async def _serve(
-    port: int, host: str, redis_url: str, sandbox: str | None, concurrency: int
+    port: int,
+    host: str,
+    redis_url: str,
+    sandbox: str | None,
+    concurrency: int,
+    http_port: int | None = None,
 ) -> None:
     name = workflow_pb2.DESCRIPTOR.services_by_name["Workflow"].full_name
     server = ServiceHost([name], host, port)
     r = streams.connect(redis_url)
     runner = EpisodeRunner(r, f"workflow-{uuid.uuid4().hex[:8]}", sandbox)
     workflow_pb2_grpc.add_WorkflowServicer_to_server(WorkflowService(runner), server.server)
+    INFLIGHT_EPISODES.set_function(lambda: runner.stats.in_flight)
+    http = None
+    if http_port is not None:  # Prometheus /metrics
+        http = HttpServer(host, http_port)
+        await http.start()
 
     async def ready() -> None:
         from marl.rewards import math as math_reward
@@ -61,6 +73,8 @@ async def _serve(
         await work_loop(runner, concurrency=concurrency)
 
     async def on_stop() -> None:
+        if http is not None:
+            await http.stop()
         await runner.close()
         await r.aclose()
 
@@ -73,6 +87,7 @@ def run(
     host: str = "127.0.0.1",
     sandbox: str | None = None,
     concurrency: int = 512,
+    http_port: int | None = None,
 ) -> None:
     configure_logging("workflow")
-    asyncio.run(_serve(port, host, redis_url, sandbox, concurrency))
+    asyncio.run(_serve(port, host, redis_url, sandbox, concurrency, http_port))

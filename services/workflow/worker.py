@@ -2,8 +2,11 @@
 
 XREADGROUP a task -> run its workflow -> score the final answer -> XADD the
 rollout -> XACK. Tasks a dead worker left pending are claimed after
-`claim_idle_s`. An episode that fails still returns a rollout (reward 0, the
-error recorded), so a step never waits for a task that cannot succeed.
+`claim_idle_s`. An episode that could not run (see `could_not_run`: inference
+unreachable, no replica, the sandbox down, a prompt over its cap) returns a
+rollout with `error` set, which the learner leaves out of training, so a step
+never waits for a task that cannot succeed. Any other exception is a bug: it
+propagates and the task stays pending.
 """
 
 from __future__ import annotations
@@ -11,24 +14,34 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 
 from marl import replicas, streams
-from marl.data.problem import Problem
+from marl.config import SpecError, WorkflowCaps
+from marl.rewards.code import SandboxFailure
 from marl.rollout import Rollout, Task
 from marl.v1 import inference_pb2_grpc
-from services.workflow import single, voting
-from services.workflow.episode import Episode
+from marl.workflows import EpisodeError, Workflow, resolve
+from services.workflow import openai_proxy
+from services.workflow.episode import Episode, NoReplica
 
 log = logging.getLogger(__name__)
 
-WORKFLOWS: dict[str, Callable[[Episode, Problem], Awaitable[str]]] = {
-    "single": single.run,
-    "voting": voting.run,
-}
+UNREACHABLE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+)
+"""gRPC codes of a service (inference, sandbox) that did not answer."""
+
+
+def could_not_run(err: BaseException) -> bool:
+    """Whether `err` means the episode could not run (not that marl has a bug)."""
+    if isinstance(err, EpisodeError | SandboxFailure | SpecError):
+        return True
+    return isinstance(err, grpc.aio.AioRpcError) and err.code() in UNREACHABLE
 
 
 class Stats:
@@ -52,6 +65,7 @@ class EpisodeRunner:
         self._replicas: list[str] = []
         self._replicas_at = 0.0
         self._replicas_lock = asyncio.Lock()
+        self._sandbox: Any = None
 
     def tokenizer(self, model_path: str) -> Any:
         if model_path not in self._tokenizers:
@@ -67,7 +81,7 @@ class EpisodeRunner:
                 self._replicas = sorted(info["address"] for info in live.values())
                 self._replicas_at = time.monotonic()
         if not self._replicas:
-            raise RuntimeError("no live inference replica is registered in Redis")
+            raise NoReplica("no live inference replica is registered in Redis")
         out = []
         for addr in self._replicas:
             if addr not in self._channels:
@@ -75,21 +89,32 @@ class EpisodeRunner:
             out.append(inference_pb2_grpc.InferenceStub(self._channels[addr]))
         return out
 
+    def episode(self, task: Task, workflow: Workflow) -> Episode:
+        caps = workflow.caps_for(WorkflowCaps(**task.caps), task.problem.task)
+
+        async def oracle(answer: str) -> bool:
+            return await self.score(task, answer) >= 1.0
+
+        return Episode(task, self.tokenizer(task.model_path), [], caps, oracle)
+
     async def run(self, task: Task) -> Rollout:
         started = time.monotonic()
         self.stats.in_flight += 1
-        episode = Episode(task, self.tokenizer(task.model_path), [])
+        episode: Episode | None = None
         try:
+            workflow = resolve(task.workflow)
+            episode = self.episode(task, workflow)
             episode.stubs = await self.stubs()
-            workflow = WORKFLOWS.get(task.workflow)
-            if workflow is None:
-                raise ValueError(f"workflow {task.workflow!r} is not implemented by this worker")
-            final = await workflow(episode, task.problem)
+            final = await episode_run(workflow, episode, task)
             reward = await self.score(task, final)
+            facts = {**episode.facts, **await self.scoring_facts(task, final)}
             error = None
-        except Exception as err:  # the rollout records it; the learner counts it
-            log.exception("episode %s failed", task.id)
+        except Exception as err:
+            if not could_not_run(err):
+                raise
+            log.warning("episode %s could not run: %s: %s", task.id, type(err).__name__, err)
             final, reward, error = "", 0.0, f"{type(err).__name__}: {err}"
+            facts = {}
             self.stats.failed += 1
         finally:
             self.stats.in_flight -= 1
@@ -103,35 +128,64 @@ class EpisodeRunner:
             kind=task.kind,
             problem_id=task.problem.id,
             sample=task.sample,
-            turns=episode.turns if error is None else [],
+            turns=episode.turns if error is None and episode is not None else [],
             final_text=final,
             reward=reward,
             worker_id=self.worker_id,
             seconds=seconds,
             error=error,
+            facts=facts,
         )
 
     async def score(self, task: Task, final: str) -> float:
         problem = task.problem
         if problem.task == "code":
-            if self.sandbox_address is None:
-                raise RuntimeError(
-                    "a code task needs a sandbox: start the worker with --sandbox ADDR"
-                )
-            from marl.clients.sandbox import AsyncSandboxClient
             from marl.rewards import code
 
-            client = AsyncSandboxClient(self.sandbox_address)
-            return float(await code.score(final, problem.tests, client))
+            return float(await code.score(final, problem.tests, self.sandbox()))
         from marl.rewards import math as math_reward
 
         return await math_reward.score_async(
             final, problem.answer, task.format_penalty, task.math_timeout_s
         )
 
+    def sandbox(self) -> Any:
+        """The worker's one sandbox client (one channel), made on first use."""
+        if self.sandbox_address is None:
+            raise EpisodeError("a code task needs a sandbox: start the worker with --sandbox ADDR")
+        if self._sandbox is None:
+            from marl.clients.sandbox import AsyncSandboxClient
+
+            self._sandbox = AsyncSandboxClient(self.sandbox_address)
+        return self._sandbox
+
+    async def scoring_facts(self, task: Task, final: str) -> dict[str, float]:
+        """Math: whether the final answer holds the right value in any format."""
+        if task.problem.task == "code":
+            return {}
+        from marl.rewards import math as math_reward
+
+        right = await asyncio.to_thread(
+            math_reward.any_format_correct, final, task.problem.answer, task.math_timeout_s
+        )
+        return {"any_format_correct": float(right)}
+
     async def close(self) -> None:
         for ch in self._channels.values():
             await ch.close()
+        if self._sandbox is not None:
+            await self._sandbox.close()
+
+
+async def episode_run(workflow: Workflow, episode: Episode, task: Task) -> str:
+    """The workflow's final answer; a non-str answer is the workflow's bug."""
+    try:
+        final = await workflow.run(episode, task.problem)
+    finally:  # a turn through the episode's OpenAI endpoint failed: judged as turn() errors are
+        openai_proxy.raise_failure(episode)
+    if not isinstance(final, str):
+        raise TypeError(f"workflow {workflow.name!r} returned {type(final).__name__}, not str")
+    return final
 
 
 async def work_loop(

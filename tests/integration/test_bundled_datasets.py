@@ -58,7 +58,7 @@ def spec(model_dir: Path, out_dir: Path, dataset: str) -> dict[str, Any]:
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """conftest's `tiny_model_dir` (same tokenizer and architecture) left untrained."""
     from marl.demo_model import build_model, build_tokenizer
-    from services.workflow import prompts
+    from marl.workflows import prompts
 
     out = tmp_path_factory.mktemp("tiny-qwen3-untrained")
     tok = build_tokenizer([prompts.ALL_TEMPLATE_TEXT, "What is"])
@@ -125,7 +125,7 @@ def test_humaneval_run_reaches_step_one(runs: dict[str, tuple[learner_pb2.Run, P
     assert rollouts and all(r["problem_id"] in ids for r in rollouts)
     for r in rollouts:
         assert r["error"] is None
-        assert [t["role"] for t in r["turns"]] == ["solver"]
+        assert [t["role"] for t in r["turns"]] == ["generator"]
         # a code reward is a pass fraction: no format penalty, never below 0
         assert 0.0 <= r["reward"] <= 1.0
 
@@ -153,9 +153,11 @@ def test_worker_scores_humaneval_answers_in_the_cluster_sandbox(cluster: Cluster
     right = raw[problem.id]["prompt"] + raw[problem.id]["canonical_solution"]
     wrong = "def decode_cyclic(s):\n    return s\n"
 
-    async def score(answer: str) -> float:
-        return await runner.score(task, f"Here it is.\n{fence}python\n{answer}\n{fence}\n")
+    async def scores() -> list[float]:
+        answers = [f"Here it is.\n{fence}python\n{a}\n{fence}\n" for a in (right, wrong)]
+        try:  # one sandbox client (channel) for every answer the worker scores
+            return [await runner.score(task, a) for a in [*answers, "no code at all"]]
+        finally:
+            await runner.close()
 
-    assert asyncio.run(score(right)) == 1.0
-    assert asyncio.run(score(wrong)) == 0.0
-    assert asyncio.run(runner.score(task, "no code at all")) == 0.0
+    assert asyncio.run(scores()) == [1.0, 0.0, 0.0]

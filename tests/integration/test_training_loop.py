@@ -106,7 +106,9 @@ def test_two_steps_end_to_end(
 
     # the learner trained something: step-1 adapters are not the zero-B version 0
     for p in policies:
-        weights = load_file(str(out / "checkpoints" / "step_000001" / f"adapter_{p}.safetensors"))
+        weights = load_file(
+            str(out / "checkpoints" / "step_000001" / "adapters" / p / "adapter_model.safetensors")
+        )
         b = [v for k, v in weights.items() if "lora_B" in k]
         assert b and any(float(t.abs().max()) > 0 for t in b)
 
@@ -133,7 +135,12 @@ def test_served_adapter_after_step_one_differs_from_version_zero(
     # the first step whose groups carried a signal (a step where every group's rewards
     # were equal leaves the adapter at version 0 — GRPO's advantage is zero there)
     checkpoints = [
-        load_file(str(out / "checkpoints" / f"step_{step:06d}" / "adapter_shared.safetensors"))
+        load_file(
+            str(
+                out / "checkpoints" / f"step_{step:06d}" / "adapters" / "shared"
+                / "adapter_model.safetensors"
+            )
+        )
         for step in (1, 2)
     ]
     trained = [

@@ -53,6 +53,29 @@ print(made)
     assert out(result).strip() == "0"
 
 
+def test_deny_thread_bomb(server: SandboxServer, needs: Any) -> None:
+    needs("namespaces")
+    # RLIMIT_NPROC caps threads too, but the kernel never applies it to the real root
+    # uid: a server running as root must run each jail under a uid of its own.
+    code = """
+import threading
+threading.stack_size(32 * 1024)
+stop = threading.Event()
+made = 0
+for _ in range(1500):
+    try:
+        threading.Thread(target=stop.wait, daemon=True).start()
+    except (RuntimeError, MemoryError):
+        break
+    made += 1
+print(made)
+stop.set()
+"""
+    result, _ = run_alongside(server, *stdio(code))
+    # max_processes (32 by default) per job, whatever uid the server runs as
+    assert 0 <= int(out(result).strip() or "0") <= 32, out(result)
+
+
 def test_deny_memory_bomb_one_process(server: SandboxServer) -> None:
     result, _ = run_alongside(server, *stdio("x = bytes(2 << 30)\nprint('allocated')\n"))
     assert result.verdicts == ["MEMORY_LIMIT"]
@@ -485,6 +508,17 @@ def test_deny_always_equal_in_assert_program(server: SandboxServer) -> None:
     code = ALWAYS_EQUAL + "def add(a, b):\n    return Anything()\n"
     result, _ = run_alongside(server, *assert_job(code))
     assert result.verdicts == ["FAILED"]
+
+
+@pytest.mark.parametrize("program", [
+    "def check(candidate):\n    assert all(map(lambda x: candidate(x) == 2 * x, range(5)))\n",
+    "def check(candidate):\n    for got in map(candidate, range(5)):\n        assert got == 0\n",
+])
+def test_deny_candidate_stop_iteration_cuts_the_tests_loop(server: SandboxServer,
+                                                           program: str) -> None:
+    code = "def double(x):\n    raise StopIteration('wrong on purpose')\n"
+    result, _ = run_alongside(server, *assert_job(code, program, "double"))
+    assert result.pass_rate == 0.0
 
 
 def test_deny_patched_builtins(server: SandboxServer) -> None:

@@ -1,7 +1,7 @@
 """A checkpoint records where the training data order stands; a resumed run goes on from there.
 
 The learner checkpoints `{"data_position": sampler.position}` and, resuming, builds its
-sampler at the restored position over the reloaded training set (services/learner/trainer.py).
+sampler at the restored position over the reloaded training set (services/learner/trainer.py, sampler.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from marl.data import load_problems
 from marl.data.problem import Problem
 from services.learner import checkpoint
 from services.learner.policy import MultiAdapterPolicy
-from services.learner.trainer import DataSampler
+from services.learner.sampler import DataSampler
 
 SEED = 3
 PER_STEP = 2

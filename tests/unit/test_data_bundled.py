@@ -11,7 +11,7 @@ from marl.config import DataSpec, RunSpec, parse_spec, task_of_dataset
 from marl.data import arithmetic, deepcoder, humaneval, load_problems
 from marl.data.problem import Problem
 from marl.rewards.code import python_blocks
-from services.workflow import prompts
+from marl.workflows import prompts
 
 FENCE = "```"
 
@@ -54,7 +54,7 @@ def test_humaneval_has_164_problems_with_assert_program_tests() -> None:
 
 def test_humaneval_roles_are_told_the_answer_format_once() -> None:
     for p in humaneval.load():
-        for messages in (prompts.solver(p), prompts.aggregator(p, ["a", "b"])):
+        for messages in (prompts.generator(p), prompts.aggregator(p, ["a", "b"])):
             (message,) = messages
             assert message["content"].count(prompts.CODE_INSTRUCTION) == 1
             assert message["content"].count("fenced") == 1
@@ -67,7 +67,7 @@ def test_a_prompt_ending_in_starter_code_keeps_its_fence_closed() -> None:
     problem = Problem(id="s", prompt=deepcoder.prompt("Return x.", starter, [{}]), task="code",
                       tests=[{}])
     assert problem.prompt.endswith(FENCE)
-    for (message,) in (prompts.solver(problem), prompts.aggregator(problem, ["a"])):
+    for (message,) in (prompts.generator(problem), prompts.aggregator(problem, ["a"])):
         assert python_blocks(message["content"]) == [starter]
 
 
@@ -105,6 +105,10 @@ def test_arithmetic_keeps_its_own_split() -> None:
     train, val = arithmetic.split(7)
     assert load_problems(spec, "train", seed=7) == train
     assert load_problems(spec, "val", seed=7) == val
+    other_train, other_val = arithmetic.split(1)
+    assert other_val == val and other_train != train
+    assert sorted(p.id for p in other_train) == sorted(p.id for p in train)
+    assert not {p.id for p in val} & {p.id for p in train}
 
 
 def test_a_run_can_name_the_bundled_sets() -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from marl.rollout import AdapterRef, Rollout, Turn
-from services.learner.grpo import clipped_loss, group_advantages, token_logprobs
+from services.learner.grpo import clipped_loss, group_advantages, token_logprobs, token_weights
 from services.learner.sequences import build_sequences, collate
 
 
@@ -69,10 +69,29 @@ def test_clipped_loss_by_hand() -> None:
     expected = (max(-r1, -1.28) + max(-r2, -0.8) + 2.0) / 3
     assert float(loss) == pytest.approx(expected)
     assert stats.clip_fraction == pytest.approx(1 / 3)
+    assert (stats.clipped_high, stats.clipped_low) == (1, 0)
     assert stats.tokens == 3
 
 
-def test_clipped_loss_gradient_is_token_mean_over_given_count() -> None:
+def test_clipped_loss_clips_below_with_a_negative_advantage() -> None:
+    # ratio e^-0.5 = 0.6065 < 0.8 with A = -1: max(0.6065, 0.8) = 0.8, clipped (no gradient)
+    logp = torch.tensor([[-0.5, 0.1]], requires_grad=True)
+    loss, stats = clipped_loss(
+        logp, torch.zeros((1, 2)), torch.tensor([[-1.0, -1.0]]), torch.ones((1, 2)), 0.2, 0.28
+    )
+    assert float(loss.detach()) == pytest.approx((0.8 + math.exp(0.1)) / 2)
+    assert (stats.clipped_low, stats.clipped_high) == (1, 0)
+    loss.backward()
+    assert logp.grad is not None
+    assert logp.grad[0].tolist() == pytest.approx([0.0, math.exp(0.1) / 2])
+
+
+def test_token_weights_by_hand() -> None:
+    assert token_weights([2, 6], "token_mean") == pytest.approx([1 / 8, 1 / 8])
+    assert token_weights([2, 6], "seq_mean_token_mean") == pytest.approx([1 / 4, 1 / 12])
+
+
+def test_clipped_loss_gradient_follows_the_given_weights() -> None:
     logp = torch.zeros((1, 2), requires_grad=True)
     loss, _ = clipped_loss(
         logp,
@@ -81,10 +100,10 @@ def test_clipped_loss_gradient_is_token_mean_over_given_count() -> None:
         torch.ones((1, 2)),
         0.2,
         0.28,
-        token_count=4,
+        weights=torch.full((1, 2), 0.25),
     )
     loss.backward()
-    # d/dlogp of -A * exp(logp - old) at ratio 1 = -A, divided by 4 tokens
+    # d/dlogp of -A * exp(logp - old) at ratio 1 = -A, times the weight 1/4
     assert logp.grad is not None
     assert logp.grad.tolist() == [[-0.5, -0.5]]
 

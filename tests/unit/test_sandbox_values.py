@@ -91,3 +91,20 @@ def test_verdict_maps_outcomes() -> None:
     assert judge.verdict("assert", "timeout") == "TIMEOUT"
     assert judge.verdict("call", "not_plain") == "FAILED"
     assert judge.verdict("stdio", "something new") == "SANDBOX_ERROR"
+
+
+@pytest.mark.parametrize(("got", "expected"), [
+    (10**400, 1.5), (1.5, 10**400), (-(10**400), float("-inf")), ([10**400], [0.5]),
+    ({"a": 10**309}, {"a": 1e308}),
+])
+def test_value_judge_gives_a_verdict_for_ints_past_float_range(got: object,
+                                                               expected: object) -> None:
+    assert judge.values_equal(got, expected) is False
+    assert judge.verdict("call", "ok", value=got, expected=expected) == "FAILED"
+
+
+def test_value_judge_fails_a_nesting_too_deep_to_compare() -> None:
+    deep: list[object] = []
+    for _ in range(100_000):
+        deep = [deep]
+    assert judge.values_equal(deep, [[]]) is False

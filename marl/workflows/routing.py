@@ -1,27 +1,27 @@
-"""Which roles each workflow has, and which adapter (policy) serves each role."""
+"""Which adapter (policy) serves each role of a run's workflow."""
 
 from __future__ import annotations
 
 from marl.config import RunSpec, SpecError
+from marl.workflows.registry import resolve
 
-WORKFLOW_ROLES: dict[str, tuple[str, ...]] = {
-    "single": ("solver",),
-    "voting": ("generator", "aggregator"),
-    "eval_opt": ("generator", "evaluator"),
-    "orch_workers": ("orchestrator", "worker", "synthesizer"),
-}
-IMPLEMENTED = ("single", "voting")
+RENAMED_ROLES = {"single": {"solver": "generator"}}
+"""Roles renamed since earlier versions, refused by name with the new one."""
 
 
 def policy_of_role(spec: RunSpec) -> dict[str, str]:
-    """Role -> policy (adapter) name. Shared: one for all; isolated: one per role type."""
-    if spec.workflow not in IMPLEMENTED:
-        raise SpecError(
-            f"field `workflow`: {spec.workflow!r} is not available yet; choose one of "
-            f"{', '.join(IMPLEMENTED)}"
-        )
-    roles = WORKFLOW_ROLES[spec.workflow]
+    """Role -> policy (adapter) name. Shared: one for all; isolated: one per role type.
+
+    Also the submit-time check of the spec's workflow: importable, a Workflow, and
+    every one of its roles covered by `policy_groups`."""
+    roles = resolve(spec.workflow).roles
     if spec.policy_groups is not None:
+        for old, new in RENAMED_ROLES.get(spec.workflow, {}).items():
+            if old in spec.policy_groups:
+                raise SpecError(
+                    f"field `policy_groups.{old}`: the {spec.workflow} workflow's role "
+                    f"`{old}` is now called `{new}`; rename the key"
+                )
         unknown = sorted(set(spec.policy_groups) - set(roles))
         missing = [r for r in roles if r not in spec.policy_groups]
         if unknown or missing:

@@ -1,0 +1,1 @@
+"""Role drift diagnostics: trajectory signatures from transcripts, alarms from metric series."""

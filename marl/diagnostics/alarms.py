@@ -1,0 +1,262 @@
+"""Role drift alarms over a run's metric records: fire before the accuracy cliff (paper §4-5).
+
+Pure functions over the records `metrics.jsonl` holds (`{"step": n, "role/<role>/chi2": ...}`),
+with thresholds from the RunSpec's `alarms` section. The paper's point is that aggregate
+accuracy hides role drift until a late cliff, so each alarm reads one role's own series:
+
+- `gradient_amplification` (§5.1, Fig. 6a, Table 2): a parallel role's χ² or perplexity,
+  normalised to its first logged value, reaches `amplification_ratio` and
+  `amplification_margin` times every other role's ratio of the same signal;
+- `sp_role_capture` (§5.2, Tables 5-6): a role's output shape moves toward another
+  role's: its median length grows `capture_length_ratio`-fold while closing the gap to a
+  longer role, the aggregator loses its terseness, the evaluator starts writing code
+  fences, or (shared adapters) its gradient-mass share rises past one half;
+- `entropy_collapse` (§4.2, Fig. 5): a role's token entropy falls below
+  `(1 - entropy_drop)` times its first value;
+- `accuracy_cliff`: validation accuracy falls `cliff_drop` below its best so far.
+
+An alarm is reported at its onset: the step its condition turns true after being false
+(or never evaluated), so a run that stays drifted is not re-alarmed every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from marl.config import AlarmSpec
+
+Record = dict[str, Any]
+
+EPS = 1e-9
+"""Slack on differences of rates, so 0.60 - 0.55 meets a 0.05 threshold despite float rounding."""
+
+
+@dataclass(frozen=True)
+class Alarm:
+    mechanism: str
+    """gradient_amplification | sp_role_capture | entropy_collapse | accuracy_cliff."""
+    role: str
+    """The drifting role; `all` for validation accuracy."""
+    step: int
+    evidence: str
+    """The numbers that crossed the threshold, in words."""
+
+    def __str__(self) -> str:
+        return f"{self.mechanism}[{self.role}]@{self.step}: {self.evidence}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def series(records: Sequence[Record], key: str) -> list[tuple[int, float]]:
+    """(step, value) of every record that logs `key`."""
+    return [(int(r["step"]), float(r[key])) for r in records if r.get(key) is not None]
+
+
+def roles(records: Sequence[Record]) -> list[str]:
+    found = {k.split("/")[1] for r in records for k in r if k.startswith(("role/", "sig/"))}
+    return sorted(found)
+
+
+def _first_positive(s: list[tuple[int, float]]) -> float | None:
+    return next((v for _, v in s if v > 0), None)
+
+
+def _current(records: Sequence[Record], key: str) -> list[tuple[int, float]] | None:
+    """The key's series if the last record logs it (the check applies at this step)."""
+    if not records or records[-1].get(key) is None:
+        return None
+    return series(records, key)
+
+
+def _amplification(
+    records: Sequence[Record], spec: AlarmSpec, parallel: Collection[str] | None
+) -> Iterator[tuple[str, Alarm | None]]:
+    step = int(records[-1]["step"])
+    for signal in ("chi2", "perplexity"):
+        ratios: dict[str, float] = {}
+        for role in roles(records):
+            s = _current(records, f"role/{role}/{signal}")
+            first = None if s is None else _first_positive(s)
+            if s is not None and first is not None and len(s) >= spec.min_points:
+                ratios[role] = s[-1][1] / first
+        if len(ratios) < 2:
+            continue
+        for role, ratio in ratios.items():
+            if parallel is not None and role not in parallel:
+                continue
+            others = max(v for r, v in ratios.items() if r != role)
+            fire = ratio >= spec.amplification_ratio and ratio >= spec.amplification_margin * others
+            yield (
+                f"gradient_amplification/{role}/{signal}",
+                Alarm(
+                    "gradient_amplification",
+                    role,
+                    step,
+                    f"{signal} {ratio:.2f}x its first value vs at most {others:.2f}x "
+                    "for the other roles",
+                )
+                if fire
+                else None,
+            )
+
+
+def _length_capture(
+    records: Sequence[Record], spec: AlarmSpec
+) -> Iterator[tuple[str, Alarm | None]]:
+    step = int(records[-1]["step"])
+    lengths: dict[str, list[tuple[int, float]]] = {}
+    for role in roles(records):
+        for key in (f"sig/{role}/len_p50", f"role/{role}/response_len_p50"):
+            s = _current(records, key)
+            if s is not None and len(s) >= spec.min_points and s[0][1] > 0:
+                lengths[role] = s
+                break
+    for role, s in lengths.items():
+        first, now = s[0][1], s[-1][1]
+        fired = None
+        for other, o in lengths.items():
+            o_first, o_now = o[0][1], o[-1][1]
+            if (
+                other != role
+                and o_first > first
+                and now >= spec.capture_length_ratio * first
+                and abs(o_now - now) < o_first - first
+            ):
+                fired = Alarm(
+                    "sp_role_capture",
+                    role,
+                    step,
+                    f"median length {first:.0f} -> {now:.0f} tokens "
+                    f"({now / first:.2f}x), toward {other}'s {o_now:.0f}",
+                )
+                break
+        yield f"sp_role_capture/{role}/length", fired
+
+
+def _shift(
+    records: Sequence[Record],
+    spec: AlarmSpec,
+    key: str,
+    sign: float,
+    threshold: float,
+    what: str,
+) -> Iterator[tuple[str, Alarm | None]]:
+    """A rate moving `threshold` away from its first value in the direction `sign`."""
+    for role in roles(records):
+        s = _current(records, f"sig/{role}/{key}")
+        if s is None or len(s) < spec.min_points:
+            continue
+        first, now = s[0][1], s[-1][1]
+        fire = sign * (now - first) >= threshold - EPS
+        evidence = f"{what} {first:.2f} -> {now:.2f}"
+        yield (
+            f"sp_role_capture/{role}/{key}",
+            Alarm("sp_role_capture", role, int(records[-1]["step"]), evidence) if fire else None,
+        )
+
+
+def _share_capture(
+    records: Sequence[Record], spec: AlarmSpec
+) -> Iterator[tuple[str, Alarm | None]]:
+    for role in roles(records):
+        s = _current(records, f"role/{role}/grad_share")
+        if s is None or len(s) < spec.min_points:
+            continue
+        first, now = s[0][1], s[-1][1]
+        fire = now - first >= spec.capture_share_rise - EPS and now > 0.5
+        evidence = f"gradient-mass share {first:.2f} -> {now:.2f}"
+        yield (
+            f"sp_role_capture/{role}/grad_share",
+            Alarm("sp_role_capture", role, int(records[-1]["step"]), evidence) if fire else None,
+        )
+
+
+def _entropy(records: Sequence[Record], spec: AlarmSpec) -> Iterator[tuple[str, Alarm | None]]:
+    for role in roles(records):
+        s = _current(records, f"role/{role}/entropy")
+        first = None if s is None else _first_positive(s)
+        if s is None or first is None or len(s) < spec.min_points:
+            continue
+        now = s[-1][1]
+        fire = now <= (1 - spec.entropy_drop) * first
+        evidence = f"token entropy {first:.3f} -> {now:.3f} ({now / first:.2f}x its first value)"
+        yield (
+            f"entropy_collapse/{role}",
+            Alarm("entropy_collapse", role, int(records[-1]["step"]), evidence) if fire else None,
+        )
+
+
+def _cliff(records: Sequence[Record], spec: AlarmSpec) -> Iterator[tuple[str, Alarm | None]]:
+    s = _current(records, "val/accuracy")
+    if s is None or len(s) < 2:
+        return
+    best_step, best = max(s[:-1], key=lambda p: (p[1], -p[0]))
+    step, now = s[-1]
+    fire = best - now >= spec.cliff_drop - EPS
+    evidence = (
+        f"validation accuracy {now:.3f}, down {best - now:.3f} from {best:.3f} at step {best_step}"
+    )
+    yield "accuracy_cliff", Alarm("accuracy_cliff", "all", step, evidence) if fire else None
+
+
+def check(
+    records: Sequence[Record],
+    spec: AlarmSpec,
+    shared: bool,
+    parallel: Collection[str] | None = None,
+) -> dict[str, Alarm | None]:
+    """Every condition that applies at the last record: its key -> the alarm, or None when
+    it holds quiet. `shared`: one adapter serves several roles (gradient share is only
+    capture evidence then). `parallel`: the roles whose slots run side by side, the only
+    ones gradient_amplification can name (§5.1: same-role parallelism amplifies; a lone
+    role's noisy χ² is not that mechanism); None lets every role be named."""
+    if not records:
+        return {}
+    out: dict[str, Alarm | None] = {}
+    checks = [
+        _amplification(records, spec, parallel),
+        _length_capture(records, spec),
+        _shift(records, spec, "terse_rate", -1.0, spec.capture_terse_drop, "terse rate"),
+        _shift(records, spec, "python_code_fence", 1.0, spec.capture_fence_rise, "code-fence rate"),
+        _entropy(records, spec),
+        _cliff(records, spec),
+    ]
+    if shared:
+        checks.append(_share_capture(records, spec))
+    for found in checks:
+        out.update(found)
+    return out
+
+
+class AlarmWatch:
+    """Follows a run record by record and reports each alarm at its onset."""
+
+    def __init__(self, spec: AlarmSpec, shared: bool, parallel: Collection[str] | None = None):
+        self.spec = spec
+        self.shared = shared
+        self.parallel = parallel
+        self.records: list[Record] = []
+        self.firing: dict[str, bool] = {}
+
+    def update(self, record: Record) -> list[Alarm]:
+        self.records.append(record)
+        new: list[Alarm] = []
+        for key, alarm in check(self.records, self.spec, self.shared, self.parallel).items():
+            if alarm is not None and not self.firing.get(key, False):
+                new.append(alarm)
+            self.firing[key] = alarm is not None
+        return new
+
+
+def scan(
+    records: Sequence[Record],
+    spec: AlarmSpec,
+    shared: bool,
+    parallel: Collection[str] | None = None,
+) -> list[Alarm]:
+    """Every alarm onset over a whole run, in step order."""
+    watch = AlarmWatch(spec, shared, parallel)
+    return [a for r in records for a in watch.update(r)]

@@ -1,0 +1,145 @@
+"""Prometheus `/metrics` for every service process, with `prometheus_client`.
+
+Each service process exposes one registry (prometheus_client's default, with its process
+collector) on its HTTP server's `/metrics`: request counts and latencies of every gRPC
+method (an aio server interceptor in `marl.serving.ServiceHost`) and every HTTP route (an
+aiohttp middleware in `marl.http_server.HttpServer`), plus what the service itself
+knows: episodes in flight (workflow), adapter versions loaded (inference), sandbox
+verdicts by kind (sandbox). Prometheus scrapes the port the service's HTTP server
+listens on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+
+REQUESTS = Counter(
+    "marl_requests",
+    "Requests served, by protocol, method and status code",
+    ["protocol", "method", "code"],
+)
+LATENCY = Histogram(
+    "marl_request_seconds",
+    "Request latency in seconds (streams: until the last message)",
+    ["protocol", "method"],
+    buckets=(0.005, 0.025, 0.1, 0.5, 1, 2.5, 10, 30, 120, 600),
+)
+INFLIGHT_EPISODES = Gauge("marl_inflight_episodes", "Episodes this workflow worker runs now")
+ADAPTER_VERSIONS = Gauge(
+    "marl_adapter_versions_loaded", "Adapter versions this inference replica holds loaded"
+)
+SANDBOX_VERDICTS = Counter(
+    "marl_sandbox_verdicts", "Sandbox test verdicts, by verdict", ["verdict"]
+)
+
+
+async def metrics_handler(request: web.Request) -> web.Response:
+    return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+@web.middleware
+async def http_metrics(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Count and time every HTTP request by its route (not its raw path: bounded labels)."""
+    resource = request.match_info.route.resource
+    method = f"{request.method} {resource.canonical if resource is not None else 'unmatched'}"
+    started = time.monotonic()
+    code = "500"
+    try:
+        response = await handler(request)
+        code = str(response.status)
+        return response
+    except web.HTTPException as err:
+        code = str(err.status)
+        raise
+    finally:
+        REQUESTS.labels("http", method, code).inc()
+        LATENCY.labels("http", method).observe(time.monotonic() - started)
+
+
+def mount(app: web.Application) -> None:
+    """`/metrics` and the request middleware on a service's aiohttp application."""
+    app.middlewares.append(http_metrics)
+    app.router.add_get("/metrics", metrics_handler)
+
+
+def _code(context: Any) -> str:
+    code = context.code()
+    return code.name if isinstance(code, grpc.StatusCode) else "OK"
+
+
+class GrpcMetrics(grpc.aio.ServerInterceptor):
+    """Counts and times every gRPC call by method and final status code."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        method = details.method
+
+        def done(context: Any, started: float, failed: BaseException | None) -> None:
+            if failed is None or isinstance(failed, grpc.aio.AbortError):
+                code = _code(context)
+            elif isinstance(failed, asyncio.CancelledError):
+                code = "CANCELLED"
+            else:
+                code = "UNKNOWN"
+            REQUESTS.labels("grpc", method, code).inc()
+            LATENCY.labels("grpc", method).observe(time.monotonic() - started)
+
+        def timed(inner: Any) -> Any:
+            """A handler that returns one response (its request a message or a stream)."""
+
+            async def call(request: Any, context: Any) -> Any:
+                started, failed = time.monotonic(), None
+                try:
+                    return await inner(request, context)
+                except BaseException as err:
+                    failed = err
+                    raise
+                finally:
+                    done(context, started, failed)
+
+            return call
+
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                timed(handler.unary_unary), handler.request_deserializer,
+                handler.response_serializer,
+            )
+        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
+            inner_us = handler.unary_stream
+
+            async def unary_stream(request: Any, context: Any) -> Any:
+                started, failed = time.monotonic(), None
+                try:
+                    async for item in inner_us(request, context):
+                        yield item
+                except BaseException as err:
+                    failed = err
+                    raise
+                finally:
+                    done(context, started, failed)
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(
+                timed(handler.stream_unary), handler.request_deserializer,
+                handler.response_serializer,
+            )
+        return handler  # streams written through context.write, and bidi ones: served untimed

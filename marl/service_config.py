@@ -1,0 +1,221 @@
+"""Each service's settings: one pydantic model per service, from YAML and `MARL_*` variables.
+
+`marl serve X --config FILE` and the Helm chart both go through here, so a
+chart's `<service>.config` values are these fields one to one (the chart's
+`values.schema.json` carries the same names and bounds, and a test holds the
+two together). Precedence, lowest first: the field's default, the YAML file,
+the environment (`MARL_<SERVICE>_<FIELD>`, e.g. `MARL_SANDBOX_MAX_CONCURRENCY`),
+then command-line flags. The environment layer exists so a Kubernetes Secret
+can supply a Redis URL that carries a password without it ever landing in a
+ConfigMap. Only variables that name a field are read: `MARL_SANDBOX_SABOTAGE`
+and other switches stay theirs.
+
+A bad value is a `ValueError` that names the field and where it came from.
+Nothing here imports torch or grpc: validating a config must stay cheap.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MiB = 1 << 20
+
+ServiceName = Literal["inference", "workflow", "learner", "sandbox"]
+SERVICES: tuple[ServiceName, ...] = ("inference", "workflow", "learner", "sandbox")
+
+
+class _ServiceConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    host: str = "127.0.0.1"
+    """Interface the gRPC server binds; 0.0.0.0 inside a container."""
+    port: int = Field(default=0, ge=0, le=65535)
+    """gRPC port; 0 picks a free one (the address is printed)."""
+
+
+class _RedisConfig(_ServiceConfig):
+    redis: str = ""
+    """Redis URL (redis://[:password@]host:port/db); required by this service."""
+
+
+class InferenceConfig(_RedisConfig):
+    """`marl serve inference`: one replica of the multi-LoRA generation server."""
+
+    model: str | None = None
+    """Local directory of the base model (weights + tokenizer); nothing is downloaded."""
+    engine: Literal["auto", "vllm", "transformers"] = "auto"
+    """Generation engine; `auto` takes vLLM when it is installed."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype the engine loads the base model in."""
+    retention: int = Field(default=2, ge=1, le=64)
+    """Versions of each adapter kept loaded; older ones are unloaded once no request uses them."""
+    max_lora_rank: int = Field(default=64, ge=1, le=1024)
+    """Largest adapter rank this replica accepts (vLLM sizes its LoRA buffers by it)."""
+    http_port: int | None = Field(default=None, ge=0, le=65535)
+    """Port of the HTTP (OpenAI-compatible) front end; none when unset."""
+
+
+class WorkflowConfig(_RedisConfig):
+    """`marl serve workflow`: a worker that runs episodes from the tasks stream."""
+
+    sandbox: str | None = None
+    """Sandbox address (host:port) for code rewards; math needs none."""
+    concurrency: int = Field(default=512, ge=1, le=100_000)
+    """Episodes this worker runs at once."""
+    http_port: int | None = Field(default=None, ge=0, le=65535)
+    """Port of the HTTP server (Prometheus /metrics); none when unset."""
+
+
+class LearnerConfig(_RedisConfig):
+    """`marl serve learner`: the Runs API and the training step loop."""
+
+    runs_dir: str = "runs"
+    """Where run directories (metrics, checkpoints, report) are written."""
+    http_port: int | None = Field(default=None, ge=0, le=65535)
+    """Port of the HTTP server (Prometheus /metrics); none when unset."""
+
+
+class SandboxConfig(_ServiceConfig):
+    """`marl serve sandbox`: runs untrusted code against tests under the strongest tier it can."""
+
+    http_port: int | None = Field(default=None, ge=0, le=65535)
+    """Port of the HTTP (SandboxFusion-compatible) front end; none when unset."""
+    isolation: Literal["auto", "namespaces", "seccomp", "rlimits"] = "auto"
+    """Strongest tier to try; `auto` takes the strongest the kernel allows."""
+    max_concurrency: int = Field(default_factory=lambda: max(1, os.cpu_count() or 1), ge=1, le=256)
+    """Jobs executing at once (default: the CPU count)."""
+    warm_jails: int = Field(default=2, ge=1, le=64)
+    """Jails the zygote keeps built and waiting, so a job does not wait for one."""
+    max_queue: int = Field(default=32, ge=0, le=10_000)
+    """Jobs waiting for a slot; past this the server answers RESOURCE_EXHAUSTED."""
+    default_timeout_seconds: float = Field(default=5.0, gt=0, le=600)
+    """Per-test wall-clock limit when a request sets none."""
+    max_timeout_seconds: float = Field(default=60.0, gt=0, le=3600)
+    """Largest per-test limit a request may ask for."""
+    default_memory_bytes: int = Field(default=512 * MiB, ge=16 * MiB)
+    """Address space a candidate may add to the interpreter's, when a request sets none."""
+    max_memory_bytes: int = Field(default=4096 * MiB, ge=16 * MiB)
+    """Largest memory limit a request may ask for."""
+    default_output_bytes: int = Field(default=1 * MiB, ge=1024)
+    """Stdout (and stderr) a test may print, when a request sets none."""
+    max_output_bytes: int = Field(default=16 * MiB, ge=1024)
+    """Largest output limit a request may ask for."""
+    file_bytes: int = Field(default=16 * MiB, ge=MiB)
+    """Largest file a candidate may write (RLIMIT_FSIZE)."""
+    tmp_bytes: int = Field(default=64 * MiB, ge=MiB)
+    """Size of the private /tmp in the namespaces tier."""
+    tmp_inodes: int = Field(default=2048, ge=64)
+    """Files and directories the private /tmp may hold in the namespaces tier."""
+    max_processes: int = Field(default=32, ge=4, le=4096)
+    """Tasks (mostly threads) per job in the namespaces tier (RLIMIT_NPROC)."""
+    max_tests: int = Field(default=1000, ge=1, le=100_000)
+    """Tests one request may carry."""
+    max_code_bytes: int = Field(default=1 * MiB, ge=1024)
+    """Largest code or assert program."""
+    response_output_bytes: int = Field(default=4096, ge=0, le=16 * MiB)
+    """Stdout/stderr characters returned per test (the comparison uses all of it)."""
+    scratch_root: str | None = None
+    """Parent of per-job scratch directories below the namespaces tier (default: a temp dir)."""
+    job_overhead_seconds: float = Field(default=5.0, gt=0, le=600)
+    """Time a job may take on top of its tests' timeouts before it is killed."""
+
+
+ServiceConfig = InferenceConfig | WorkflowConfig | LearnerConfig | SandboxConfig
+
+MODELS: dict[ServiceName, type[_ServiceConfig]] = {
+    "inference": InferenceConfig,
+    "workflow": WorkflowConfig,
+    "learner": LearnerConfig,
+    "sandbox": SandboxConfig,
+}
+
+
+def env_name(service: ServiceName, field: str) -> str:
+    """The variable that sets `field` of `service`, e.g. MARL_WORKFLOW_CONCURRENCY."""
+    return f"MARL_{service}_{field}".upper()
+
+
+def read_yaml(path: str) -> dict[str, Any]:
+    """A config file's mapping; `--config` problems are named as such."""
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as e:
+        raise ValueError(f"--config: cannot read {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config: {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config: {path} must hold a mapping of settings")
+    return data
+
+
+def from_env(service: ServiceName, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The fields the environment sets, as strings (pydantic converts them)."""
+    env = os.environ if environ is None else environ
+    out: dict[str, str] = {}
+    for field in MODELS[service].model_fields:
+        value = env.get(env_name(service, field))
+        if value is not None:
+            out[field] = value
+    return out
+
+
+def load_service_config(
+    service: ServiceName,
+    path: str | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Any:
+    """Defaults < YAML file < `MARL_<SERVICE>_*` variables < `overrides` (None entries skipped).
+
+    Returns the service's model (typed `Any` so callers get their concrete class
+    without a cast; `load_inference` etc. below are the typed doors).
+    """
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if path is not None:
+        layers.append((f"in {path}", read_yaml(path)))
+    layers.append(("from the environment", dict(from_env(service, environ))))
+    layers.append(
+        ("on the command line", {k: v for k, v in (overrides or {}).items() if v is not None})
+    )
+    merged: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    for where, values in layers:
+        merged.update(values)
+        source.update(dict.fromkeys(values, where))
+    try:
+        return MODELS[service](**merged)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"])
+        where = source.get(str(err["loc"][0]) if err["loc"] else "", "")
+        if where == "from the environment":
+            where = f"from {env_name(service, field)}"
+        raise ValueError(
+            f"{field}: {err['msg']} ({where})" if where else f"{field}: {err['msg']}"
+        ) from None
+
+
+def load_inference(path: str | None = None, **overrides: Any) -> InferenceConfig:
+    cfg: InferenceConfig = load_service_config("inference", path, overrides)
+    return cfg
+
+
+def load_workflow(path: str | None = None, **overrides: Any) -> WorkflowConfig:
+    cfg: WorkflowConfig = load_service_config("workflow", path, overrides)
+    return cfg
+
+
+def load_learner(path: str | None = None, **overrides: Any) -> LearnerConfig:
+    cfg: LearnerConfig = load_service_config("learner", path, overrides)
+    return cfg
+
+
+def load_sandbox(path: str | None = None, **overrides: Any) -> SandboxConfig:
+    cfg: SandboxConfig = load_service_config("sandbox", path, overrides)
+    return cfg

@@ -1,0 +1,266 @@
+"""One object owns the run's adapters on the inference replicas: publish, push, acks,
+late-replica sync and release.
+
+After each update the current version of every adapter is published in Redis
+(names and versions, not weights), pushed to every live replica and each
+acknowledgement recorded; a sync loop pushes them to replicas that start mid-run
+(such a replica reports SERVING only once it holds them). When the run ends its
+adapters are unloaded from every replica (the checkpoints keep them).
+
+Versions are never reused: a run taken over after its learner died starts a new
+version range (`version_base`), since a replica refuses a name@version it already
+holds with other weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import redis.asyncio as aioredis
+
+from marl import adapter_io, replicas
+from marl.config import RunSpec
+from marl.rollout import AdapterRef
+from marl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from services.learner.errors import ReplicaUnreachable, RunFailed
+
+log = logging.getLogger(__name__)
+
+PUSH_DEADLINE_S = 300.0
+REPLICA_WAIT_S = 300.0
+SYNC_INTERVAL_S = 1.0
+SYNC_RETRY_S = 5.0
+RELEASE_DEADLINE_S = 30.0
+UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+@dataclass
+class Published:
+    """The current version of one adapter, kept so replicas that join later get these bytes."""
+
+    version: int
+    manifest: common_pb2.AdapterManifest
+    payload: bytes
+
+
+class AdapterSync:
+    def __init__(
+        self,
+        run_id: str,
+        spec: RunSpec,
+        r: aioredis.Redis,
+        roles: dict[str, str],
+        base_model: str,
+        version_base: int = 0,
+    ):
+        self.run_id = run_id
+        self.spec = spec
+        self.r = r
+        self.roles = roles
+        self.policy_names = sorted(set(roles.values()))
+        self.base_model = base_model
+        self.version_base = version_base
+        self.versions = dict.fromkeys(self.policy_names, version_base)
+        self.current: dict[str, Published] = {}
+        # (replica id, policy, version): acknowledged, being pushed, last failed at
+        self._acked: set[tuple[str, str, int]] = set()
+        self._pushes: dict[tuple[str, str, int], asyncio.Task[None]] = {}
+        self._failed_at: dict[tuple[str, str, int], float] = {}
+        self._publish_lock = asyncio.Lock()
+        self._sync: asyncio.Task[None] | None = None
+
+    def adapter_name(self, policy: str) -> str:
+        return f"{self.run_id}/{policy}"
+
+    def refs(self) -> dict[str, AdapterRef]:
+        """Role -> the adapter version that must serve it now."""
+        return {
+            role: AdapterRef(self.adapter_name(p), self.versions[p])
+            for role, p in self.roles.items()
+        }
+
+    def set_step(self, step: int) -> None:
+        """Adapters after `step` updates are version version_base + step."""
+        self.versions = dict.fromkeys(self.policy_names, self.version_base + step)
+
+    async def start(self) -> None:
+        self._sync = asyncio.create_task(self.sync_replicas())
+        self._sync.add_done_callback(_log_crash)
+
+    async def close(self) -> None:
+        pending = [*([self._sync] if self._sync else []), *self._pushes.values()]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        await replicas.retire_current(self.r, [self.adapter_name(p) for p in self.current])
+        await self.release_adapters()
+
+    async def push(self, policy: Any) -> None:
+        """Publish the current version of every adapter, push it to every live replica and
+        wait for all acks. Publishing first means a replica that joins meanwhile either is
+        one of these targets or waits for this version before it serves."""
+        current = {}
+        for p in self.policy_names:
+            state = await asyncio.to_thread(policy.state_dict, p)
+            payload = await asyncio.to_thread(adapter_io.serialize, state)
+            manifest = adapter_io.make_manifest(
+                self.adapter_name(p),
+                self.versions[p],
+                self.base_model,
+                self.spec.lora.rank,
+                self.spec.lora.alpha,
+                policy.target_modules(p),
+                payload,
+            )
+            current[p] = Published(self.versions[p], manifest, payload)
+        self.current = current
+        await self.publish()
+        targets = await self.replicas()
+        results = await asyncio.gather(
+            *(
+                self._push_to(rid, info["address"], p)
+                for rid, info in targets.items()
+                for p in self.policy_names
+                if (rid, p, self.versions[p]) not in self._acked
+            ),
+            return_exceptions=True,
+        )
+        unreachable = []
+        for result in results:
+            if isinstance(result, ReplicaUnreachable):
+                unreachable.append(str(result))
+            elif isinstance(result, BaseException):
+                raise result
+        for p in self.policy_names:
+            if not any((rid, p, self.versions[p]) in self._acked for rid in targets):
+                raise RunFailed(
+                    f"no inference replica took {self.adapter_name(p)}@{self.versions[p]}: "
+                    + "; ".join(unreachable)
+                )
+
+    async def publish(self) -> None:
+        """Record (or refresh) the current versions in Redis; serialised so that a refresh
+        taken before a new version was published cannot land after it."""
+        async with self._publish_lock:
+            versions = {self.adapter_name(p): pub.version for p, pub in self.current.items()}
+            await replicas.publish_current(self.r, self.base_model, self.run_id, versions)
+
+    def _push_to(self, rid: str, address: str, p: str) -> asyncio.Task[None]:
+        """The push of p's current version to one replica; a push already under way (from a
+        step or from the sync loop) is shared, not repeated."""
+        pub = self.current[p]
+        key = (rid, p, pub.version)
+        task = self._pushes.get(key)
+        if task is None:
+            task = asyncio.create_task(self._push_one(rid, address, p, pub))
+            self._pushes[key] = task
+
+            def done(t: asyncio.Task[None]) -> None:
+                del self._pushes[key]
+                if not t.cancelled() and t.exception() is not None:
+                    self._failed_at[key] = time.monotonic()
+                    log.warning("%s", t.exception())
+
+            task.add_done_callback(done)
+        return task
+
+    async def _push_one(self, rid: str, address: str, p: str, pub: Published) -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            try:
+                await stub.PushAdapter(
+                    adapter_io.chunks(pub.manifest, pub.payload), timeout=PUSH_DEADLINE_S
+                )
+            except grpc.aio.AioRpcError as err:
+                ref = f"{self.adapter_name(p)}@{pub.version}"
+                if err.code() in UNREACHABLE:
+                    raise ReplicaUnreachable(
+                        f"inference replica {rid} ({address}) unreachable for {ref}: "
+                        f"{err.details()}"
+                    ) from None
+                raise RunFailed(
+                    f"inference replica {rid} ({address}) refused adapter {ref}: {err.details()}"
+                ) from None
+        self._acked.add((rid, p, pub.version))
+        await self.r.hset(f"marl:run:{self.run_id}:acks", f"{rid}/{p}@{pub.version}", time.time())
+
+    async def release_adapters(self) -> None:
+        """Unload this run's adapters from every live replica once the run is over (the
+        checkpoints keep them), so a long-lived cluster does not grow with every run. A
+        replica that cannot be reached is only logged: its memory dies with it."""
+        names = {self.adapter_name(p) for p in self.policy_names}
+        live = await replicas.live(self.r, "inference", include_joining=True)
+
+        async def release(rid: str, address: str) -> None:
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = inference_pb2_grpc.InferenceStub(channel)
+                try:
+                    listed = await stub.ListAdapters(
+                        inference_pb2.ListAdaptersRequest(), timeout=RELEASE_DEADLINE_S
+                    )
+                    for loaded in listed.adapters:
+                        if loaded.ref.name in names:
+                            await stub.UnloadAdapter(
+                                inference_pb2.UnloadAdapterRequest(ref=loaded.ref),
+                                timeout=RELEASE_DEADLINE_S,
+                            )
+                except grpc.aio.AioRpcError as err:
+                    if err.code() != grpc.StatusCode.NOT_FOUND:
+                        log.warning(
+                            "could not release %s's adapters on %s: %s",
+                            self.run_id,
+                            rid,
+                            err.details(),
+                        )
+
+        await asyncio.gather(*(release(rid, info["address"]) for rid, info in live.items()))
+
+    async def sync_replicas(self) -> None:
+        """Keep the published versions fresh and push them to every live replica that has
+        not acknowledged them: one that started mid-run waits for them before it serves."""
+        while True:
+            await asyncio.sleep(SYNC_INTERVAL_S)
+            if not self.current:
+                continue
+            await self.publish()
+            live = await replicas.live(self.r, "inference", include_joining=True)
+            now = time.monotonic()
+            for rid, info in live.items():
+                if info.get("base_model") != self.base_model:
+                    continue
+                for p, pub in self.current.items():
+                    key = (rid, p, pub.version)
+                    failed_at = self._failed_at.get(key)
+                    if key in self._acked or key in self._pushes:
+                        continue
+                    if failed_at is not None and now - failed_at < SYNC_RETRY_S:
+                        continue
+                    log.info("pushing %s@%d to replica %s", self.adapter_name(p), pub.version, rid)
+                    self._push_to(rid, info["address"], p)
+
+    async def replicas(self) -> dict[str, dict[str, Any]]:
+        deadline = time.monotonic() + REPLICA_WAIT_S
+        while True:
+            live = await replicas.live(self.r, "inference", include_joining=True)
+            matching = {k: v for k, v in live.items() if v.get("base_model") == self.base_model}
+            if matching:
+                return matching
+            if time.monotonic() > deadline:
+                seen = sorted({str(v.get("base_model")) for v in live.values()})
+                raise RunFailed(
+                    f"no live inference replica serves base model {self.base_model} "
+                    f"(live replicas serve {seen or 'nothing'}); start one with the run's model.path"
+                )
+            await asyncio.sleep(1.0)
+
+
+def _log_crash(task: asyncio.Task[None]) -> None:
+    # Training goes on without the sync loop; replicas that start later serve once the
+    # published versions expire, and workers fail over from them until a step's push.
+    if not task.cancelled() and task.exception() is not None:
+        log.error("adapter sync loop crashed", exc_info=task.exception())

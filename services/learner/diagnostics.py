@@ -1,0 +1,142 @@
+"""Per-role training signals the paper reads (§5, §A.3-A.4), every step, under IP and SP.
+
+`role/<role>/...` in metrics.jsonl:
+- `entropy`: mean token entropy of the role's turns in the step's first-epoch forwards;
+- `perplexity`: exp of the mean negative log-likelihood of the role's tokens under π_old;
+- `clip_fraction`: share of the role's token updates the PPO clip cut off (both bounds);
+- `chi2`: mean of (π/π_old - 1)² after the step's updates, over a uniform random sample of
+  the role's tokens;
+- `kl_base`: KL(π || π_base) of the full next-token distributions at those sampled tokens,
+  π_base being the base model with every adapter disabled;
+- `grad_norm`: norm of the gradient the role's part of its adapter's first mini-batch loss
+  puts on that adapter (under SP each role is back-propagated apart, so the roles' parts
+  sum to the mini-batch's gradient);
+- `grad_share`: the role's grad_norm over the sum of every role's grad_norm this step: who
+  drives the update, the `sp_role_capture` evidence under SP.
+The sample costs two forwards over at most SAMPLE_TOKENS_PER_ROLE sequences per role.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from services.learner.grpo import token_logprobs
+from services.learner.policy import MultiAdapterPolicy
+from services.learner.sequences import Sequence, collate
+
+SAMPLE_TOKENS_PER_ROLE = 32
+
+
+@dataclass
+class RoleSums:
+    tokens: float = 0.0
+    entropy: float = 0.0
+    nll_old: float = 0.0
+    logprob_gap: float = 0.0
+    updated_tokens: float = 0.0
+    clipped: float = 0.0
+    chi2: float = 0.0
+    kl_base: float = 0.0
+    sampled: float = 0.0
+    grad_norm: float = 0.0
+
+
+@dataclass
+class RoleSignals:
+    """Accumulates one step's per-role sums; `metrics()` turns them into means."""
+
+    roles: dict[str, RoleSums] = field(default_factory=lambda: defaultdict(RoleSums))
+
+    def add_old(self, s: Sequence, old: torch.Tensor) -> None:
+        """π_old's log-probs of one sequence's completion: perplexity and the gap to what
+        inference reported when it sampled."""
+        r = self.roles[s.role]
+        n = len(old)
+        r.tokens += n
+        r.nll_old -= float(old.sum())
+        sampled = torch.tensor(s.sample_logprobs[:n], dtype=old.dtype)
+        r.logprob_gap += float((old - sampled).abs().sum())
+
+    def add_update(self, role: str, tokens: int, clipped: int, entropy: float | None) -> None:
+        r = self.roles[role]
+        r.updated_tokens += tokens
+        r.clipped += clipped
+        if entropy is not None:
+            r.entropy += entropy
+
+    def add_grad(self, role: str, norm: float) -> None:
+        self.roles[role].grad_norm += norm
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        total_grad = sum(r.grad_norm for r in self.roles.values())
+        for role, r in sorted(self.roles.items()):
+            pre = f"role/{role}/"
+            out[pre + "entropy"] = r.entropy / max(r.tokens, 1)
+            out[pre + "perplexity"] = math.exp(r.nll_old / max(r.tokens, 1))
+            out[pre + "logprob_gap"] = r.logprob_gap / max(r.tokens, 1)
+            out[pre + "clip_fraction"] = r.clipped / max(r.updated_tokens, 1)
+            out[pre + "grad_norm"] = r.grad_norm
+            out[pre + "grad_share"] = r.grad_norm / total_grad if total_grad > 0 else 0.0
+            if r.sampled:
+                out[pre + "chi2"] = r.chi2 / r.sampled
+                out[pre + "kl_base"] = r.kl_base / r.sampled
+        return out
+
+
+def sample_tokens(seqs: list[Sequence], per_role: int, rng: random.Random) -> dict[int, list[int]]:
+    """Up to `per_role` completion tokens of each role, drawn uniformly without replacement
+    from all of that role's tokens this step: sequence index -> completion positions."""
+    by_role: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for i, s in enumerate(seqs):
+        for j in range(len(s.tokens) - s.n_prompt):
+            by_role[s.role].append((i, j))
+    picked: dict[int, list[int]] = defaultdict(list)
+    for role in sorted(by_role):
+        pool = by_role[role]
+        for i, j in rng.sample(pool, min(per_role, len(pool))):
+            picked[i].append(j)
+    return dict(picked)
+
+
+@torch.no_grad()
+def sampled_drift(
+    policy: MultiAdapterPolicy,
+    seqs: list[Sequence],
+    old: list[torch.Tensor],
+    picked: dict[int, list[int]],
+    temperature: float,
+    micro: int,
+    signals: RoleSignals,
+) -> None:
+    """χ² against π_old and KL to the base model at the sampled tokens, after the update."""
+    by_policy: dict[str, list[int]] = defaultdict(list)
+    for i in sorted(picked):
+        by_policy[seqs[i].policy].append(i)
+    t = temperature if temperature > 0 else 1.0
+    for p, idx in by_policy.items():
+        policy.activate(p)
+        for start in range(0, len(idx), micro):
+            chunk = idx[start : start + micro]
+            b = collate([seqs[i] for i in chunk], policy.pad_id)
+            logits = policy.logits(b.input_ids, b.attention_mask)
+            new = token_logprobs(logits, b.targets, temperature)
+            logq = torch.log_softmax(
+                policy.base_logits(b.input_ids, b.attention_mask).float() / t, -1
+            )
+            logp = torch.log_softmax(logits.float() / t, -1)
+            for row, i in enumerate(chunk):
+                s = seqs[i]
+                pos = torch.tensor(picked[i], dtype=torch.long)
+                at = pos + s.n_prompt - 1  # completion token j is predicted at n_prompt-1+j
+                ratio = torch.exp(new[row, at] - old[i][pos])
+                kl = (logp[row, at].exp() * (logp[row, at] - logq[row, at])).sum(-1)
+                r = signals.roles[s.role]
+                r.chi2 += float(((ratio - 1) ** 2).sum())
+                r.kl_base += float(kl.sum())
+                r.sampled += len(pos)

@@ -1,0 +1,16 @@
+"""How a run ends early: cancelled by its user, or failed with a message for them."""
+
+from __future__ import annotations
+
+
+class RunCancelled(Exception):
+    pass
+
+
+class RunFailed(Exception):
+    """A run cannot go on; the message is for the user."""
+
+
+class ReplicaUnreachable(RunFailed):
+    """A replica could not be reached (it died or is restarting): the step goes on as long
+    as another replica took the adapter."""

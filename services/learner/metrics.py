@@ -1,0 +1,138 @@
+"""Where a step's metrics go: sinks behind one small interface, and what a step's rollouts say.
+
+A sink takes one record per logged step (`{"step": n, "<group>/<name>": value, ...}`)
+and is closed when the run ends. The run writes to every sink in order; a new sink
+(TensorBoard, alarms) is one class with `write` and `close`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+import redis.asyncio as aioredis
+
+from marl import streams
+from marl.rollout import Rollout, mean_facts
+from services.learner.runs import RunStore
+
+
+class MetricsSink(Protocol):
+    async def write(self, step: int, record: dict[str, Any]) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class JsonlSink:
+    """`metrics.jsonl`, one JSON object per line: the run's record on disk."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def cut_back(self, step: int | None) -> None:
+        """A resumed run starts again after `step` (None: from scratch): later lines go."""
+        if not self.path.exists():
+            return
+        keep = []
+        if step is not None:
+            for line in self.path.read_text().splitlines():
+                if line.strip() and json.loads(line)["step"] <= step:
+                    keep.append(line + "\n")
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(keep))
+        tmp.replace(self.path)
+
+    async def write(self, step: int, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    async def close(self) -> None:
+        pass
+
+
+class RunRecordSink:
+    """The run's record in Redis: its step and last metrics, for GetRun and `marl status`."""
+
+    def __init__(self, store: RunStore, run_id: str):
+        self.store = store
+        self.run_id = run_id
+
+    async def write(self, step: int, record: dict[str, Any]) -> None:
+        await self.store.update(self.run_id, step=step, last_metrics_json=json.dumps(record))
+
+    async def close(self) -> None:
+        pass
+
+
+class StreamSink:
+    """The run's metrics stream in Redis, which WatchRun follows."""
+
+    def __init__(self, r: aioredis.Redis, run_id: str):
+        self.r = r
+        self.stream = streams.metrics_stream(run_id)
+
+    async def cut_back(self, step: int | None) -> None:
+        """Drop entries past `step` (all of them for None), so a watcher from the start sees
+        each step once after a resume."""
+        entries: Any = await self.r.xrange(self.stream)
+        late = [
+            eid
+            for eid, fields in entries
+            if step is None or json.loads(fields["json"])["step"] > step
+        ]
+        if late:
+            await self.r.xdel(self.stream, *late)
+
+    async def write(self, step: int, record: dict[str, Any]) -> None:
+        await self.r.xadd(self.stream, {"json": json.dumps(record)})
+
+    async def close(self) -> None:
+        pass
+
+
+class RolloutLog:
+    """A few whole transcripts per step, for reading what each role actually says."""
+
+    def __init__(self, folder: Path, per_step: int):
+        self.folder = folder
+        self.per_step = per_step
+
+    def write(self, step: int, rollouts: list[Rollout]) -> None:
+        if self.per_step == 0:
+            return
+        self.folder.mkdir(exist_ok=True)
+        picked = rollouts[:: max(1, len(rollouts) // self.per_step)][: self.per_step]
+        with open(self.folder / f"step_{step:06d}.jsonl", "w") as f:
+            for r in picked:
+                f.write(json.dumps(r.to_dict()) + "\n")
+
+
+def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
+    """Outcome and per-role response shape of one step's rollouts."""
+    from marl.rewards.math import last_boxed
+
+    out: dict[str, float] = {}
+    rewards = [r.reward for r in rollouts]
+    out["train/reward_mean"] = sum(rewards) / max(len(rewards), 1)
+    out["train/accuracy"] = sum(r >= 1.0 for r in rewards) / max(len(rewards), 1)
+    out["train/episode_errors"] = sum(r.error is not None for r in rollouts)
+    out.update(mean_facts(rollouts, "train"))
+    by_role: dict[str, list[Any]] = {}
+    for r in rollouts:
+        for t in r.turns:
+            by_role.setdefault(t.role, []).append(t)
+    for role, turns in by_role.items():
+        lengths = sorted(len(t.completion_ids) for t in turns)
+        out[f"role/{role}/response_len_mean"] = sum(lengths) / len(lengths)
+        out[f"role/{role}/response_len_p50"] = lengths[len(lengths) // 2]
+        out[f"role/{role}/response_len_p95"] = lengths[
+            min(len(lengths) - 1, int(0.95 * len(lengths)))
+        ]
+        out[f"role/{role}/truncation_rate"] = sum(t.finish_reason == "length" for t in turns) / len(
+            turns
+        )
+        out[f"role/{role}/boxed_rate"] = sum(last_boxed(t.text) is not None for t in turns) / len(
+            turns
+        )
+    return out

@@ -1,0 +1,189 @@
+"""The Helm chart renders, lints and validates for every scenario, and refuses bad values."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from chart_support import (
+    ALL_VALUES,
+    CHART,
+    ROOT,
+    SCENARIOS,
+    by_kind,
+    helm,
+    render,
+    scenario_id,
+    workloads,
+)
+
+from marl.service_config import MODELS
+
+KUBERNETES_VERSION = "1.37.0"
+CRD_KINDS = {("keda.sh/v1alpha1", "ScaledObject"), ("keda.sh/v1alpha1", "TriggerAuthentication")}
+
+
+def test_the_scenarios_cover_cpu_gpu_external_redis_and_keda() -> None:
+    assert {p.name for p in SCENARIOS} >= {
+        "cpu-values.yaml",
+        "gpu-values.yaml",
+        "external-redis-values.yaml",
+        "keda-values.yaml",
+    }
+
+
+@pytest.mark.parametrize("values", ALL_VALUES, ids=scenario_id)
+def test_lint_strict(values: Path | None) -> None:
+    args = ["lint", "--strict", str(CHART)] + ([] if values is None else ["-f", str(values)])
+    out = helm(*args)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "0 chart(s) failed" in out.stdout
+
+
+@pytest.mark.parametrize("values", ALL_VALUES, ids=scenario_id)
+def test_every_manifest_validates_against_kubernetes(values: Path | None) -> None:
+    docs = render(values)
+    checked = 0
+    for doc in docs:
+        if (doc["apiVersion"], doc["kind"]) in CRD_KINDS:
+            continue  # KEDA's CRDs are not in the Kubernetes schemas; checked below
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        checked += 1
+    assert checked >= 10
+
+
+def test_keda_scales_workers_on_the_tasks_stream_instead_of_the_hpa() -> None:
+    docs = render(CHART / "ci" / "keda-values.yaml")
+    (scaled,) = by_kind(docs, "ScaledObject").values()
+    assert "r-marl-workflow" in by_kind(docs, "Deployment")
+    assert scaled["spec"]["scaleTargetRef"]["name"] == "r-marl-workflow"
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["type"] == "redis-streams"
+    assert trigger["metadata"]["stream"] == "marl:tasks"
+    assert trigger["metadata"]["consumerGroup"] == "workers"
+    assert trigger["metadata"]["lagCount"] == "32"
+    assert trigger["authenticationRef"]["name"] in by_kind(docs, "TriggerAuthentication")
+    assert "r-marl-workflow" not in by_kind(docs, "HorizontalPodAutoscaler")
+    assert "replicas" not in by_kind(docs, "Deployment")["r-marl-workflow"]["spec"]
+
+
+def _env(doc: dict[str, Any]) -> dict[str, Any]:
+    (container,) = doc["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def test_redis_url_in_release_external_and_with_a_token() -> None:
+    plain = workloads(render())
+    assert _env(plain["r-marl-learner"])["MARL_LEARNER_REDIS"] == "redis://r-marl-redis:6379/0"
+    authed = render(None, "auth.token=t0k")
+    secret = by_kind(authed, "Secret")["r-marl-auth"]
+    assert secret["data"]["token"] == "dDBr"  # base64("t0k")
+    env = _env(workloads(authed)["r-marl-workflow"])
+    assert env["MARL_WORKFLOW_REDIS"] == "redis://:$(MARL_AUTH_TOKEN)@r-marl-redis:6379/0"
+    assert env["MARL_AUTH_TOKEN"]["secretKeyRef"] == {"name": "r-marl-auth", "key": "token"}
+    redis_args = workloads(authed)["r-marl-redis"]["spec"]["template"]["spec"]["containers"][0]
+    assert "--requirepass" in redis_args["args"] and "--appendonly" in redis_args["args"]
+    external = render(CHART / "ci" / "external-redis-values.yaml")
+    assert "r-marl-redis" not in workloads(external)
+    assert not by_kind(external, "Secret")  # existingSecret: the chart makes none
+    env = _env(workloads(external)["r-marl-inference"])
+    assert env["MARL_INFERENCE_REDIS"].endswith("@redis.data.svc.cluster.local:6379/2")
+    assert env["MARL_AUTH_TOKEN"]["secretKeyRef"]["name"] == "marl-redis-password"
+
+
+def test_inference_gets_gpus_probes_and_a_headless_service() -> None:
+    docs = render()
+    inf = workloads(docs)["r-marl-inference"]["spec"]["template"]["spec"]["containers"][0]
+    assert inf["resources"]["limits"]["nvidia.com/gpu"] == 1
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert inf[probe]["grpc"]["port"] == 50052
+    assert _env(workloads(docs)["r-marl-inference"])["MARL_INFERENCE_HOST"] == {
+        "fieldRef": {"fieldPath": "status.podIP"}
+    }
+    assert by_kind(docs, "Service")["r-marl-inference"]["spec"]["clusterIP"] == "None"
+    cpu = workloads(render(CHART / "ci" / "cpu-values.yaml"))["r-marl-inference"]
+    assert "nvidia.com/gpu" not in str(cpu)
+
+
+def test_learner_statefulset_keeps_checkpoints_and_has_a_pdb() -> None:
+    docs = render()
+    learner = by_kind(docs, "StatefulSet")["r-marl-learner"]
+    (claim,) = learner["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "data"
+    mounts = learner["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+    assert {"name": "data", "mountPath": "/data"} in mounts
+    config = yaml.safe_load(by_kind(docs, "ConfigMap")["r-marl-learner"]["data"]["learner.yaml"])
+    assert config["runs_dir"].startswith("/data/")
+    pdb = by_kind(docs, "PodDisruptionBudget")["r-marl-learner"]
+    assert pdb["spec"]["selector"]["matchLabels"] == learner["spec"]["selector"]["matchLabels"]
+    assert "r-marl-learner" in by_kind(docs, "Service")
+
+
+def test_every_pod_that_loads_the_model_mounts_the_models_claim() -> None:
+    docs = workloads(render(CHART / "ci" / "gpu-values.yaml"))
+    for name in ("r-marl-inference", "r-marl-workflow", "r-marl-learner"):
+        pod = docs[name]["spec"]["template"]["spec"]
+        claims = [
+            v["persistentVolumeClaim"]["claimName"]
+            for v in pod["volumes"]
+            if "persistentVolumeClaim" in v
+        ]
+        assert claims == ["qwen3-models"], name
+        mounts = pod["containers"][0]["volumeMounts"]
+        assert {"name": "models", "mountPath": "/models", "readOnly": True} in mounts, name
+
+
+def test_selectors_never_carry_the_chart_version() -> None:
+    for doc in workloads(render()).values():
+        labels = doc["spec"]["selector"]["matchLabels"]
+        assert "helm.sh/chart" not in labels and "app.kubernetes.io/version" not in labels
+
+
+@pytest.mark.parametrize("values", ALL_VALUES, ids=scenario_id)
+def test_config_blocks_are_the_service_models(values: Path | None) -> None:
+    """Each ConfigMap is what `marl serve X --config` reads: it must load without error."""
+    docs = by_kind(render(values), "ConfigMap")
+    for service, model in MODELS.items():
+        name = f"r-marl-{service}"
+        if name not in docs:
+            continue
+        data = yaml.safe_load(docs[name]["data"][f"{service}.yaml"])
+        model(**data)
+    if "r-marl-sandbox" in docs:
+        wf = yaml.safe_load(docs["r-marl-workflow"]["data"]["workflow.yaml"])
+        assert wf["sandbox"] == "r-marl-sandbox:50054"
+
+
+def test_schema_is_generated_from_the_models() -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_chart_schema.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ("workflow.replicas=many", "workflow.replicas: Invalid type. Expected: integer"),
+        ("sandbox.config.max_concurrency=lots", "sandbox.config.max_concurrency: Invalid type"),
+        (
+            "learner.persistence.sise=1Gi",
+            "learner.persistence: Additional property sise is not allowed",
+        ),
+        ("inference.config.temperature=0.5", "Additional property temperature is not allowed"),
+        ("sandbox.config.isolation=chroot", "sandbox.config.isolation must be one of"),
+        ("learner.worldSize=2", "learner.worldSize: Must be less than or equal to 1"),
+    ],
+)
+def test_schema_refuses_bad_values_naming_them(setting: str, message: str) -> None:
+    out = helm("template", "r", str(CHART), "--set", setting)
+    assert out.returncode != 0
+    assert message in out.stderr, out.stderr

@@ -1,0 +1,183 @@
+"""Security properties of the rendered chart, for every scenario, plus checkov.
+
+`violations()` is the policy: the restricted Pod Security Standard for every
+pod, no service-account token anywhere (no marl pod calls the API), a read-only
+root, and for the sandbox — which runs untrusted code — a NetworkPolicy with no
+egress that admits only workflow pods. Each sabotage test renders the chart
+with one protection removed and checks that the policy notices.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from chart_support import (
+    ALL_VALUES,
+    CHART,
+    ROOT,
+    by_kind,
+    render,
+    render_text,
+    scenario_id,
+    workloads,
+)
+
+CHECKOV = ROOT / ".cache" / "tools" / "checkov" / "bin" / "checkov"
+
+
+def _seccomp(ctx: dict[str, Any] | None) -> str | None:
+    return ((ctx or {}).get("seccompProfile") or {}).get("type")
+
+
+def pod_violations(name: str, pod: dict[str, Any]) -> list[str]:
+    out = []
+    psc = pod.get("securityContext") or {}
+    if pod.get("automountServiceAccountToken") is not False:
+        out.append(f"{name}: service-account token mounted")
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.get(key):
+            out.append(f"{name}: {key}")
+    for c in pod.get("initContainers", []) + pod["containers"]:
+        csc = c.get("securityContext") or {}
+        where = f"{name}/{c['name']}"
+        if not (csc.get("runAsNonRoot") or psc.get("runAsNonRoot")):
+            out.append(f"{where}: may run as root")
+        if (csc.get("runAsUser", psc.get("runAsUser")) or 0) == 0:
+            out.append(f"{where}: uid 0")
+        if csc.get("allowPrivilegeEscalation") is not False:
+            out.append(f"{where}: privilege escalation allowed")
+        if csc.get("privileged"):
+            out.append(f"{where}: privileged")
+        if (csc.get("capabilities") or {}).get("drop") != ["ALL"]:
+            out.append(f"{where}: capabilities not all dropped")
+        if (csc.get("capabilities") or {}).get("add"):
+            out.append(f"{where}: capabilities added")
+        if (_seccomp(csc) or _seccomp(psc)) != "RuntimeDefault":
+            out.append(f"{where}: seccomp is not RuntimeDefault")
+        if csc.get("readOnlyRootFilesystem") is not True:
+            out.append(f"{where}: writable root filesystem")
+    return out
+
+
+def sandbox_network_violations(docs: list[dict[str, Any]]) -> list[str]:
+    if "r-marl-sandbox" not in workloads(docs):
+        return []
+    sandbox = workloads(docs)["r-marl-sandbox"]
+    labels = sandbox["spec"]["template"]["metadata"]["labels"]
+    workflow_selector = workloads(docs)["r-marl-workflow"]["spec"]["selector"]["matchLabels"]
+    policies = [
+        p
+        for p in by_kind(docs, "NetworkPolicy").values()
+        if all(
+            labels.get(k) == v for k, v in p["spec"]["podSelector"].get("matchLabels", {}).items()
+        )
+    ]
+    if not policies:
+        return ["sandbox: no NetworkPolicy selects it"]
+    out = []
+    if not any(
+        "Egress" in p["spec"].get("policyTypes", []) and not p["spec"].get("egress")
+        for p in policies
+    ):
+        out.append("sandbox: egress is not denied")
+    for p in policies:
+        for rule in p["spec"].get("egress") or []:
+            out.append(f"sandbox: egress allowed by {p['metadata']['name']}: {rule}")
+        for rule in p["spec"].get("ingress") or []:
+            peers = rule.get("from") or [{}]
+            for peer in peers:
+                if peer.get("podSelector", {}).get("matchLabels") != workflow_selector:
+                    out.append(f"sandbox: ingress from {peer or 'anywhere'}")
+    return out
+
+
+def violations(docs: list[dict[str, Any]]) -> list[str]:
+    out = []
+    for name, doc in workloads(docs).items():
+        out += pod_violations(name, doc["spec"]["template"]["spec"])
+    return out + sandbox_network_violations(docs)
+
+
+@pytest.mark.parametrize("values", ALL_VALUES, ids=scenario_id)
+def test_every_pod_is_restricted_and_the_sandbox_is_walled_off(values: Path | None) -> None:
+    docs = render(values)
+    assert workloads(docs), "nothing rendered"
+    assert violations(docs) == []
+
+
+def test_sandbox_pod_has_no_token_no_links_and_scratch_only_in_tmp() -> None:
+    pod = workloads(render())["r-marl-sandbox"]["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["enableServiceLinks"] is False
+    (container,) = pod["containers"]
+    assert [m["mountPath"] for m in container["volumeMounts"]] == ["/etc/marl", "/tmp"]
+    tmp = next(v for v in pod["volumes"] if v["name"] == "tmp")
+    assert tmp["emptyDir"]["sizeLimit"]
+
+
+@pytest.mark.parametrize(
+    ("setting", "expected"),
+    [
+        ("sandbox.seccompProfile.type=Localhost", "sandbox/sandbox: seccomp is not RuntimeDefault"),
+        ("sandbox.seccompProfile.localhostProfile=x", None),
+    ],
+)
+def test_sabotage_seccomp_is_noticed(setting: str, expected: str | None) -> None:
+    found = violations(render(None, setting))
+    if expected is None:
+        assert found == []
+    else:
+        assert any(expected.replace("sandbox/", "r-marl-sandbox/") in v for v in found), found
+
+
+def test_sabotage_pod_level_changes_are_noticed() -> None:
+    docs = render()
+    pod = workloads(docs)["r-marl-sandbox"]["spec"]["template"]["spec"]
+    pod["automountServiceAccountToken"] = True
+    pod["containers"][0]["securityContext"]["allowPrivilegeEscalation"] = True
+    pod["containers"][0]["securityContext"]["capabilities"] = {"drop": ["NET_RAW"]}
+    by_kind(docs, "NetworkPolicy")["r-marl-sandbox"]["spec"]["egress"] = [{"to": []}]
+    found = " ".join(violations(docs))
+    for problem in (
+        "token mounted",
+        "privilege escalation",
+        "capabilities not all dropped",
+        "egress allowed",
+    ):
+        assert problem in found
+
+
+def test_checkov_finds_nothing_unexplained(tmp_path: Path) -> None:
+    if not CHECKOV.exists():
+        pytest.skip(
+            "no checkov: run `python scripts/get_deploy_tools.py checkov` (make test-deploy)"
+        )
+    for values in ALL_VALUES:
+        (tmp_path / f"{scenario_id(values)}.yaml").write_text(render_text(values))
+    out = subprocess.run(
+        [
+            str(CHECKOV),
+            "-d",
+            str(tmp_path),
+            "--framework",
+            "kubernetes",
+            "--skip-download",
+            "--compact",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert re.search(r"Failed checks: 0\b", out.stdout), out.stdout[-4000:]
+    assert re.search(r"Passed checks: [1-9]", out.stdout), out.stdout[-2000:]
+    # every skip the chart takes carries its reason next to it
+    helpers = (CHART / "templates" / "_helpers.tpl").read_text()
+    skips = re.findall(r"checkov\.io/skip\d+: (CKV_\w+)=(.+)", helpers)
+    assert skips and all(len(reason) > 20 for _, reason in skips)
+    for check, _ in skips:
+        assert re.search(rf"- {check} \(", helpers), f"{check} has no explanation comment"

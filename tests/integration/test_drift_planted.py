@@ -1,0 +1,84 @@
+"""Planted role drift: a Voting-SP run whose reward pays the aggregator for the generators'
+long-form idiom fires `sp_role_capture` on the aggregator before validation accuracy falls;
+the matched plain Voting-SP run fires no capture. Every service a process, the shipped demo
+model (it answers in the terse `\\boxed{N}` stamp or the long form "The answer is N").
+
+Alarms are read twice: as the learner logged them in metrics.jsonl while the run went, and
+from the run directory the way `marl report` re-evaluates them (thresholds from the run's
+spec).
+Measured (09:20 UTC, 8 steps, a loaded machine): the planted run's aggregator terse rate fell
+0.47 -> 0.43 -> 0.33 -> 0.26 -> 0.17 -> 0.11 (capture at step 7) and its gradient-mass share
+0.34 -> 0.59 (capture at step 5) while validation accuracy went 0.16 -> 0.12 -> 0.24; the plain
+demo run fired only entropy_collapse on the aggregator. Slow (`make test-drift`): two 10-step runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+
+from marl.demo import DEMO_SPEC
+from marl.demo_model import demo_model_dir
+from marl.diagnostics.rundir import load_run
+from marl.launcher import Cluster
+from marl.v1 import learner_pb2, learner_pb2_grpc
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+
+PLANTED = "tests.integration.drift_workflows:LONG_AGGREGATOR"
+STEPS = 10
+
+
+def spec(out: Path, workflow: str) -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load(yaml.safe_dump(DEMO_SPEC))
+    data.update(name="drift", workflow=workflow, out_dir=str(out))
+    data["model"] = {"path": str(demo_model_dir())}
+    data["train"].update(steps=STEPS, val_interval=5, val_problems=50)
+    return data
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("planted")
+    cluster = Cluster(base / "cluster", str(demo_model_dir()), engine="transformers")
+    cluster.start()
+    out: dict[str, Path] = {}
+    try:
+        stub = learner_pb2_grpc.LearnerStub(grpc.insecure_channel(cluster.endpoints()["learner"]))
+        for name, workflow in (("planted", PLANTED), ("matched", "voting")):
+            out[name] = base / name
+            text = yaml.safe_dump(spec(out[name], workflow))
+            run_id = stub.SubmitRun(learner_pb2.SubmitRunRequest(spec_yaml=text), timeout=60).run_id
+            req = learner_pb2.WatchRunRequest(run_id=run_id, from_start=True)
+            for _ in stub.WatchRun(req, timeout=1200):
+                pass
+            run = stub.GetRun(learner_pb2.GetRunRequest(run_id=run_id), timeout=10)
+            assert run.state == "SUCCEEDED", run.error
+    finally:
+        cluster.stop()
+    return out
+
+
+def test_planted_aggregator_capture_fires_before_accuracy_falls(runs: dict[str, Path]) -> None:
+    run = load_run(runs["planted"])
+    capture = [a for a in run.alarms if a.mechanism == "sp_role_capture"]
+    assert capture, [str(a) for a in run.alarms]
+    assert {a.role for a in capture} == {"aggregator"}
+    terse = [a for a in capture if a.evidence.startswith("terse rate")]
+    assert terse, [str(a) for a in capture]  # the slot lost its stamp (Table 5, Panel A3)
+    first = min(a.step for a in capture)
+    cliffs = [a for a in run.alarms if a.mechanism == "accuracy_cliff"]
+    assert all(c.step > first for c in cliffs)
+    # the learner said so while the run went, in metrics.jsonl's `alarms`
+    logged = [text for _, text in run.logged_alarms]
+    assert any(t.startswith("sp_role_capture[aggregator]") and "terse rate" in t for t in logged)
+
+
+def test_matched_run_fires_no_capture(runs: dict[str, Path]) -> None:
+    run = load_run(runs["matched"])
+    assert [str(a) for a in run.alarms if a.mechanism == "sp_role_capture"] == []
+    assert [t for _, t in run.logged_alarms if t.startswith("sp_role_capture")] == []

@@ -1,0 +1,77 @@
+"""The learner's record path: alarms land in metrics.jsonl at their onset, and the guard stops.
+
+A real RunExecutor on a private Redis logs hand-made step records through all its sinks
+(metrics.jsonl, the run record, the metrics stream, TensorBoard); no training happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import marl
+from marl import streams
+from marl.config import parse_spec
+from services.learner.runs import RunStore
+from services.learner.trainer import GuardStopped, RunExecutor
+
+VAL = [0.2, 0.6, 0.55, 0.45, 0.4]
+"""Validation accuracy at steps 0..4: the cliff (0.1 below the best 0.6) opens at step 3."""
+
+
+async def log_steps(redis_url: str, out: Path, spec_data: dict[str, Any]) -> GuardStopped | None:
+    from marl.metrics_export import extra_sinks
+
+    r = streams.connect(redis_url)
+    model = Path(marl.__file__).parent / "assets" / "demo-model"
+    spec = parse_spec({"workflow": "voting", "model": {"path": str(model)}, **spec_data})
+    executor = RunExecutor(
+        "run-1", spec, out, r, RunStore(r), "learner-t", extra_sinks=extra_sinks(spec, out, "run-1")
+    )
+    stopped = None
+    try:
+        for step, acc in enumerate(VAL):
+            await executor.log(step, {"val/accuracy": acc})
+    except GuardStopped as err:
+        stopped = err
+    finally:
+        for sink in executor.sinks:
+            await sink.close()
+        await r.aclose()
+    return stopped
+
+
+def test_alarm_logged_at_onset_and_warn_goes_on(redis_url: str, tmp_path: Path) -> None:
+    assert asyncio.run(log_steps(redis_url, tmp_path, {})) is None
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["alarms"] for x in lines] == [
+        [],
+        [],
+        [],
+        ["accuracy_cliff[all]@3: validation accuracy 0.450, down 0.150 from 0.600 at step 1"],
+        [],
+    ]
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_guard_stop_ends_the_run_at_the_alarm(redis_url: str, tmp_path: Path) -> None:
+    stopped = asyncio.run(
+        log_steps(redis_url, tmp_path, {"guard": {"on_alarm": {"accuracy_cliff": "stop"}}})
+    )
+    assert stopped is not None
+    assert str(stopped).startswith("stopped by guard.on_alarm.accuracy_cliff=stop: accuracy_cliff")
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 1, 2, 3]  # the alarm's record is written, then stop
+    assert lines[-1]["guard"].startswith("stop: accuracy_cliff[all]@3")
+
+
+@pytest.mark.parametrize("action", ["rollback", "pause"])
+def test_guard_actions_are_checked(action: str) -> None:
+    from marl.config import SpecError
+
+    with pytest.raises(SpecError, match="guard.on_alarm"):
+        parse_spec({"guard": {"on_alarm": {"accuracy_cliff": action}}})

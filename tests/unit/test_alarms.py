@@ -1,0 +1,162 @@
+"""Role drift alarms on hand-made metric series: exact evidence, and series that must not fire."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from marl.config import AlarmSpec
+from marl.diagnostics.alarms import Alarm, AlarmWatch, check, scan
+
+SPEC = AlarmSpec()  # amplification 3x and 2x the others, length 2x, terse -0.3, entropy 0.5
+
+
+def records(**columns: list[float | None]) -> list[dict[str, Any]]:
+    """One record per step 1..n; a column maps `role/<role>/<signal>` with `__` for `/`."""
+    n = max(len(v) for v in columns.values())
+    out: list[dict[str, Any]] = []
+    for i in range(n):
+        rec: dict[str, Any] = {"step": i + 1}
+        for name, values in columns.items():
+            if i < len(values) and values[i] is not None:
+                rec[name.replace("__", "/")] = values[i]
+        out.append(rec)
+    return out
+
+
+def test_gradient_amplification_fires_on_the_role_that_climbs_alone() -> None:
+    recs = records(
+        role__generator__chi2=[0.01, 0.02, 0.05],
+        role__aggregator__chi2=[0.01, 0.011, 0.012],
+    )
+    # the generator is Voting's parallel role; naming only the aggregator keeps it quiet
+    assert scan(recs, SPEC, shared=False, parallel=("aggregator",)) == []
+    assert scan(recs, SPEC, shared=False, parallel=("generator",)) == [
+        Alarm(
+            "gradient_amplification",
+            "generator",
+            3,
+            "chi2 5.00x its first value vs at most 1.20x for the other roles",
+        )
+    ]
+
+
+def test_gradient_amplification_quiet_when_roles_rise_together_or_alone_or_early() -> None:
+    together = records(
+        role__generator__chi2=[1.0, 2.0, 5.0], role__aggregator__chi2=[1.0, 2.0, 3.0]
+    )
+    assert scan(together, SPEC, shared=False) == []  # 5x < 2 x 3x
+    one_role = records(role__generator__chi2=[1.0, 2.0, 9.0])
+    assert scan(one_role, SPEC, shared=False) == []  # nothing to compare with
+    early = records(role__generator__chi2=[1.0, 9.0], role__aggregator__chi2=[1.0, 1.0])
+    assert scan(early, SPEC, shared=False) == []  # fewer than min_points values
+    just_below = records(
+        role__generator__perplexity=[2.0, 3.0, 5.9], role__aggregator__perplexity=[2.0, 2.0, 2.0]
+    )
+    assert scan(just_below, SPEC, shared=False) == []  # 2.95x < 3x
+
+
+def test_sp_role_capture_on_aggregator_length_moving_toward_the_generators() -> None:
+    recs = records(
+        role__aggregator__response_len_p50=[10, 12, 25],
+        role__generator__response_len_p50=[100, 100, 100],
+    )
+    assert scan(recs, SPEC, shared=True) == [
+        Alarm(
+            "sp_role_capture",
+            "aggregator",
+            3,
+            "median length 10 -> 25 tokens (2.50x), toward generator's 100",
+        )
+    ]
+
+
+def test_length_growth_without_closing_a_gap_is_not_capture() -> None:
+    longest_grows = records(
+        role__aggregator__response_len_p50=[10, 10, 10],
+        role__generator__response_len_p50=[100, 200, 300],
+    )
+    assert scan(longest_grows, SPEC, shared=True) == []
+    both_grow = records(
+        role__aggregator__response_len_p50=[10, 20, 25],
+        role__generator__response_len_p50=[100, 150, 200],
+    )
+    assert scan(both_grow, SPEC, shared=True) == []  # gap 175 > first gap 90
+
+
+def test_sp_role_capture_on_lost_terseness_and_code_fences() -> None:
+    recs = records(
+        sig__aggregator__terse_rate=[0.9, 0.8, 0.5],
+        sig__evaluator__python_code_fence=[0.0, 0.1, 0.2, 0.35],
+    )
+    assert [str(a) for a in scan(recs, SPEC, shared=True)] == [
+        "sp_role_capture[aggregator]@3: terse rate 0.90 -> 0.50",
+        "sp_role_capture[evaluator]@4: code-fence rate 0.00 -> 0.35",
+    ]
+    quiet = records(
+        sig__aggregator__terse_rate=[0.9, 0.8, 0.7, 0.95],
+        sig__evaluator__python_code_fence=[0.1, 0.0, 0.3, 0.2],
+    )
+    assert scan(quiet, SPEC, shared=True) == []
+
+
+def test_gradient_share_is_capture_evidence_only_under_a_shared_adapter() -> None:
+    recs = records(
+        role__generator__grad_share=[0.4, 0.5, 0.7], role__aggregator__grad_share=[0.6, 0.5, 0.3]
+    )
+    assert [str(a) for a in scan(recs, SPEC, shared=True)] == [
+        "sp_role_capture[generator]@3: gradient-mass share 0.40 -> 0.70"
+    ]
+    assert scan(recs, SPEC, shared=False) == []
+    # a rise that stays under one half is not dominance
+    low = records(role__worker__grad_share=[0.1, 0.2, 0.45])
+    assert scan(low, SPEC, shared=True) == []
+
+
+def test_entropy_collapse() -> None:
+    recs = records(role__worker__entropy=[2.0, 1.5, 0.9])
+    assert [str(a) for a in scan(recs, SPEC, shared=False)] == [
+        "entropy_collapse[worker]@3: token entropy 2.000 -> 0.900 (0.45x its first value)"
+    ]
+    assert scan(records(role__worker__entropy=[2.0, 1.5, 1.1]), SPEC, shared=False) == []
+
+
+def test_accuracy_cliff_fires_once_at_onset_and_again_after_recovery() -> None:
+    # validation every other step; training steps in between do not reset the state
+    acc = [0.2, None, 0.6, None, 0.55, None, 0.45, None, 0.4, None, 0.62, None, 0.5]
+    alarms = scan(records(val__accuracy=acc), SPEC, shared=False)
+    assert [str(a) for a in alarms] == [
+        "accuracy_cliff[all]@7: validation accuracy 0.450, down 0.150 from 0.600 at step 3",
+        "accuracy_cliff[all]@13: validation accuracy 0.500, down 0.120 from 0.620 at step 11",
+    ]
+    assert scan(records(val__accuracy=[0.2, 0.6, 0.55, 0.51, 0.7]), SPEC, shared=False) == []
+
+
+def test_thresholds_come_from_the_spec() -> None:
+    recs = records(val__accuracy=[0.6, 0.55])
+    assert scan(recs, SPEC, shared=False) == []
+    strict = AlarmSpec(cliff_drop=0.05)
+    assert [a.mechanism for a in scan(recs, strict, shared=False)] == ["accuracy_cliff"]
+
+
+def test_check_reports_quiet_conditions_and_watch_follows_records() -> None:
+    recs = records(role__generator__entropy=[1.0, 1.0, 1.0])
+    assert check(recs, SPEC, shared=False) == {"entropy_collapse/generator": None}
+    watch = AlarmWatch(SPEC, shared=False)
+    got = [watch.update(r) for r in records(role__generator__entropy=[1.0, 0.8, 0.4, 0.3])]
+    assert [[a.step for a in step] for step in got] == [[], [], [3], []]
+
+
+def test_gradient_amplification_names_only_parallel_roles_when_told() -> None:
+    recs = records(
+        role__aggregator__chi2=[0.01, 0.02, 0.05],
+        role__generator__chi2=[0.01, 0.011, 0.012],
+    )
+    assert [a.role for a in scan(recs, SPEC, shared=False)] == ["aggregator"]
+    assert scan(recs, SPEC, shared=False, parallel=("generator",)) == []
+    flipped = records(
+        role__generator__chi2=[0.01, 0.02, 0.05],
+        role__aggregator__chi2=[0.01, 0.011, 0.012],
+    )
+    assert [a.role for a in scan(flipped, SPEC, shared=False, parallel=("generator",))] == [
+        "generator"
+    ]

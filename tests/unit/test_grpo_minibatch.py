@@ -1,0 +1,211 @@
+"""Mini-batches as the paper counts them, on a hand-made Voting batch and a tiny real model.
+
+2 problems x 4 rollouts, each with 3 generator turns and 1 aggregator turn: 24 generator
+sequences and 8 aggregator sequences per step.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from marl.config import RunSpec, parse_spec
+from marl.rollout import AdapterRef, Rollout, Turn
+from services.learner.grpo import good_rollouts, group_advantages
+from services.learner.policy import MultiAdapterPolicy
+from services.learner.update import grpo_step, plan_mini_batches
+
+ROLES = {"shared": {"generator": "shared", "aggregator": "shared"},
+         "isolated": {"generator": "generator", "aggregator": "aggregator"}}
+REWARDS = {"p0": [1.0, 0.0, 0.0, 1.0], "p1": [0.0, 1.0, 1.0, 1.0]}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from marl.demo_model import build_model, build_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny")
+    tok = build_tokenizer(["What is"])
+    build_model(tok, seed=0).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def turn(role: str, slot: int, rng: random.Random, completion: int = 3) -> Turn:
+    prompt = [rng.randrange(3, 52) for _ in range(4)]
+    done = [rng.randrange(3, 52) for _ in range(completion)]
+    return Turn(role, slot, prompt, done, [-1.0] * completion, "stop", AdapterRef("r/p", 0), "")
+
+
+def voting_batch(seed: int = 0, aggregator_tokens: int = 2) -> list[Rollout]:
+    rng = random.Random(seed)
+    out = []
+    for pid, rewards in REWARDS.items():
+        for k, reward in enumerate(rewards):
+            turns = [turn("generator", s, rng) for s in range(3)]
+            turns.append(turn("aggregator", 0, rng, aggregator_tokens))
+            out.append(Rollout(f"{pid}:{k}", "r", 0, "train", pid, k, turns, "", reward))
+    return out
+
+
+def spec(**grpo: object) -> RunSpec:
+    return parse_spec(
+        {
+            "seed": 1,
+            "lora": {"rank": 2, "alpha": 4},
+            "optim": {"lr": 0.5, "warmup_steps": 0, "schedule": "constant"},
+            "sampling": {"temperature": 1.0},
+            "grpo": {"group_size": 4, "micro_batch_sequences": 5, **grpo},
+        }
+    )
+
+
+def new_policy(model_dir: Path, policy: str, s: RunSpec) -> MultiAdapterPolicy:
+    names = sorted(set(ROLES[policy].values()))
+    return MultiAdapterPolicy(str(model_dir), names, s.lora, s.optim, total_steps=10)
+
+
+def step(policy: MultiAdapterPolicy, rollouts: list[Rollout], mode: str, s: RunSpec):  # type: ignore[no-untyped-def]
+    return grpo_step(policy, rollouts, [r.problem_id for r in rollouts], ROLES[mode], s)
+
+
+@pytest.mark.parametrize(
+    ("mode", "size", "expected"),
+    [
+        # SP: 32 sequences in one stream; IP: 24 generator, 8 aggregator sequences
+        ("shared", 8, {"shared": 4}),
+        ("isolated", 8, {"generator": 3, "aggregator": 1}),
+        ("shared", 5, {"shared": 7}),  # ceil(32 / 5)
+        ("isolated", 5, {"generator": 5, "aggregator": 2}),  # ceil(24 / 5), ceil(8 / 5)
+    ],
+)
+def test_optimizer_steps_per_adapter(
+    model_dir: Path, mode: str, size: int, expected: dict[str, int]
+) -> None:
+    s = spec(mini_batch_size=size)
+    policy = new_policy(model_dir, mode, s)
+    result = step(policy, voting_batch(), mode, s)
+    steps = {p: int(result.metrics[f"policy/{p}/optimizer_steps"]) for p in expected}
+    assert steps == expected
+    assert [mb.sequences for mb in result.mini_batches if mb.policy == sorted(expected)[0]][
+        :1
+    ] == [min(size, 24 if mode == "isolated" else 32)]
+
+
+def test_plan_is_a_shuffled_partition_per_epoch() -> None:
+    from services.learner.sequences import Sequence
+
+    seqs = [Sequence("a" if i % 4 else "b", "r", [1, 2], 1, 0.0, [0.0]) for i in range(12)]
+    plan = plan_mini_batches(seqs, 4, 2, random.Random(0))
+    assert [len(mb) for mb in plan["a"]] == [4, 4, 1, 4, 4, 1]
+    assert [len(mb) for mb in plan["b"]] == [3, 3]
+    for p, n in (("a", 9), ("b", 3)):
+        per_epoch = len(plan[p]) // 2
+        for e in range(2):
+            got = sorted(i for mb in plan[p][e * per_epoch : (e + 1) * per_epoch] for i in mb)
+            assert len(got) == n and all(seqs[i].policy == p for i in got)
+
+
+def test_first_mini_batch_is_on_policy_later_ones_clip_at_both_bounds(model_dir: Path) -> None:
+    s = spec(mini_batch_size=16)
+    policy = new_policy(model_dir, "shared", s)
+    result = step(policy, voting_batch(), "shared", s)
+    first, second = result.mini_batches
+    assert first.ratio_min == pytest.approx(1.0, abs=1e-6)
+    assert first.ratio_max == pytest.approx(1.0, abs=1e-6)
+    assert first.clipped_low == first.clipped_high == 0
+    # lr 0.5 moves the policy far in one step: π/π_old leaves [0.8, 1.28] both ways
+    assert second.ratio_min < 1 - 0.2 and second.ratio_max > 1 + 0.28
+    assert second.clipped_low > 0 and second.clipped_high > 0
+    assert result.metrics["role/generator/clip_fraction"] > 0
+
+
+def test_isolated_roles_change_only_their_own_adapter(model_dir: Path) -> None:
+    s = spec(mini_batch_size=8)
+    policy = new_policy(model_dir, "isolated", s)
+    rollouts = voting_batch()
+    for r in rollouts:  # only generators emitted tokens
+        r.turns[-1].completion_ids = []
+        r.turns[-1].logprobs = []
+    before = {p: policy.state_dict(p) for p in policy.policies}
+    result = step(policy, rollouts, "isolated", s)
+    assert "policy/aggregator/optimizer_steps" not in result.metrics
+    after = {p: policy.state_dict(p) for p in policy.policies}
+    for k, v in before["aggregator"].items():
+        assert torch.equal(v, after["aggregator"][k]), k
+    assert any(not torch.equal(v, after["generator"][k]) for k, v in before["generator"].items())
+
+
+def test_failed_episodes_leave_their_group() -> None:
+    groups = ["a"] * 4 + ["b"] * 4 + ["c"] * 3
+    rewards = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+    errors = [False, True, False, False, False, False, False, True, True, True, False]
+    keep, dropped = good_rollouts(errors, groups)
+    # group c keeps one good rollout: no comparison, dropped
+    assert keep == [0, 2, 3, 4, 5, 6]
+    assert dropped == 1
+    adv = group_advantages([rewards[i] for i in keep], [groups[i] for i in keep], eps=0.0)
+    # a: 1, 0, 1 -> mean 2/3, std sqrt(1/3); b: 0, 1, 1 -> the same numbers mirrored
+    sd = math.sqrt(1 / 3)
+    assert adv == pytest.approx(
+        [(1 / 3) / sd, (-2 / 3) / sd, (1 / 3) / sd, (-2 / 3) / sd, (1 / 3) / sd, (1 / 3) / sd]
+    )
+
+
+def test_a_failed_episode_changes_no_other_advantage_and_trains_nothing(model_dir: Path) -> None:
+    s = spec(mini_batch_size=64, loss_agg="token_mean")
+    clean = voting_batch()
+    failed = voting_batch()
+    extra = voting_batch(seed=5)[0]  # a p0 rollout whose episode failed: reward 0
+    extra.task_id, extra.sample, extra.reward, extra.error = "p0:x", 9, 0.0, "sandbox down"
+    failed.insert(2, extra)
+    a, b = new_policy(model_dir, "shared", s), new_policy(model_dir, "shared", s)
+    ra, rb = step(a, clean, "shared", s), step(b, failed, "shared", s)
+    assert ra.metrics["train/sequences"] == rb.metrics["train/sequences"] == 32
+    assert ra.metrics["policy/shared/loss"] == rb.metrics["policy/shared/loss"]
+    for k, v in a.state_dict("shared").items():
+        assert torch.equal(v, b.state_dict("shared")[k]), k
+
+
+def uneven_batch() -> list[Rollout]:
+    """Rollout k of a group: (k % 3) + 1 generator turns of 3 tokens, an aggregator of 2 + k."""
+    out = voting_batch()
+    for r in out:
+        for t in r.turns[r.sample % 3 + 1 : 3]:
+            t.completion_ids, t.logprobs = [], []
+        agg = r.turns[3]
+        agg.completion_ids = [5] * (2 + r.sample)
+        agg.logprobs = [-1.0] * (2 + r.sample)
+    return out
+
+
+def test_loss_aggregations_as_worked_out(model_dir: Path) -> None:
+    """On-policy (ratio 1, one mini-batch) the loss is -Σ w·A: token_mean weighs each
+    rollout's advantage by its tokens, seq_mean_token_mean by its sequences."""
+    losses = {}
+    for agg in ("token_mean", "seq_mean_token_mean"):
+        s = spec(mini_batch_size=64, loss_agg=agg)
+        policy = new_policy(model_dir, "shared", s)
+        losses[agg] = step(policy, uneven_batch(), "shared", s).metrics["policy/shared/loss"]
+    adv = group_advantages(
+        [r for rs in REWARDS.values() for r in rs], [p for p, rs in REWARDS.items() for _ in rs]
+    )
+    ks = [k for _ in REWARDS for k in range(4)]
+    tokens = [3 * (k % 3 + 1) + 2 + k for k in ks]  # 5, 9, 13, 8 per group
+    seqs = [k % 3 + 1 + 1 for k in ks]  # 2, 3, 4, 2 per group
+    token_mean = -sum(a * t for a, t in zip(adv, tokens, strict=True)) / sum(tokens)
+    seq_mean = -sum(a * n for a, n in zip(adv, seqs, strict=True)) / sum(seqs)
+    assert token_mean != pytest.approx(seq_mean)
+    assert losses["token_mean"] == pytest.approx(token_mean, abs=1e-6)
+    assert losses["seq_mean_token_mean"] == pytest.approx(seq_mean, abs=1e-6)
+
+
+def test_renamed_field_is_refused_naming_the_new_one() -> None:
+    from marl.config import SpecError
+
+    with pytest.raises(SpecError, match="grpo.mini_batch_size"):
+        parse_spec({"grpo": {"mini_batch_problems": 4}})

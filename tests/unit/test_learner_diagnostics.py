@@ -1,0 +1,137 @@
+"""Per-role training signals against numbers worked out by hand."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.learner import diagnostics
+from services.learner.diagnostics import RoleSignals, sample_tokens, sampled_drift
+from services.learner.sequences import Sequence
+
+LN = math.log
+
+
+class FixedPolicy:
+    """Stands in for MultiAdapterPolicy in this test only: every position's next-token
+    logits are fixed, [ln 3, 0] with the adapter (p = 3/4, 1/4) and [0, 0] without it."""
+
+    pad_id = 0
+
+    def activate(self, policy: str) -> None:
+        pass
+
+    def _logits(self, input_ids: torch.Tensor, row: list[float]) -> torch.Tensor:
+        b, length = input_ids.shape
+        return torch.tensor(row).expand(b, length - 1, 2).clone()
+
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self._logits(input_ids, [LN(3.0), 0.0])
+
+    def base_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self._logits(input_ids, [0.0, 0.0])
+
+
+def seq(role: str, completion: list[int], n_prompt: int = 2) -> Sequence:
+    return Sequence("shared", role, [1] * n_prompt + completion, n_prompt, 1.0,
+                    [0.0] * len(completion))
+
+
+def test_perplexity_from_old_logprobs_by_hand() -> None:
+    sig = RoleSignals()
+    sig.add_old(seq("generator", [0, 1]), torch.tensor([LN(0.5), LN(0.25)]))
+    sig.add_old(seq("aggregator", [0]), torch.tensor([LN(0.1)]))
+    m = sig.metrics()
+    # generator: mean NLL (ln 2 + ln 4) / 2 = 1.5 ln 2 -> 2^1.5; aggregator: 1 / 0.1
+    assert m["role/generator/perplexity"] == pytest.approx(2**1.5)
+    assert m["role/aggregator/perplexity"] == pytest.approx(10.0)
+    # the gap to the sampling log-probs (0 here): mean |old - sampled|
+    assert m["role/generator/logprob_gap"] == pytest.approx(1.5 * LN(2))
+
+
+def test_chi2_and_kl_to_base_by_hand() -> None:
+    # targets: token 0 (p = 3/4) and token 1 (p = 1/4); π_old gave both probability 1/2
+    seqs = [seq("generator", [0, 1]), seq("aggregator", [1])]
+    old = [torch.tensor([LN(0.5), LN(0.5)]), torch.tensor([LN(0.5)])]
+    sig = RoleSignals()
+    picked = {0: [0, 1], 1: [0]}
+    sampled_drift(FixedPolicy(), seqs, old, picked, 1.0, 8, sig)  # type: ignore[arg-type]
+    m = sig.metrics()
+    # ratios 1.5 and 0.5 -> (0.5² + 0.5²) / 2 = 0.25; aggregator: ratio 0.5 -> 0.25
+    assert m["role/generator/chi2"] == pytest.approx(0.25)
+    assert m["role/aggregator/chi2"] == pytest.approx(0.25)
+    kl = 0.75 * LN(0.75 / 0.5) + 0.25 * LN(0.25 / 0.5)  # KL((3/4, 1/4) || (1/2, 1/2))
+    assert m["role/generator/kl_base"] == pytest.approx(kl)
+    assert m["role/aggregator/kl_base"] == pytest.approx(kl)
+
+
+def test_token_sample_is_uniform_over_tokens_not_sequences() -> None:
+    # one role, a 1-token and a 3-token sequence: each token is drawn 1/4 of the time
+    seqs = [seq("generator", [0]), seq("generator", [0, 0, 0])]
+    counts: Counter[tuple[int, int]] = Counter()
+    rng = random.Random(0)
+    for _ in range(4000):
+        for i, pos in sample_tokens(seqs, 1, rng).items():
+            counts.update((i, j) for j in pos)
+    assert set(counts) == {(0, 0), (1, 0), (1, 1), (1, 2)}
+    for n in counts.values():
+        assert n == pytest.approx(1000, abs=120)
+
+
+def test_every_role_gets_its_own_sample() -> None:
+    seqs = [seq("generator", [0] * 50), seq("aggregator", [0, 0])]
+    picked = sample_tokens(seqs, 8, random.Random(1))
+    assert len(picked[0]) == 8 and sorted(picked[1]) == [0, 1]
+    assert len(set(picked[0])) == 8 and all(0 <= j < 50 for j in picked[0])
+
+
+def test_grad_share_sums_to_one() -> None:
+    sig = RoleSignals()
+    sig.add_grad("generator", 3.0)
+    sig.add_grad("aggregator", 1.0)
+    m = sig.metrics()
+    assert (m["role/generator/grad_share"], m["role/aggregator/grad_share"]) == (0.75, 0.25)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from marl.demo_model import build_model, build_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny")
+    tok = build_tokenizer(["What is"])
+    build_model(tok, seed=0).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["shared", "isolated"])
+def test_every_role_signal_is_logged_under_ip_and_sp(model_dir: Path, mode: str) -> None:
+    from test_grpo_minibatch import new_policy, spec, step, voting_batch
+
+    s = spec(mini_batch_size=16)
+    policy = new_policy(model_dir, mode, s)
+    result = step(policy, voting_batch(), mode, s)
+    m = result.metrics
+    for role in ("generator", "aggregator"):
+        for name in ("entropy", "perplexity", "clip_fraction", "chi2", "kl_base", "grad_norm",
+                     "grad_share"):
+            assert math.isfinite(m[f"role/{role}/{name}"]), (role, name)
+        assert m[f"role/{role}/grad_norm"] > 0
+        assert m[f"role/{role}/chi2"] > 0 and m[f"role/{role}/kl_base"] > 0
+    assert m["role/generator/grad_share"] + m["role/aggregator/grad_share"] == pytest.approx(1)
+    first = {mb.policy: mb for mb in result.mini_batches if mb.index == 0}
+    if mode == "isolated":
+        # one role per adapter: the role's gradient is its adapter's first mini-batch's
+        for role in ("generator", "aggregator"):
+            assert m[f"role/{role}/grad_norm"] == pytest.approx(first[role].grad_norm, rel=1e-4)
+    else:
+        # under SP the roles' parts add up to the mini-batch's gradient
+        total = m["role/generator/grad_norm"] + m["role/aggregator/grad_norm"]
+        assert total >= first["shared"].grad_norm * (1 - 1e-5)
+    assert 0 < m["time/diagnostics_s"]
+    assert diagnostics.SAMPLE_TOKENS_PER_ROLE > 0

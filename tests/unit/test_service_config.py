@@ -1,0 +1,115 @@
+"""Typed service settings: defaults, YAML, MARL_* variables and flags, in that order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from marl import cli
+from marl.service_config import (
+    MODELS,
+    SERVICES,
+    InferenceConfig,
+    env_name,
+    load_service_config,
+    load_workflow,
+)
+
+
+def test_defaults_match_what_the_servers_used_before() -> None:
+    inf = load_service_config("inference", environ={})
+    assert (inf.engine, inf.dtype, inf.retention, inf.max_lora_rank) == ("auto", "float32", 2, 64)
+    assert inf.http_port is None and inf.host == "127.0.0.1" and inf.port == 0
+    wf = load_service_config("workflow", environ={})
+    assert wf.concurrency == 512 and wf.sandbox is None
+    assert load_service_config("learner", environ={}).runs_dir == "runs"
+    sb = load_service_config("sandbox", environ={})
+    assert sb.isolation == "auto" and sb.http_port is None
+
+
+def test_every_field_is_documented() -> None:
+    for service in SERVICES:
+        for name, field in MODELS[service].model_fields.items():
+            assert field.description, f"{service}.{name} has no docstring"
+
+
+def test_layers_file_then_env_then_flags(tmp_path: Path) -> None:
+    f = tmp_path / "wf.yaml"
+    f.write_text("concurrency: 8\nsandbox: sb:1\nport: 7000\n")
+    env = {"MARL_WORKFLOW_CONCURRENCY": "16", "MARL_WORKFLOW_REDIS": "redis://r:6379/0"}
+    cfg = load_service_config("workflow", str(f), {"port": 7100, "sandbox": None}, env)
+    assert cfg.concurrency == 16  # env beats the file
+    assert cfg.port == 7100  # a flag beats both
+    assert cfg.sandbox == "sb:1"  # a flag left unset (None) does not erase the file's value
+    assert cfg.redis == "redis://r:6379/0"
+
+
+def test_env_names_and_other_switches_left_alone() -> None:
+    assert env_name("sandbox", "max_concurrency") == "MARL_SANDBOX_MAX_CONCURRENCY"
+    env = {"MARL_SANDBOX_SABOTAGE": "1", "MARL_SANDBOX_MAX_CONCURRENCY": "3"}
+    assert load_service_config("sandbox", environ=env).max_concurrency == 3
+
+
+def test_bad_file_value_names_field_and_file(tmp_path: Path) -> None:
+    f = tmp_path / "inf.yaml"
+    f.write_text("retention: lots\n")
+    with pytest.raises(ValueError, match=rf"^retention: .*\(in {f}\)"):
+        load_service_config("inference", str(f), environ={})
+    f.write_text("max_lora_rank: 0\n")
+    with pytest.raises(ValueError, match="^max_lora_rank: Input should be greater than or equal"):
+        load_service_config("inference", str(f), environ={})
+
+
+def test_unknown_key_is_refused(tmp_path: Path) -> None:
+    f = tmp_path / "learner.yaml"
+    f.write_text("runs_dir: /data\nworkers: 3\n")
+    with pytest.raises(ValueError, match="^workers: Extra inputs are not permitted"):
+        load_service_config("learner", str(f), environ={})
+
+
+def test_bad_env_value_names_the_variable() -> None:
+    with pytest.raises(ValueError, match=r"^engine: .*\(from MARL_INFERENCE_ENGINE\)"):
+        load_service_config("inference", environ={"MARL_INFERENCE_ENGINE": "tgi"})
+
+
+def test_not_a_mapping_or_missing(tmp_path: Path) -> None:
+    f = tmp_path / "list.yaml"
+    f.write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="must hold a mapping"):
+        load_workflow(str(f))
+    with pytest.raises(ValueError, match="--config: cannot read"):
+        load_workflow(str(tmp_path / "nope.yaml"))
+
+
+def test_sandbox_module_uses_the_same_model() -> None:
+    from services.reward_sandbox.config import SandboxConfig, load_config
+
+    assert SandboxConfig is MODELS["sandbox"]
+    assert isinstance(load_config(None), SandboxConfig)
+
+
+def test_http_port_field_exists_for_inference_and_sandbox() -> None:
+    assert InferenceConfig(http_port=8000).http_port == 8000
+    with pytest.raises(ValueError):
+        InferenceConfig(http_port=70000)
+    assert (
+        load_service_config("sandbox", overrides={"http_port": 8080}, environ={}).http_port == 8080
+    )
+
+
+def test_cli_serve_bad_config_exits_2_naming_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    f = tmp_path / "wf.yaml"
+    f.write_text("redis: redis://x\nconcurrency: -1\n")
+    assert cli.main(["serve", "workflow", "--config", str(f)]) == 2
+    assert "concurrency:" in capsys.readouterr().err
+
+
+def test_cli_serve_needs_redis(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("MARL_LEARNER_REDIS", raising=False)
+    assert cli.main(["serve", "learner"]) == 2
+    assert "--redis URL is required" in capsys.readouterr().err

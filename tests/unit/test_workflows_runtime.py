@@ -1,0 +1,158 @@
+"""The worker's runtime around a workflow: caps, seeds, chat templates, and which failures
+make a failed rollout (left out of training) versus a bug (raised, task left pending)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import pytest
+from workflows_scripted import CharTokenizer, ScriptedEngine, make_episode, make_task
+
+from marl.config import WorkflowCaps
+from marl.rollout import Task
+from marl.workflows import prompts, resolve
+from services.workflow.episode import PromptTooLong
+from services.workflow.worker import EpisodeRunner
+
+
+def runner_with(engine: Any) -> EpisodeRunner:
+    runner = EpisodeRunner(None, "w-test")
+    runner._tokenizers[""] = CharTokenizer()
+
+    async def stubs() -> list[Any]:
+        return [engine]
+
+    runner.stubs = stubs  # type: ignore[method-assign]
+    return runner
+
+
+async def test_a_prompt_over_its_cap_fails_the_episode_naming_the_cap() -> None:
+    engine = ScriptedEngine(lambda role, slot, prompt: "\\boxed{5}")
+    task = make_task("voting", caps=WorkflowCaps(prompt_tokens_math=20))
+    rollout = await runner_with(engine).run(task)
+    assert rollout.error is not None and rollout.error.startswith("PromptTooLong")
+    assert "prompt cap of 20" in rollout.error and "caps.prompt_tokens_math" in rollout.error
+    assert rollout.turns == [] and rollout.reward == 0.0
+    assert engine.seen == []
+
+
+async def test_the_paper_caps_apply_when_the_spec_leaves_them_unset() -> None:
+    long = "x" * 20481
+    engine = ScriptedEngine(lambda role, slot, prompt: "\\boxed{5}")
+    task = make_task("single")
+    task.problem = type(task.problem)(id="long", prompt=long, answer="5")
+    with pytest.raises(PromptTooLong, match="20480"):
+        await make_episode(task, engine).turn("generator", 0, prompts.generator(task.problem))
+
+
+class Unreachable:
+    async def Generate(self, request: Any, timeout: float | None = None) -> Any:  # noqa: N802
+        raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
+                                   grpc.aio.Metadata(), "deadline")
+
+
+async def test_inference_unreachable_is_a_failed_episode() -> None:
+    rollout = await runner_with(Unreachable()).run(make_task("single"))
+    assert rollout.error is not None and "DEADLINE_EXCEEDED" in rollout.error
+
+
+async def test_no_live_replica_is_a_failed_episode() -> None:
+    runner = EpisodeRunner(None, "w-test")
+    runner._tokenizers[""] = CharTokenizer()
+
+    async def no_replicas() -> list[Any]:
+        from services.workflow.episode import NoReplica
+
+        raise NoReplica("no live inference replica is registered in Redis")
+
+    runner.stubs = no_replicas  # type: ignore[method-assign]
+    rollout = await runner.run(make_task("single"))
+    assert rollout.error == "NoReplica: no live inference replica is registered in Redis"
+    assert runner.stats.failed == 1
+
+
+async def test_a_bug_in_a_workflow_propagates(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def broken(episode: Any, problem: Any) -> str:
+        return {}["missing"]  # type: ignore[no-any-return]
+
+    engine = ScriptedEngine(lambda role, slot, prompt: "\\boxed{5}")
+    runner = runner_with(engine)
+    workflow = resolve("voting")
+    monkeypatch.setattr("services.workflow.worker.resolve",
+                        lambda name: type(workflow)(name="voting", roles=workflow.roles,
+                                                    run=broken))
+    with pytest.raises(KeyError):
+        await runner.run(make_task("voting"))
+    assert runner.stats.failed == 0
+
+
+async def test_unknown_grpc_errors_are_bugs_too() -> None:
+    class Refusing:
+        async def Generate(self, request: Any, timeout: float | None = None) -> Any:  # noqa: N802
+            raise grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(),
+                                       grpc.aio.Metadata(), "bad request")
+
+    with pytest.raises(grpc.aio.AioRpcError):
+        await runner_with(Refusing()).run(make_task("single"))
+
+
+async def test_a_code_task_without_a_sandbox_is_a_failed_episode() -> None:
+    from workflows_scripted import CODE
+
+    engine = ScriptedEngine(lambda role, slot, prompt: "```python\nx = 1\n```")
+    rollout = await runner_with(engine).run(make_task("single", problem=CODE))
+    assert rollout.error is not None and "--sandbox" in rollout.error
+
+
+async def test_one_sandbox_client_per_worker_reused_and_closed() -> None:
+    runner = EpisodeRunner(None, "w-test", sandbox_address="127.0.0.1:1")
+    first = runner.sandbox()
+    assert runner.sandbox() is first
+    await runner.close()
+    assert first.channel.get_state() == grpc.ChannelConnectivity.SHUTDOWN
+
+
+async def seeds_of(task: Task) -> list[tuple[str, int, int]]:
+    engine = ScriptedEngine(lambda role, slot, prompt: "\\boxed{Incorrect} \\boxed{5}")
+    episode = make_episode(task, engine)
+    await resolve(task.workflow).run(episode, task.problem)
+    return [(s.role, s.slot, s.seed) for s in engine.seen]
+
+
+async def test_turn_seeds_are_reproducible_and_distinct() -> None:
+    first = await seeds_of(make_task("eval_opt", seed=4))
+    again = await seeds_of(make_task("eval_opt", seed=4))
+    other_run = await seeds_of(make_task("eval_opt", seed=5))
+    assert first == again
+    seeds = [s for _, _, s in first]
+    assert all(s > 0 for s in seeds) and len(set(seeds)) == len(seeds) == 7
+    assert set(seeds).isdisjoint(s for _, _, s in other_run)
+    voting = await seeds_of(make_task("voting", seed=4))
+    assert len({s for _, _, s in voting}) == 4  # three parallel generators sample apart
+
+
+class TemplateTokenizer(CharTokenizer):
+    chat_template = "set"  # type: ignore[assignment]
+
+    def __init__(self) -> None:
+        self.kwargs: list[dict[str, Any]] = []
+
+    def apply_chat_template(self, messages: Any, **kwargs: Any) -> str:
+        self.kwargs.append(kwargs)
+        return "<chat>" + messages[0]["content"]
+
+
+async def test_chat_template_kwargs_reach_the_template_and_chat_template_false_skips_it() -> None:
+    engine = ScriptedEngine(lambda role, slot, prompt: "\\boxed{5}")
+    tok = TemplateTokenizer()
+    task = make_task("single", chat_template_kwargs={"enable_thinking": False})
+    await make_episode(task, engine, tokenizer=tok).turn("generator", 0, [
+        {"role": "user", "content": "hi"}])
+    assert tok.kwargs == [{"add_generation_prompt": True, "tokenize": False,
+                           "enable_thinking": False}]
+    assert engine.seen[-1].prompt == "<chat>hi"
+    plain = make_task("single", chat_template=False)
+    await make_episode(plain, engine, tokenizer=tok).turn("generator", 0, [
+        {"role": "user", "content": "hi"}])
+    assert engine.seen[-1].prompt == "hi\n\n" and len(tok.kwargs) == 1
