@@ -36,7 +36,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.service == "inference":
         flags.update(model=args.model, engine=args.engine, max_lora_rank=args.max_lora_rank)
     elif args.service == "workflow":
-        flags["sandbox"] = args.sandbox
+        flags.update(sandbox=args.sandbox, concurrency=args.concurrency)
     elif args.service == "learner":
         flags["runs_dir"] = args.runs_dir
     try:
@@ -268,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-lora-rank", type=int, default=None, help="inference: largest adapter rank served"
     )
     p.add_argument("--sandbox", default=None, help="workflow: sandbox address for code rewards")
+    p.add_argument(
+        "--concurrency", type=int, default=None, help="workflow: episodes the worker runs at once"
+    )
     p.add_argument("--runs-dir", default=None, help="learner: where run directories go")
     p.add_argument(
         "--http-port",

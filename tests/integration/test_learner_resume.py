@@ -1,5 +1,6 @@
-"""A learner killed with SIGKILL mid-step: another learner takes the run over under the same
-run id from its last checkpoint, and the steps after it equal an uninterrupted run's.
+"""A learner killed with SIGKILL mid-step, or in the middle of writing a checkpoint: another
+learner takes the run over under the same run id from its last whole checkpoint, and the
+steps after it equal an uninterrupted run's.
 
 Every service is a real process on a real Redis; sampling is seeded per turn (the seed
 derives from the run seed and the task, not the run id), so two runs of one spec see
@@ -8,10 +9,13 @@ the same rollouts.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
+import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -71,50 +75,81 @@ def wait_end(cluster: Cluster, run_id: str, timeout_s: float = 600) -> learner_p
     raise AssertionError(f"run {run_id} did not end in {timeout_s}s")
 
 
+def demo_model_dir() -> Path:
+    from marl.demo_model import demo_model_dir as shipped
+
+    return shipped()
+
+
 def rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_sigkill_mid_step_resumes_under_the_same_run_id(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> None:
-    from marl.demo_model import demo_model_dir
+STALL_HOOK = textwrap.dedent(
+    """
+    import os, sys, time
 
+    if "learner" in sys.argv:
+        import services.learner.checkpoint as checkpoint
+
+        write = checkpoint.save_file
+
+        def stall_once_in_step_2(tensors, filename, metadata=None):
+            write(tensors, filename, metadata=metadata)
+            marker = os.environ["MARL_TEST_STALL_MARKER"]
+            if "/killed_in_write/" in filename and ".step_000002.tmp" in filename \\
+                    and not os.path.exists(marker):
+                open(marker, "w").close()
+                time.sleep(3600)
+
+        checkpoint.save_file = stall_once_in_step_2
+    """
+)
+"""A `sitecustomize` for the learner processes: the first time a run under a
+`killed_in_write/` directory writes step 2's checkpoint, the learner stops after one
+adapter file and touches a marker, so the test can SIGKILL it mid-write."""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, list[dict]]]:
+    """One cluster for both kills, and the uninterrupted run they are compared with."""
     # the demo model ships warm-started: its rewards vary within a group, so losses do too
-    tiny_model_dir = demo_model_dir()
+    model_dir = demo_model_dir()
     work = tmp_path_factory.mktemp("cluster")
-    with Cluster(work, str(tiny_model_dir), engine="transformers", sandbox_replicas=0) as cluster:
-        plain = work / "plain"
-        run = wait_end(cluster, submit(cluster, resume_spec(tiny_model_dir, plain)))
-        assert run.state == "SUCCEEDED", run.error
+    hook = work / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(STALL_HOOK)
+    saved = dict(os.environ)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hook), saved.get("PYTHONPATH")]))
+    os.environ["MARL_TEST_STALL_MARKER"] = str(work / "stalled")
+    try:
+        with Cluster(work, str(model_dir), engine="transformers", sandbox_replicas=0) as c:
+            plain = work / "plain"
+            run = wait_end(c, submit(c, resume_spec(model_dir, plain)))
+            assert run.state == "SUCCEEDED", run.error
+            yield c, rows(plain)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
-        killed = work / "killed"
-        run_id = submit(cluster, resume_spec(tiny_model_dir, killed))
-        # step 1 is logged (its checkpoint written): step 2's rollouts are under way
-        deadline = time.monotonic() + 300
-        while not (killed / "metrics.jsonl").exists() or len(rows(killed)) < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
-        time.sleep(0.5)
-        learner: Process = [p for p in cluster.processes if p.kind == "learner"][0]
-        os.killpg(learner.proc.pid, signal.SIGKILL)
-        learner.proc.wait(timeout=30)
-        cluster.processes.remove(learner)
-        logged = rows(killed)
-        assert logged[-1]["step"] in (1, 2)
 
-        assert cluster.redis_url is not None
-        replacement = cluster._spawn(
-            "learner", ["--redis", cluster.redis_url, "--runs-dir", str(work / "runs")]
-        )
-        import asyncio
+def kill_learner(cluster: Cluster) -> None:
+    learner: Process = [p for p in cluster.processes if p.kind == "learner"][0]
+    os.killpg(learner.proc.pid, signal.SIGKILL)
+    learner.proc.wait(timeout=30)
+    cluster.processes.remove(learner)
 
-        asyncio.run(cluster._wait([replacement], 300))
-        run = wait_end(cluster, run_id)
-        assert run.state == "SUCCEEDED", run.error
-        assert run.run_id == run_id
 
-    uninterrupted, resumed = rows(plain), rows(killed)
+def start_learner(cluster: Cluster) -> None:
+    assert cluster.redis_url is not None
+    replacement = cluster._spawn(
+        "learner", ["--redis", cluster.redis_url, "--runs-dir", str(cluster.workdir / "runs")]
+    )
+    asyncio.run(cluster._wait([replacement], 300))
+
+
+def assert_resumed_equals_uninterrupted(uninterrupted: list[dict], out: Path) -> None:
+    resumed = rows(out)
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]  # each step once: cut back, re-run
     for a, b in zip(uninterrupted[1:], resumed[1:], strict=True):
         for key in ("train/reward_mean", "policy/generator/loss", "policy/aggregator/loss"):
@@ -123,6 +158,50 @@ def test_sigkill_mid_step_resumes_under_the_same_run_id(
     # the resumed run's adapters took versions no replica had seen
     turns = [
         json.loads(line)["turns"]
-        for line in (killed / "rollouts" / "step_000003.jsonl").read_text().splitlines()
+        for line in (out / "rollouts" / "step_000003.jsonl").read_text().splitlines()
     ]
     assert all(t["adapter"]["version"] > 3 for ts in turns for t in ts)
+
+
+def test_sigkill_mid_step_resumes_under_the_same_run_id(
+    cluster: tuple[Cluster, list[dict]],
+) -> None:
+    c, uninterrupted = cluster
+    killed = c.workdir / "killed_mid_step"
+    run_id = submit(c, resume_spec(demo_model_dir(), killed))
+    # step 1 is logged (its checkpoint written): step 2's rollouts are under way
+    deadline = time.monotonic() + 300
+    while not (killed / "metrics.jsonl").exists() or len(rows(killed)) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    time.sleep(0.5)
+    kill_learner(c)
+    start_learner(c)
+    run = wait_end(c, run_id)
+    assert run.state == "SUCCEEDED", run.error
+    assert run.run_id == run_id
+    assert_resumed_equals_uninterrupted(uninterrupted, killed)
+
+
+def test_sigkill_during_a_checkpoint_write_resumes_from_the_last_whole_one(
+    cluster: tuple[Cluster, list[dict]],
+) -> None:
+    c, uninterrupted = cluster
+    killed = c.workdir / "killed_in_write"
+    marker = Path(os.environ["MARL_TEST_STALL_MARKER"])
+    run_id = submit(c, resume_spec(demo_model_dir(), killed))
+    deadline = time.monotonic() + 300
+    while not marker.exists():
+        assert time.monotonic() < deadline, "the learner never reached step 2's checkpoint"
+        time.sleep(0.1)
+    kill_learner(c)
+    checkpoints = killed / "checkpoints"
+    assert (checkpoints / ".step_000002.tmp").is_dir()  # half written when killed
+    assert (checkpoints / "latest").read_text() == "step_000001"
+    assert [r["step"] for r in rows(killed)] == [0, 1]
+    start_learner(c)
+    run = wait_end(c, run_id)
+    assert run.state == "SUCCEEDED", run.error
+    assert run.run_id == run_id
+    assert not list(checkpoints.glob(".step_*.tmp"))
+    assert_resumed_equals_uninterrupted(uninterrupted, killed)

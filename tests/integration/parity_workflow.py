@@ -1,0 +1,23 @@
+"""A test-only workflow whose code reward varies with what the model samples, for
+tests/integration/test_sandbox_lost_mid_step.py.
+
+A tiny model never writes a passing program, so every code reward would be 0 and
+every advantage 0: leaving failed rollouts out would change nothing a test could
+see. `PARITY` turns the generator's reply into a program that prints its length
+mod 2; the problems' one test expects "0". The sandbox runs that program for real,
+and the rewards of a group differ as the sampled replies do.
+"""
+
+from __future__ import annotations
+
+from marl.data.problem import Problem
+from marl.workflows import single
+from marl.workflows.base import Episode, Workflow
+
+
+async def run(episode: Episode, problem: Problem) -> str:
+    reply = await single.run(episode, problem)
+    return f"```python\nprint({len(reply)} % 2)\n```"
+
+
+PARITY = Workflow(name="parity", roles=("generator",), run=run, caps=single.caps)
