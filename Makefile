@@ -28,7 +28,7 @@ test-vllm: ## the engine contract suite and a short `marl demo engine=vllm` (bui
 	bash scripts/setup_vllm_env.sh
 	.venv-vllm/bin/python -m pytest -m vllm -q tests/integration/test_engine_contract.py tests/integration/test_openai_http.py tests/integration/test_learner_checkpoint_vllm.py tests/e2e/test_demo_vllm.py
 
-test-e2e: setup ## marl demo end to end, SP and IP: validation accuracy +20 points, any-format +10 (~8-12 min)
+test-e2e: setup ## marl demo end to end, SP and IP: validation accuracy +20 points, any-format +10; Eval-Opt and Orch-Workers run 2 steps (~10-14 min)
 	$(BIN)/python -m pytest -q -s -m "not vllm" tests/e2e
 
 test-workflows: setup ## every built-in workflow x SP/IP x math/code trains 2 steps, every service a process (slow)
