@@ -38,7 +38,7 @@ test-learner-resume: setup ## SIGKILL the learner mid-step and mid-checkpoint-wr
 	$(BIN)/python -m pytest -q -m slow tests/integration/test_learner_resume.py
 
 .PHONY: test-drift
-test-drift: setup ## planted role drift: sp_role_capture fires on a Voting-SP run whose reward pays the aggregator for the generators' long form, not on the plain run (~6 min)
+test-drift: setup ## planted role drift: sp_role_capture on a Voting-SP run paid for the generators' long form; gradient_amplification on a Voting-IP generator at 10x lr; the plain run fires nothing (~3-6 min)
 	$(BIN)/python -m pytest -q -m slow tests/integration/test_drift_planted.py
 
 check: setup ## ruff and mypy

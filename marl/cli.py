@@ -36,7 +36,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.service == "inference":
         flags.update(model=args.model, engine=args.engine, max_lora_rank=args.max_lora_rank)
     elif args.service == "workflow":
-        flags.update(sandbox=args.sandbox, concurrency=args.concurrency)
+        flags.update(
+            sandbox=args.sandbox,
+            concurrency=args.concurrency,
+            claim_idle_s=args.claim_idle_s,
+            heartbeat_ttl_s=args.heartbeat_ttl_s,
+            max_deliveries=args.max_deliveries,
+        )
     elif args.service == "learner":
         flags["runs_dir"] = args.runs_dir
     try:
@@ -71,12 +77,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
             sandbox=cfg.sandbox,
             concurrency=cfg.concurrency,
             http_port=cfg.http_port,
+            claim_idle_s=cfg.claim_idle_s,
+            heartbeat_ttl_s=cfg.heartbeat_ttl_s,
+            max_deliveries=cfg.max_deliveries,
         )
     elif args.service == "learner":
         from services.learner import server as learner
 
         learner.run(
-            cfg.port, cfg.redis, host=cfg.host, runs_dir=cfg.runs_dir, http_port=cfg.http_port
+            cfg.port,
+            cfg.redis,
+            host=cfg.host,
+            runs_dir=cfg.runs_dir,
+            http_port=cfg.http_port,
+            max_queued_tasks=cfg.max_queued_tasks,
         )
     else:
         from services.reward_sandbox import server as sandbox
@@ -89,11 +103,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _learner_stub(address: str) -> Any:
-    import grpc
-
+    from marl import auth
     from marl.v1 import learner_pb2_grpc
 
-    return learner_pb2_grpc.LearnerStub(grpc.insecure_channel(address))
+    return learner_pb2_grpc.LearnerStub(auth.channel(address))
 
 
 def _spec_text(path: str, overrides: list[str]) -> str:
@@ -129,6 +142,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"{run.run_id}  {run.state}  step {run.step}/{run.total_steps}  {run.out_dir}")
         if run.error:
             print(f"error: {run.error}")
+        for alarm in run.alarms:
+            print(f"alarm: {alarm}")
     return 0
 
 
@@ -271,6 +286,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--concurrency", type=int, default=None, help="workflow: episodes the worker runs at once"
     )
+    p.add_argument(
+        "--claim-idle-s",
+        type=float,
+        default=None,
+        help="workflow: claim a task untouched this long even from a live (hung) worker",
+    )
+    p.add_argument(
+        "--heartbeat-ttl-s",
+        type=float,
+        default=None,
+        help="workflow: a worker silent this long is dead and its tasks are claimed",
+    )
+    p.add_argument(
+        "--max-deliveries",
+        type=int,
+        default=None,
+        help="workflow: deliveries of a task before it is dead-lettered",
+    )
     p.add_argument("--runs-dir", default=None, help="learner: where run directories go")
     p.add_argument(
         "--http-port",
@@ -350,6 +383,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_cluster_parser(sub)
     sub.choices["cluster"].set_defaults(fn=cmd_cluster)
+
+    from marl.experiment_cli import add_parsers as add_experiment_parsers
+
+    add_experiment_parsers(sub)  # matrix, eval, attribute
     return parser
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -60,6 +60,9 @@ class LoraSpec(_Spec):
 class OptimSpec(_Spec):
     lr: float = Field(2e-5, gt=0, le=1.0)
     """AdamW learning rate."""
+    policy_lr: dict[str, Annotated[float, Field(gt=0, le=1.0)]] = Field(default_factory=dict)
+    """Learning rate of single adapters (policy name -> lr) in place of `lr`, e.g.
+    `{generator: 2e-4}` under `policy: isolated` trains the generator's adapter faster."""
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
     weight_decay: float = Field(0.0, ge=0)
@@ -178,7 +181,7 @@ class RewardSpec(_Spec):
 
 
 AlarmKind = Literal["gradient_amplification", "sp_role_capture", "entropy_collapse", "accuracy_cliff"]
-GuardAction = Literal["warn", "stop"]
+GuardAction = Literal["warn", "stop", "rollback"]
 
 
 class AlarmSpec(_Spec):
@@ -186,10 +189,17 @@ class AlarmSpec(_Spec):
 
     min_points: int = Field(3, ge=1)
     """A role's series fires only once it has this many logged values (first ones are noisy)."""
+    window: int = Field(3, ge=1)
+    """Training-side signals (χ², perplexity, entropy; one value per step) compare the mean
+    of their last `window` values with the mean of their first `window`, once they have
+    two windows of values."""
     amplification_ratio: float = Field(3.0, gt=1)
-    """gradient_amplification: a role's χ² or perplexity over its first logged value reaches this..."""
+    """gradient_amplification: a role's χ² or perplexity over its first values reaches this..."""
     amplification_margin: float = Field(2.0, ge=1)
     """...and this many times every other role's ratio of the same signal (Fig. 6a's shape)."""
+    amplification_chi2_floor: float = Field(0.02, ge=0)
+    """χ² values below this count as this much in gradient_amplification's ratio: near-zero
+    χ² is noise, and a ratio of two noises means nothing."""
     capture_length_ratio: float = Field(2.0, gt=1)
     """sp_role_capture: a role's median length over its first value reaches this while it
     closes the gap to a longer role."""
@@ -197,11 +207,9 @@ class AlarmSpec(_Spec):
     """sp_role_capture: the aggregator's terse rate falls this far below its first value."""
     capture_fence_rise: float = Field(0.3, gt=0, le=1)
     """sp_role_capture: the evaluator's python-code-fence rate rises this far above its first value."""
-    capture_share_rise: float = Field(0.2, gt=0, le=1)
-    """sp_role_capture (shared adapters only): a role's gradient-mass share rises this far
-    above its first value and past one half."""
-    entropy_drop: float = Field(0.5, gt=0, lt=1)
-    """entropy_collapse: a role's token entropy falls below (1 - this) times its first value."""
+    entropy_drop: float = Field(0.7, gt=0, lt=1)
+    """entropy_collapse: a role's token entropy falls below (1 - this) times its first
+    values (a plain Voting-SP demo run's terse aggregator sharpens to 0.40x)."""
     cliff_drop: float = Field(0.1, gt=0, le=1)
     """accuracy_cliff: validation accuracy falls this far (absolute) below its best so far."""
 
@@ -211,7 +219,13 @@ class GuardSpec(_Spec):
 
     on_alarm: dict[AlarmKind, GuardAction] = Field(default_factory=dict)
     """Alarm kind -> warn (logged in metrics.jsonl `alarms`) | stop (the run ends FAILED,
-    its error naming the alarm); kinds not named warn."""
+    its error naming the alarm) | rollback (every adapter goes back to the best checkpoint,
+    `checkpoints/best`, and trains on with its learning rate times `rollback_lr_factor`);
+    kinds not named warn."""
+    rollback_lr_factor: float = Field(0.5, gt=0, lt=1)
+    """A rollback multiplies every adapter's learning rate by this."""
+    max_rollbacks: int = Field(2, ge=1)
+    """A rollback alarm after this many rollbacks stops the run instead."""
 
 
 class WandbSpec(_Spec):

@@ -21,6 +21,8 @@ def format_step(m: dict[str, Any], total: int) -> str:
         parts.append(f"{m['time/step_s']:.1f}s/step")
     if m.get("alarms"):
         parts.append(f"ALARMS {','.join(m['alarms'])}")
+    if m.get("guard"):
+        parts.append(f"GUARD {m['guard']}")
     return "  ".join(parts)
 
 

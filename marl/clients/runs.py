@@ -30,6 +30,7 @@ from typing import Any
 
 import grpc
 
+from marl import auth
 from marl.v1 import learner_pb2, learner_pb2_grpc
 
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
@@ -60,6 +61,8 @@ class RunInfo:
     last_metrics: dict[str, Any] | None
     created_at: float
     spec_yaml: str
+    alarms: tuple[str, ...] = ()
+    """Every role drift alarm and guard action of the run so far, "step N: ..."."""
 
     @property
     def done(self) -> bool:
@@ -77,6 +80,7 @@ class RunInfo:
             last_metrics=json.loads(run.last_metrics_json) if run.last_metrics_json else None,
             created_at=run.created_at,
             spec_yaml=run.spec_yaml,
+            alarms=tuple(run.alarms),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -89,6 +93,7 @@ class RunInfo:
             "out_dir": self.out_dir,
             "error": self.error,
             "last_metrics": self.last_metrics,
+            "alarms": list(self.alarms),
         }
 
 
@@ -141,7 +146,7 @@ class RunsClient:
     def __init__(self, address: str = "127.0.0.1:50051", timeout: float = 60.0):
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(address)
+        self._channel = auth.channel(address)
         self.stub = learner_pb2_grpc.LearnerStub(self._channel)
 
     def __enter__(self) -> RunsClient:
@@ -206,7 +211,7 @@ class AsyncRunsClient:
     def __init__(self, address: str = "127.0.0.1:50051", timeout: float = 60.0):
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = auth.aio_channel(address)
         self.stub = learner_pb2_grpc.LearnerStub(self._channel)
 
     async def __aenter__(self) -> AsyncRunsClient:

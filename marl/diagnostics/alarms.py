@@ -5,15 +5,24 @@ with thresholds from the RunSpec's `alarms` section. The paper's point is that a
 accuracy hides role drift until a late cliff, so each alarm reads one role's own series:
 
 - `gradient_amplification` (§5.1, Fig. 6a, Table 2): a parallel role's χ² or perplexity,
-  normalised to its first logged value, reaches `amplification_ratio` and
+  normalised to its first values, reaches `amplification_ratio` and
   `amplification_margin` times every other role's ratio of the same signal;
-- `sp_role_capture` (§5.2, Tables 5-6): a role's output shape moves toward another
-  role's: its median length grows `capture_length_ratio`-fold while closing the gap to a
-  longer role, the aggregator loses its terseness, the evaluator starts writing code
-  fences, or (shared adapters) its gradient-mass share rises past one half;
+- `sp_role_capture` (§5.2, Tables 5-6; shared adapters only): a role's output shape
+  moves toward another role's: its median length grows `capture_length_ratio`-fold while
+  closing the gap to a longer role, the aggregator loses its terseness, or the
+  evaluator starts writing code fences;
 - `entropy_collapse` (§4.2, Fig. 5): a role's token entropy falls below
-  `(1 - entropy_drop)` times its first value;
+  `(1 - entropy_drop)` times its first values;
 - `accuracy_cliff`: validation accuracy falls `cliff_drop` below its best so far.
+
+Training-side signals (χ², perplexity, entropy) are logged every step and are noisy
+step to step, so they compare the mean of their last `window` values with the mean of
+their first `window`; χ² below `amplification_chi2_floor` counts as the floor, since a
+ratio of two near-zero χ² values is noise (a plain demo run's χ² wanders 0.001-0.016).
+Validation signatures (lengths, rates over 50-100 problems) compare first and last.
+A role's gradient-mass share is plotted, not alarmed on: as one role's groups saturate
+(every rollout right, zero advantage) the other roles' shares rise in a healthy run
+(a plain Voting-SP demo run: the aggregator's 0.32 -> 0.84).
 
 An alarm is reported at its onset: the step its condition turns true after being false
 (or never evaluated), so a run that stays drifted is not re-alarmed every step.
@@ -71,17 +80,35 @@ def _current(records: Sequence[Record], key: str) -> list[tuple[int, float]] | N
     return series(records, key)
 
 
+def _windows(s: list[tuple[int, float]], window: int) -> tuple[float, float]:
+    """Mean of the first `window` values (the baseline) and of the last `window` (now)."""
+    first = [v for _, v in s[:window]]
+    last = [v for _, v in s[-window:]]
+    return sum(first) / len(first), sum(last) / len(last)
+
+
+def _training_series(
+    records: Sequence[Record], key: str, spec: AlarmSpec
+) -> list[tuple[int, float]] | None:
+    """A per-step training signal, once it has two whole windows of values."""
+    s = _current(records, key)
+    if s is None or len(s) < max(spec.min_points, 2 * spec.window):
+        return None
+    return s
+
+
 def _amplification(
     records: Sequence[Record], spec: AlarmSpec, parallel: Collection[str] | None
 ) -> Iterator[tuple[str, Alarm | None]]:
     step = int(records[-1]["step"])
-    for signal in ("chi2", "perplexity"):
+    floors = {"chi2": spec.amplification_chi2_floor, "perplexity": 1.0}
+    for signal, floor in floors.items():
         ratios: dict[str, float] = {}
         for role in roles(records):
-            s = _current(records, f"role/{role}/{signal}")
-            first = None if s is None else _first_positive(s)
-            if s is not None and first is not None and len(s) >= spec.min_points:
-                ratios[role] = s[-1][1] / first
+            s = _training_series(records, f"role/{role}/{signal}", spec)
+            if s is not None:
+                first, now = _windows(s, spec.window)
+                ratios[role] = max(now, floor) / max(first, floor)
         if len(ratios) < 2:
             continue
         for role, ratio in ratios.items():
@@ -158,29 +185,14 @@ def _shift(
         )
 
 
-def _share_capture(
-    records: Sequence[Record], spec: AlarmSpec
-) -> Iterator[tuple[str, Alarm | None]]:
-    for role in roles(records):
-        s = _current(records, f"role/{role}/grad_share")
-        if s is None or len(s) < spec.min_points:
-            continue
-        first, now = s[0][1], s[-1][1]
-        fire = now - first >= spec.capture_share_rise - EPS and now > 0.5
-        evidence = f"gradient-mass share {first:.2f} -> {now:.2f}"
-        yield (
-            f"sp_role_capture/{role}/grad_share",
-            Alarm("sp_role_capture", role, int(records[-1]["step"]), evidence) if fire else None,
-        )
-
-
 def _entropy(records: Sequence[Record], spec: AlarmSpec) -> Iterator[tuple[str, Alarm | None]]:
     for role in roles(records):
-        s = _current(records, f"role/{role}/entropy")
-        first = None if s is None else _first_positive(s)
-        if s is None or first is None or len(s) < spec.min_points:
+        s = _training_series(records, f"role/{role}/entropy", spec)
+        if s is None:
             continue
-        now = s[-1][1]
+        first, now = _windows(s, spec.window)
+        if first <= 0:
+            continue
         fire = now <= (1 - spec.entropy_drop) * first
         evidence = f"token entropy {first:.3f} -> {now:.3f} ({now / first:.2f}x its first value)"
         yield (
@@ -209,23 +221,27 @@ def check(
     parallel: Collection[str] | None = None,
 ) -> dict[str, Alarm | None]:
     """Every condition that applies at the last record: its key -> the alarm, or None when
-    it holds quiet. `shared`: one adapter serves several roles (gradient share is only
-    capture evidence then). `parallel`: the roles whose slots run side by side, the only
-    ones gradient_amplification can name (§5.1: same-role parallelism amplifies; a lone
-    role's noisy χ² is not that mechanism); None lets every role be named."""
+    it holds quiet. `shared`: one adapter serves several roles, the only routing in which
+    one role can capture another's slot (sp_role_capture). `parallel`: the roles whose
+    slots run side by side, the only ones gradient_amplification can name (§5.1:
+    same-role parallelism amplifies; a lone role's noisy χ² is not that mechanism); None
+    lets every role be named."""
     if not records:
         return {}
     out: dict[str, Alarm | None] = {}
     checks = [
         _amplification(records, spec, parallel),
-        _length_capture(records, spec),
-        _shift(records, spec, "terse_rate", -1.0, spec.capture_terse_drop, "terse rate"),
-        _shift(records, spec, "python_code_fence", 1.0, spec.capture_fence_rise, "code-fence rate"),
         _entropy(records, spec),
         _cliff(records, spec),
     ]
     if shared:
-        checks.append(_share_capture(records, spec))
+        checks += [
+            _length_capture(records, spec),
+            _shift(records, spec, "terse_rate", -1.0, spec.capture_terse_drop, "terse rate"),
+            _shift(
+                records, spec, "python_code_fence", 1.0, spec.capture_fence_rise, "code-fence rate"
+            ),
+        ]
     for found in checks:
         out.update(found)
     return out

@@ -25,7 +25,7 @@ class GetRunRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class Run(_message.Message):
-    __slots__ = ("run_id", "state", "step", "total_steps", "out_dir", "error", "last_metrics_json", "created_at", "spec_yaml")
+    __slots__ = ("run_id", "state", "step", "total_steps", "out_dir", "error", "last_metrics_json", "created_at", "spec_yaml", "dead_lettered", "duplicate_rollouts", "alarms")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,9 @@ class Run(_message.Message):
     LAST_METRICS_JSON_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     SPEC_YAML_FIELD_NUMBER: _ClassVar[int]
+    DEAD_LETTERED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
+    ALARMS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     state: str
     step: int
@@ -44,7 +47,10 @@ class Run(_message.Message):
     last_metrics_json: str
     created_at: float
     spec_yaml: str
-    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., out_dir: _Optional[str] = ..., error: _Optional[str] = ..., last_metrics_json: _Optional[str] = ..., created_at: _Optional[float] = ..., spec_yaml: _Optional[str] = ...) -> None: ...
+    dead_lettered: int
+    duplicate_rollouts: int
+    alarms: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., out_dir: _Optional[str] = ..., error: _Optional[str] = ..., last_metrics_json: _Optional[str] = ..., created_at: _Optional[float] = ..., spec_yaml: _Optional[str] = ..., dead_lettered: _Optional[int] = ..., duplicate_rollouts: _Optional[int] = ..., alarms: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListRunsRequest(_message.Message):
     __slots__ = ()

@@ -12,8 +12,19 @@ RENAMED_ROLES = {"single": {"solver": "generator"}}
 def policy_of_role(spec: RunSpec) -> dict[str, str]:
     """Role -> policy (adapter) name. Shared: one for all; isolated: one per role type.
 
-    Also the submit-time check of the spec's workflow: importable, a Workflow, and
-    every one of its roles covered by `policy_groups`."""
+    Also the submit-time check of the spec's workflow (importable, a Workflow, every one
+    of its roles covered by `policy_groups`) and of `optim.policy_lr`'s adapter names."""
+    mapping = _policy_of_role(spec)
+    unknown = sorted(set(spec.optim.policy_lr) - set(mapping.values()))
+    if unknown:
+        raise SpecError(
+            f"field `optim.policy_lr`: no adapter named {', '.join(map(repr, unknown))} in this "
+            f"run; its adapters are {', '.join(sorted(set(mapping.values())))}"
+        )
+    return mapping
+
+
+def _policy_of_role(spec: RunSpec) -> dict[str, str]:
     roles = resolve(spec.workflow).roles
     if spec.policy_groups is not None:
         for old, new in RENAMED_ROLES.get(spec.workflow, {}).items():

@@ -43,6 +43,11 @@ class JsonlSink:
         tmp.write_text("".join(keep))
         tmp.replace(self.path)
 
+    def records(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
     async def write(self, step: int, record: dict[str, Any]) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -52,14 +57,35 @@ class JsonlSink:
 
 
 class RunRecordSink:
-    """The run's record in Redis: its step and last metrics, for GetRun and `marl status`."""
+    """The run's record in Redis: its step, last metrics and every alarm and guard action
+    so far ("step N: ..."), for GetRun and `marl status`."""
 
     def __init__(self, store: RunStore, run_id: str):
         self.store = store
         self.run_id = run_id
+        self.alarms: list[str] = []
+
+    def _note(self, record: dict[str, Any]) -> None:
+        step = record["step"]
+        self.alarms += [f"step {step}: {a}" for a in record.get("alarms") or []]
+        if record.get("guard"):
+            self.alarms.append(f"step {step}: guard {record['guard']}")
+
+    async def restore(self, records: list[dict[str, Any]]) -> None:
+        """A resumed run: the alarms of the records it keeps, and none of those cut back."""
+        self.alarms = []
+        for record in records:
+            self._note(record)
+        await self.store.update(self.run_id, alarms_json=json.dumps(self.alarms))
 
     async def write(self, step: int, record: dict[str, Any]) -> None:
-        await self.store.update(self.run_id, step=step, last_metrics_json=json.dumps(record))
+        self._note(record)
+        await self.store.update(
+            self.run_id,
+            step=step,
+            last_metrics_json=json.dumps(record),
+            alarms_json=json.dumps(self.alarms),
+        )
 
     async def close(self) -> None:
         pass

@@ -69,7 +69,7 @@ class MultiAdapterPolicy:
         self.optimizers = {
             p: torch.optim.AdamW(
                 self.parameters(p),
-                lr=optim.lr,
+                lr=optim.policy_lr.get(p, optim.lr),
                 betas=optim.betas,
                 weight_decay=optim.weight_decay,
             )
@@ -117,8 +117,9 @@ class MultiAdapterPolicy:
         with self.model.disable_adapter():
             return self.logits(input_ids, attention_mask)
 
-    def lr(self) -> float:
-        return float(self.schedulers[self.policies[0]].get_last_lr()[0])
+    def lr(self, policy: str | None = None) -> float:
+        """The learning rate `policy`'s adapter (default: the first) trains at this step."""
+        return float(self.schedulers[policy or self.policies[0]].get_last_lr()[0])
 
     def end_step(self) -> None:
         """A training step is over: advance every adapter's schedule by one."""

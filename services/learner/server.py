@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -35,9 +36,12 @@ def _run_message(d: dict[str, Any]) -> learner_pb2.Run:
         total_steps=int(d.get("total_steps") or 0),
         out_dir=d.get("out_dir", ""),
         error=d.get("error", ""),
+        dead_lettered=int(d.get("dead_lettered") or 0),
+        duplicate_rollouts=int(d.get("duplicate_rollouts") or 0),
         last_metrics_json=d.get("last_metrics_json", ""),
         created_at=float(d.get("created_at") or 0),
         spec_yaml=d.get("spec_yaml", ""),
+        alarms=json.loads(d.get("alarms_json") or "[]"),
     )
 
 
@@ -166,7 +170,9 @@ async def _keep_lease(store: RunStore, run_id: str, learner_id: str) -> None:
             log.error("lost the lease of run %s to another learner", run_id)
 
 
-async def run_loop(r: aioredis.Redis, store: RunStore, learner_id: str) -> None:
+async def run_loop(
+    r: aioredis.Redis, store: RunStore, learner_id: str, max_queued_tasks: int = 4096
+) -> None:
     """Take queued runs, and runs whose learner died, one at a time and train them."""
     while True:
         taken = await _next_run(store, learner_id)
@@ -183,7 +189,8 @@ async def run_loop(r: aioredis.Redis, store: RunStore, learner_id: str) -> None:
             out_dir = Path(record["out_dir"])
             sinks = extra_sinks(spec, out_dir, run_id)  # TensorBoard, W&B (`logging`)
             executor = RunExecutor(
-                run_id, spec, out_dir, r, store, learner_id, takeover, extra_sinks=sinks
+                run_id, spec, out_dir, r, store, learner_id, takeover, extra_sinks=sinks,
+                max_queued_tasks=max_queued_tasks,
             )
             await executor.execute()
         except RunCancelled:
@@ -204,7 +211,12 @@ async def run_loop(r: aioredis.Redis, store: RunStore, learner_id: str) -> None:
 
 
 async def _serve(
-    port: int, host: str, redis_url: str, runs_dir: Path, http_port: int | None = None
+    port: int,
+    host: str,
+    redis_url: str,
+    runs_dir: Path,
+    http_port: int | None = None,
+    max_queued_tasks: int = 4096,
 ) -> None:
     name = learner_pb2.DESCRIPTOR.services_by_name["Learner"].full_name
     server = ServiceHost([name], host, port)
@@ -223,7 +235,7 @@ async def _serve(
         await r.ping()
 
     async def loop() -> None:
-        await run_loop(r, store, learner_id)
+        await run_loop(r, store, learner_id, max_queued_tasks)
 
     async def on_stop() -> None:
         if http is not None:
@@ -239,6 +251,9 @@ def run(
     host: str = "127.0.0.1",
     runs_dir: str = "runs",
     http_port: int | None = None,
+    max_queued_tasks: int = 4096,
 ) -> None:
     configure_logging("learner")
-    asyncio.run(_serve(port, host, redis_url, Path(runs_dir).resolve(), http_port))
+    asyncio.run(
+        _serve(port, host, redis_url, Path(runs_dir).resolve(), http_port, max_queued_tasks)
+    )

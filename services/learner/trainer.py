@@ -18,13 +18,13 @@ import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 
 from marl.config import RunSpec, dump_spec
 from marl.data import load_problems
-from marl.diagnostics.alarms import Alarm, AlarmWatch
+from marl.diagnostics.alarms import AlarmWatch
 from marl.diagnostics.signatures import parallel_roles, role_signatures
 from marl.model_id import base_model_id
 from marl.workflows import policy_of_role
@@ -32,6 +32,7 @@ from services.learner.adapter_sync import AdapterSync
 from services.learner.checkpoint import Checkpointer
 from services.learner.episodes import Episodes
 from services.learner.errors import ReplicaUnreachable, RunCancelled, RunFailed
+from services.learner.guard import Guard, GuardStopped
 from services.learner.metrics import (
     JsonlSink,
     MetricsSink,
@@ -44,16 +45,19 @@ from services.learner.runs import RunStore
 from services.learner.sampler import DataSampler
 from services.learner.validator import Validator
 
-__all__ = ["DataSampler", "ReplicaUnreachable", "RunCancelled", "RunExecutor", "RunFailed"]
+if TYPE_CHECKING:
+    from services.learner.policy import MultiAdapterPolicy
+
+__all__ = [
+    "DataSampler",
+    "GuardStopped",
+    "ReplicaUnreachable",
+    "RunCancelled",
+    "RunExecutor",
+    "RunFailed",
+]
 
 log = logging.getLogger(__name__)
-
-
-class GuardStopped(RunFailed):
-    """`guard.on_alarm: stop` ended the run at an alarm (the message names it)."""
-
-    def __init__(self, alarm: Alarm):
-        super().__init__(f"stopped by guard.on_alarm.{alarm.mechanism}=stop: {alarm}")
 
 
 class RunExecutor:
@@ -67,6 +71,7 @@ class RunExecutor:
         learner_id: str,
         takeover: int = 0,
         extra_sinks: list[MetricsSink] | None = None,
+        max_queued_tasks: int = 4096,
     ):
         self.run_id = run_id
         self.spec = spec
@@ -82,14 +87,18 @@ class RunExecutor:
             r,
             self.roles,
             base_model_id(spec.model.path),
-            version_base=takeover * (spec.train.steps + 1),
+            # each learner of the run, and each rollback within it, a range of its own
+            version_base=takeover * (spec.guard.max_rollbacks + 1) * (spec.train.steps + 1),
         )
-        self.episodes = Episodes(run_id, spec, r, learner_id, self.adapters.refs, self.check_cancel)
+        self.episodes = Episodes(
+            run_id, spec, r, learner_id, self.adapters.refs, self.check_cancel, max_queued_tasks
+        )
         self.jsonl = JsonlSink(out_dir / "metrics.jsonl")
         self.stream = StreamSink(r, run_id)
+        self.record = RunRecordSink(store, run_id)
         self.sinks: list[MetricsSink] = [
             self.jsonl,
-            RunRecordSink(store, run_id),
+            self.record,
             self.stream,
             *(extra_sinks or []),
         ]
@@ -98,7 +107,8 @@ class RunExecutor:
         self.alarms = AlarmWatch(
             spec.alarms, len(set(adapters)) < len(adapters), parallel_roles(spec.workflow)
         )
-        """Role drift alarms over every logged record (a resumed run starts watching afresh)."""
+        """Role drift alarms over every logged record (a resumed run replays those kept)."""
+        self.guard = Guard(spec)
 
     async def execute(self) -> None:
         await self.adapters.start()
@@ -151,6 +161,9 @@ class RunExecutor:
         if restored is not None or self.takeover:
             self.jsonl.cut_back(None if restored is None else start)
             await self.stream.cut_back(None if restored is None else start)
+            await self.replay(self.jsonl.records())
+        if restored is not None:
+            self.guard.rollbacks = int(restored.get("rollbacks", 0))
         self.adapters.set_step(start)
         await self.adapters.push(policy)
         if start == 0:
@@ -180,7 +193,11 @@ class RunExecutor:
                 record.update(await validator.run(done))
             accuracy = record.get("val/accuracy")
             if checkpointer.due(done, accuracy):
-                state = {"data_position": sampler.position, "versions": self.adapters.versions}
+                state = {
+                    "data_position": sampler.position,
+                    "versions": self.adapters.versions,
+                    "rollbacks": self.guard.rollbacks,
+                }
                 await asyncio.to_thread(checkpointer.save, done, policy, state, accuracy)
             record.update(
                 {
@@ -190,21 +207,44 @@ class RunExecutor:
                     "time/step_s": time.monotonic() - t0,
                 }
             )
-            await self.log(done, record)
+            await self.log(done, record, policy, checkpointer)
 
     async def check_cancel(self) -> None:
         if await self.store.cancel_requested(self.run_id):
             raise RunCancelled()
 
-    async def log(self, step: int, record: dict[str, Any]) -> None:
+    async def replay(self, records: list[dict[str, Any]]) -> None:
+        """A resumed run's kept records: the alarm watch and the run's alarm list go on
+        from them, as if this learner had logged them."""
+        for record in records:
+            self.alarms.update(record)
+        await self.record.restore(records)
+
+    async def log(
+        self,
+        step: int,
+        record: dict[str, Any],
+        policy: MultiAdapterPolicy | None = None,
+        checkpointer: Checkpointer | None = None,
+    ) -> None:
         full = {"step": step, **record}
         fired = self.alarms.update(full)
         full["alarms"] = [str(a) for a in fired]
-        actions = {str(k): v for k, v in self.spec.guard.on_alarm.items()}
-        stops = [a for a in fired if actions.get(a.mechanism) == "stop"]
-        if stops:
-            full["guard"] = f"stop: {stops[0]}"
+        action = self.guard.decide(fired)
+        stop = None
+        if action is not None and action.kind == "stop":
+            stop = action
+            full["guard"] = f"stop: {action.alarm}"
+        elif action is not None and policy is not None and checkpointer is not None:
+            done = await asyncio.to_thread(self.guard.roll_back, policy, checkpointer)
+            if done is None:
+                full["guard"] = f"warn: {action.alarm} (rollback: no checkpoint yet)"
+            else:
+                full["guard"] = f"rollback: {action.alarm} -> {done}"
+                self.adapters.version_base += self.spec.train.steps + 1
+                self.adapters.set_step(step)
+                await self.adapters.push(policy)
         for sink in self.sinks:
             await sink.write(step, full)
-        if stops:
-            raise GuardStopped(stops[0])
+        if stop is not None:
+            raise GuardStopped(stop.alarm, stop.why)

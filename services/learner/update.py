@@ -135,6 +135,7 @@ def grpo_step(
     result = StepResult(
         {
             "train/lr": policy.lr(),
+            **{f"policy/{p}/lr": policy.lr(p) for p in policy.policies},
             "train/sequences": len(seqs),
             "train/groups_dropped": dropped,
         }

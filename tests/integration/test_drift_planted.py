@@ -1,15 +1,20 @@
 """Planted role drift: a Voting-SP run whose reward pays the aggregator for the generators'
 long-form idiom fires `sp_role_capture` on the aggregator before validation accuracy falls;
-the matched plain Voting-SP run fires no capture. Every service a process, the shipped demo
-model (it answers in the terse `\\boxed{N}` stamp or the long form "The answer is N").
+the matched plain Voting-SP run fires no alarm at all; a Voting-IP run whose generator
+adapter trains at 10x the learning rate of the aggregator's fires `gradient_amplification`
+on the generator. Every service a process, the shipped demo model (it answers in the terse
+`\\boxed{N}` stamp or the long form "The answer is N").
 
 Alarms are read twice: as the learner logged them in metrics.jsonl while the run went, and
 from the run directory the way `marl report` re-evaluates them (thresholds from the run's
 spec).
 Measured (09:20 UTC, 8 steps, a loaded machine): the planted run's aggregator terse rate fell
 0.47 -> 0.43 -> 0.33 -> 0.26 -> 0.17 -> 0.11 (capture at step 7) and its gradient-mass share
-0.34 -> 0.59 (capture at step 5) while validation accuracy went 0.16 -> 0.12 -> 0.24; the plain
-demo run fired only entropy_collapse on the aggregator. Slow (`make test-drift`): two 10-step runs.
+0.34 -> 0.59 (capture at step 5) while validation accuracy went 0.16 -> 0.12 -> 0.24.
+Measured (12:50 UTC, 10 steps): the plain Voting-SP and Voting-IP demo runs fire nothing
+(validation 0 -> 0.72); with the generator's lr at 1e-2 (the aggregator's 1e-3) the
+generator's χ² went 0.07 -> 5.75 (21.8x its first window at step 6, the aggregator's 1.0x)
+and validation 0 -> 0.08. Slow (`make test-drift`): three 10-step runs.
 """
 
 from __future__ import annotations
@@ -33,9 +38,20 @@ PLANTED = "tests.integration.drift_workflows:LONG_AGGREGATOR"
 STEPS = 10
 
 
-def spec(out: Path, workflow: str) -> dict[str, Any]:
+RUNS: dict[str, dict[str, Any]] = {
+    "planted": {"workflow": PLANTED, "policy": "shared"},
+    "matched": {"workflow": "voting", "policy": "shared"},
+    "generator_lr": {
+        "workflow": "voting",
+        "policy": "isolated",
+        "optim": {**DEMO_SPEC["optim"], "policy_lr": {"generator": 1e-2}},
+    },
+}
+
+
+def spec(out: Path, overrides: dict[str, Any]) -> dict[str, Any]:
     data: dict[str, Any] = yaml.safe_load(yaml.safe_dump(DEMO_SPEC))
-    data.update(name="drift", workflow=workflow, out_dir=str(out))
+    data.update(name="drift", out_dir=str(out), **overrides)
     data["model"] = {"path": str(demo_model_dir())}
     data["train"].update(steps=STEPS, val_interval=5, val_problems=50)
     return data
@@ -49,9 +65,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out: dict[str, Path] = {}
     try:
         stub = learner_pb2_grpc.LearnerStub(grpc.insecure_channel(cluster.endpoints()["learner"]))
-        for name, workflow in (("planted", PLANTED), ("matched", "voting")):
+        for name, overrides in RUNS.items():
             out[name] = base / name
-            text = yaml.safe_dump(spec(out[name], workflow))
+            text = yaml.safe_dump(spec(out[name], overrides))
             run_id = stub.SubmitRun(learner_pb2.SubmitRunRequest(spec_yaml=text), timeout=60).run_id
             req = learner_pb2.WatchRunRequest(run_id=run_id, from_start=True)
             for _ in stub.WatchRun(req, timeout=1200):
@@ -78,7 +94,18 @@ def test_planted_aggregator_capture_fires_before_accuracy_falls(runs: dict[str, 
     assert any(t.startswith("sp_role_capture[aggregator]") and "terse rate" in t for t in logged)
 
 
-def test_matched_run_fires_no_capture(runs: dict[str, Path]) -> None:
+def test_matched_run_fires_nothing(runs: dict[str, Path]) -> None:
     run = load_run(runs["matched"])
-    assert [str(a) for a in run.alarms if a.mechanism == "sp_role_capture"] == []
-    assert [t for _, t in run.logged_alarms if t.startswith("sp_role_capture")] == []
+    assert [str(a) for a in run.alarms] == []
+    assert run.logged_alarms == []
+
+
+def test_raised_generator_lr_fires_gradient_amplification_on_the_generator(
+    runs: dict[str, Path],
+) -> None:
+    run = load_run(runs["generator_lr"])
+    amplification = [a for a in run.alarms if a.mechanism == "gradient_amplification"]
+    assert amplification, [str(a) for a in run.alarms]
+    assert {a.role for a in amplification} == {"generator"}
+    logged = [text for _, text in run.logged_alarms]
+    assert any(t.startswith("gradient_amplification[generator]") for t in logged)

@@ -69,9 +69,48 @@ def test_guard_stop_ends_the_run_at_the_alarm(redis_url: str, tmp_path: Path) ->
     assert lines[-1]["guard"].startswith("stop: accuracy_cliff[all]@3")
 
 
-@pytest.mark.parametrize("action", ["rollback", "pause"])
-def test_guard_actions_are_checked(action: str) -> None:
+def test_guard_actions_are_checked() -> None:
     from marl.config import SpecError
 
     with pytest.raises(SpecError, match="guard.on_alarm"):
-        parse_spec({"guard": {"on_alarm": {"accuracy_cliff": action}}})
+        parse_spec({"guard": {"on_alarm": {"accuracy_cliff": "pause"}}})
+
+
+def test_run_record_keeps_every_alarm_and_a_resume_replays_the_kept_ones(
+    redis_url: str, tmp_path: Path
+) -> None:
+    assert asyncio.run(log_steps(redis_url, tmp_path, {})) is None
+    cliff = "accuracy_cliff[all]@3: validation accuracy 0.450, down 0.150 from 0.600 at step 1"
+
+    async def record_alarms() -> list[str]:
+        r = streams.connect(redis_url)
+        try:
+            record = await RunStore(r).get("run-1")
+        finally:
+            await r.aclose()
+        assert record is not None
+        return list(json.loads(record["alarms_json"]))
+
+    assert asyncio.run(record_alarms()) == [f"step 3: {cliff}"]
+
+    async def resume(step: int) -> list[str]:
+        r = streams.connect(redis_url)
+        model = Path(marl.__file__).parent / "assets" / "demo-model"
+        spec = parse_spec({"workflow": "voting", "model": {"path": str(model)}})
+        executor = RunExecutor("run-1", spec, tmp_path, r, RunStore(r), "learner-2", takeover=1)
+        try:
+            executor.jsonl.cut_back(step)
+            await executor.replay(executor.jsonl.records())
+            # the watch goes on from the kept records: the cliff is firing, not new, at step 4
+            fired = executor.alarms.update({"step": 4, "val/accuracy": 0.4})
+        finally:
+            await r.aclose()
+        return [str(a) for a in fired]
+
+    assert asyncio.run(resume(3)) == []
+    assert asyncio.run(record_alarms()) == [f"step 3: {cliff}"]
+    # cut back before the cliff: the record forgets it, and step 4 is its onset now
+    assert asyncio.run(resume(2)) == [
+        "accuracy_cliff[all]@4: validation accuracy 0.400, down 0.200 from 0.600 at step 1"
+    ]
+    assert asyncio.run(record_alarms()) == []

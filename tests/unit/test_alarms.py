@@ -7,7 +7,8 @@ from typing import Any
 from marl.config import AlarmSpec
 from marl.diagnostics.alarms import Alarm, AlarmWatch, check, scan
 
-SPEC = AlarmSpec()  # amplification 3x and 2x the others, length 2x, terse -0.3, entropy 0.5
+SPEC = AlarmSpec()  # windows of 3, amplification 3x and 2x the others, χ² floor 0.02,
+# length 2x, terse -0.3, entropy to 0.3x
 
 
 def records(**columns: list[float | None]) -> list[dict[str, Any]]:
@@ -25,34 +26,45 @@ def records(**columns: list[float | None]) -> list[dict[str, Any]]:
 
 def test_gradient_amplification_fires_on_the_role_that_climbs_alone() -> None:
     recs = records(
-        role__generator__chi2=[0.01, 0.02, 0.05],
-        role__aggregator__chi2=[0.01, 0.011, 0.012],
+        role__generator__chi2=[0.05, 0.05, 0.05, 0.2, 0.3, 0.4],
+        role__aggregator__chi2=[0.05, 0.05, 0.05, 0.05, 0.06, 0.07],
     )
     # the generator is Voting's parallel role; naming only the aggregator keeps it quiet
     assert scan(recs, SPEC, shared=False, parallel=("aggregator",)) == []
+    # the mean of the last 3 values over the mean of the first 3: 0.3 / 0.05 and 0.06 / 0.05
     assert scan(recs, SPEC, shared=False, parallel=("generator",)) == [
         Alarm(
             "gradient_amplification",
             "generator",
-            3,
-            "chi2 5.00x its first value vs at most 1.20x for the other roles",
+            6,
+            "chi2 6.00x its first value vs at most 1.20x for the other roles",
         )
     ]
 
 
 def test_gradient_amplification_quiet_when_roles_rise_together_or_alone_or_early() -> None:
     together = records(
-        role__generator__chi2=[1.0, 2.0, 5.0], role__aggregator__chi2=[1.0, 2.0, 3.0]
+        role__generator__chi2=[1.0, 1.0, 1.0, 2.0, 4.0, 6.0],
+        role__aggregator__chi2=[1.0, 1.0, 1.0, 2.0, 3.0, 4.0],
     )
-    assert scan(together, SPEC, shared=False) == []  # 5x < 2 x 3x
-    one_role = records(role__generator__chi2=[1.0, 2.0, 9.0])
+    assert scan(together, SPEC, shared=False) == []  # 4x < 2 x 3x
+    one_role = records(role__generator__chi2=[1.0, 1.0, 1.0, 2.0, 9.0, 9.0])
     assert scan(one_role, SPEC, shared=False) == []  # nothing to compare with
-    early = records(role__generator__chi2=[1.0, 9.0], role__aggregator__chi2=[1.0, 1.0])
-    assert scan(early, SPEC, shared=False) == []  # fewer than min_points values
-    just_below = records(
-        role__generator__perplexity=[2.0, 3.0, 5.9], role__aggregator__perplexity=[2.0, 2.0, 2.0]
+    early = records(
+        role__generator__chi2=[1.0, 1.0, 1.0, 9.0, 9.0],
+        role__aggregator__chi2=[1.0, 1.0, 1.0, 1.0, 1.0],
     )
-    assert scan(just_below, SPEC, shared=False) == []  # 2.95x < 3x
+    assert scan(early, SPEC, shared=False) == []  # fewer than two windows of values
+    just_below = records(
+        role__generator__perplexity=[2.0, 2.0, 2.0, 5.0, 6.0, 6.7],
+        role__aggregator__perplexity=[2.0, 2.0, 2.0, 2.0, 2.0, 2.0],
+    )
+    assert scan(just_below, SPEC, shared=False) == []  # 5.9 / 2 = 2.95x < 3x
+    noise = records(
+        role__generator__chi2=[0.001, 0.001, 0.001, 0.005, 0.01, 0.015],
+        role__aggregator__chi2=[0.001, 0.001, 0.001, 0.001, 0.001, 0.001],
+    )
+    assert scan(noise, SPEC, shared=False) == []  # 10x of values under the 0.02 floor
 
 
 def test_sp_role_capture_on_aggregator_length_moving_toward_the_generators() -> None:
@@ -99,25 +111,34 @@ def test_sp_role_capture_on_lost_terseness_and_code_fences() -> None:
     assert scan(quiet, SPEC, shared=True) == []
 
 
-def test_gradient_share_is_capture_evidence_only_under_a_shared_adapter() -> None:
-    recs = records(
-        role__generator__grad_share=[0.4, 0.5, 0.7], role__aggregator__grad_share=[0.6, 0.5, 0.3]
+def test_capture_needs_a_shared_adapter_and_gradient_share_alone_is_not_capture() -> None:
+    shape = records(
+        sig__aggregator__terse_rate=[0.9, 0.8, 0.5],
+        role__aggregator__response_len_p50=[10, 12, 25],
+        role__generator__response_len_p50=[100, 100, 100],
     )
-    assert [str(a) for a in scan(recs, SPEC, shared=True)] == [
-        "sp_role_capture[generator]@3: gradient-mass share 0.40 -> 0.70"
-    ]
-    assert scan(recs, SPEC, shared=False) == []
-    # a rise that stays under one half is not dominance
-    low = records(role__worker__grad_share=[0.1, 0.2, 0.45])
-    assert scan(low, SPEC, shared=True) == []
+    assert len(scan(shape, SPEC, shared=True)) == 2
+    assert scan(shape, SPEC, shared=False) == []  # own adapters: nothing can capture a slot
+    # a plain Voting-SP demo run: the generators' groups saturate, the aggregator's share rises
+    share = records(
+        role__generator__grad_share=[0.68, 0.41, 0.76, 0.53, 0.62, 0.48, 0.70, 0.16],
+        role__aggregator__grad_share=[0.32, 0.59, 0.24, 0.47, 0.38, 0.52, 0.30, 0.84],
+    )
+    assert scan(share, SPEC, shared=True) == []
 
 
 def test_entropy_collapse() -> None:
-    recs = records(role__worker__entropy=[2.0, 1.5, 0.9])
+    recs = records(role__worker__entropy=[2.0, 2.0, 2.0, 0.8, 0.5, 0.2])
     assert [str(a) for a in scan(recs, SPEC, shared=False)] == [
-        "entropy_collapse[worker]@3: token entropy 2.000 -> 0.900 (0.45x its first value)"
+        "entropy_collapse[worker]@6: token entropy 2.000 -> 0.500 (0.25x its first value)"
     ]
-    assert scan(records(role__worker__entropy=[2.0, 1.5, 1.1]), SPEC, shared=False) == []
+    sharpening = records(role__worker__entropy=[2.0, 2.0, 2.0, 1.2, 0.8, 0.7])  # 0.45x
+    assert scan(sharpening, SPEC, shared=False) == []
+    # one low step is noise, not collapse: the window's mean stays above 0.3x
+    assert (
+        scan(records(role__worker__entropy=[2.0, 2.0, 2.0, 2.0, 2.0, 0.1]), SPEC, shared=False)
+        == []
+    )
 
 
 def test_accuracy_cliff_fires_once_at_onset_and_again_after_recovery() -> None:
@@ -139,24 +160,20 @@ def test_thresholds_come_from_the_spec() -> None:
 
 
 def test_check_reports_quiet_conditions_and_watch_follows_records() -> None:
-    recs = records(role__generator__entropy=[1.0, 1.0, 1.0])
+    recs = records(role__generator__entropy=[1.0] * 6)
     assert check(recs, SPEC, shared=False) == {"entropy_collapse/generator": None}
     watch = AlarmWatch(SPEC, shared=False)
-    got = [watch.update(r) for r in records(role__generator__entropy=[1.0, 0.8, 0.4, 0.3])]
-    assert [[a.step for a in step] for step in got] == [[], [], [3], []]
+    series = [1.0, 1.0, 1.0, 0.2, 0.2, 0.2, 0.2]
+    got = [watch.update(r) for r in records(role__generator__entropy=series)]
+    assert [[a.step for a in step] for step in got] == [[], [], [], [], [], [6], []]
 
 
 def test_gradient_amplification_names_only_parallel_roles_when_told() -> None:
-    recs = records(
-        role__aggregator__chi2=[0.01, 0.02, 0.05],
-        role__generator__chi2=[0.01, 0.011, 0.012],
-    )
+    climbing, flat = [0.05, 0.05, 0.05, 0.2, 0.3, 0.4], [0.05] * 6
+    recs = records(role__aggregator__chi2=climbing, role__generator__chi2=flat)
     assert [a.role for a in scan(recs, SPEC, shared=False)] == ["aggregator"]
     assert scan(recs, SPEC, shared=False, parallel=("generator",)) == []
-    flipped = records(
-        role__generator__chi2=[0.01, 0.02, 0.05],
-        role__aggregator__chi2=[0.01, 0.011, 0.012],
-    )
+    flipped = records(role__generator__chi2=climbing, role__aggregator__chi2=flat)
     assert [a.role for a in scan(flipped, SPEC, shared=False, parallel=("generator",))] == [
         "generator"
     ]

@@ -14,7 +14,7 @@ from marl.watch import WatchState, tail_records, watch_dir
 
 def _write_run(path: Path, records: list[dict[str, object]], partial: str = "") -> None:
     path.mkdir()
-    spec = {"name": "w", "workflow": "voting", "policy": "isolated", "train": {"steps": 4}}
+    spec = {"name": "w", "workflow": "voting", "policy": "isolated", "train": {"steps": 6}}
     (path / "run.yaml").write_text(yaml.safe_dump(spec))
     text = "".join(json.dumps(r) + "\n" for r in records) + partial
     (path / "metrics.jsonl").write_text(text)
@@ -26,12 +26,12 @@ RECORDS: list[dict[str, object]] = [
         {
             "step": s,
             "train/reward_mean": 0.1 * s,
-            "role/generator/chi2": [0.01, 0.02, 0.05, 0.06][s - 1],
-            "role/aggregator/chi2": 0.01,
+            "role/generator/chi2": [0.05, 0.05, 0.05, 0.2, 0.3, 0.3][s - 1],
+            "role/aggregator/chi2": 0.05,
             "role/generator/entropy": 0.8,
             "alarms": ["from the learner"] if s == 2 else [],
         }
-        for s in range(1, 5)
+        for s in range(1, 7)
     ),
 ]
 
@@ -48,13 +48,14 @@ def test_watch_state_shows_normalised_chi2_and_every_alarm_once(tmp_path: Path) 
     console = Console(record=True, width=160, force_terminal=False)
     assert watch_dir(run, follow=False, console=console) == 0
     screen = console.export_text()
-    last = screen[screen.rindex("step 4/4") :]
+    last = screen[screen.rindex("step 6/6") :]
     assert "DONE" in last
-    assert "6.00x" in last  # generator chi2 0.06 over its first 0.01
+    assert "6.00x" in last  # generator chi2 0.3 over its first 0.05
     assert "1.00x" in last  # aggregator flat
     assert last.count("step 2: from the learner") == 1
-    # recomputed under the run's thresholds (generator is Voting's parallel role)
-    assert "gradient_amplification[generator]@3: chi2 5.00x" in last
+    # recomputed under the run's thresholds (generator is Voting's parallel role): the mean
+    # of the last 3 values over that of the first 3, 0.8 / 3 / 0.05
+    assert "gradient_amplification[generator]@6: chi2 5.33x" in last
     assert "no alarms" not in last
 
 
@@ -78,7 +79,7 @@ def test_cli_watch_once_and_user_error(tmp_path: Path, capsys) -> None:  # type:
 
 class _Event:
     def __init__(self, state: str, out_dir: str, metrics: dict[str, object] | None):
-        self.run = type("Run", (), {"state": state, "total_steps": 4, "out_dir": out_dir})()
+        self.run = type("Run", (), {"state": state, "total_steps": 6, "out_dir": out_dir})()
         self.metrics_json = json.dumps(metrics) if metrics is not None else ""
 
 
@@ -106,6 +107,6 @@ def test_watch_run_follows_the_learner_stream_with_the_runs_thresholds(tmp_path:
     assert watch_run(learner, "w-1", console) == "SUCCEEDED"
     assert learner.asked == ["w-1"]
     screen = console.export_text()
-    last = screen[screen.rindex("step 4/4") :]
+    last = screen[screen.rindex("step 6/6") :]
     assert "SUCCEEDED" in last
-    assert "gradient_amplification[generator]@3" in last  # out_dir's run.yaml thresholds
+    assert "gradient_amplification[generator]@6" in last  # out_dir's run.yaml thresholds
