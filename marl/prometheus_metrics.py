@@ -5,14 +5,16 @@ collector) on its HTTP server's `/metrics`: request counts and latencies of ever
 method (an aio server interceptor in `marl.serving.ServiceHost`) and every HTTP route (an
 aiohttp middleware in `marl.http_server.HttpServer`), plus what the service itself
 knows: episodes in flight (workflow), adapter versions loaded (inference), sandbox
-verdicts by kind (sandbox). Prometheus scrapes the port the service's HTTP server
-listens on.
+verdicts by kind (sandbox), the lag of the task stream (workflow). Values that live
+elsewhere (Redis) are read when Prometheus scrapes, by hooks a service adds with
+`on_scrape`. Prometheus scrapes the port the service's HTTP server listens on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -39,9 +41,42 @@ ADAPTER_VERSIONS = Gauge(
 SANDBOX_VERDICTS = Counter(
     "marl_sandbox_verdicts", "Sandbox test verdicts, by verdict", ["verdict"]
 )
+STREAM_LAG = Gauge(
+    "marl_stream_lag",
+    "Entries of a Redis stream its consumer group has not acknowledged (undelivered + pending)",
+    ["stream", "group"],
+)
+
+log = logging.getLogger(__name__)
+
+ScrapeHook = Callable[[], Awaitable[None]]
+SCRAPE_HOOKS = web.AppKey("marl_scrape_hooks", list[ScrapeHook])
+SCRAPE_HOOK_TIMEOUT_S = 2.0
+
+
+def on_scrape(app: web.Application, hook: ScrapeHook) -> None:
+    """Run `hook` (it sets gauges) before every /metrics answer; a failing or slow hook
+    leaves its gauges at their last values."""
+    app[SCRAPE_HOOKS].append(hook)
+
+
+def stream_lag_hook(r: Any, stream: str, group: str) -> ScrapeHook:
+    """A scrape hook that sets `marl_stream_lag` of `stream`'s consumer `group`."""
+    from marl import streams
+
+    async def stream_lag() -> None:
+        STREAM_LAG.labels(stream, group).set(await streams.lag(r, stream, group))
+
+    return stream_lag
 
 
 async def metrics_handler(request: web.Request) -> web.Response:
+    for hook in request.app[SCRAPE_HOOKS]:
+        try:
+            async with asyncio.timeout(SCRAPE_HOOK_TIMEOUT_S):
+                await hook()
+        except Exception as err:  # a scrape must answer whatever Redis does
+            log.warning("metrics hook %s failed: %s", getattr(hook, "__name__", hook), err)
     return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -69,6 +104,7 @@ async def http_metrics(
 def mount(app: web.Application) -> None:
     """`/metrics` and the request middleware on a service's aiohttp application."""
     app.middlewares.append(http_metrics)
+    app[SCRAPE_HOOKS] = []
     app.router.add_get("/metrics", metrics_handler)
 
 

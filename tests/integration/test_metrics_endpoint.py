@@ -100,7 +100,9 @@ def test_sandbox_counts_verdicts(cluster: dict[str, Any]) -> None:
 
 def test_workflow_in_flight_and_learner_list_runs(cluster: dict[str, Any]) -> None:
     (wf_http,) = cluster["workflow_http"]
-    assert value(scrape(wf_http), "marl_inflight_episodes") == 0.0
+    samples = scrape(wf_http)
+    assert value(samples, "marl_inflight_episodes") == 0.0
+    assert value(samples, "marl_stream_lag", stream="marl:tasks", group="workers") == 0.0
     (learner_http,) = cluster["learner_http"]
     with RunsClient(cluster["learner"]) as runs:
         assert runs.list() == []
