@@ -84,9 +84,9 @@ def run_demo(out: str | None, steps: int | None, overrides: list[str]) -> int:
         + ", ".join(f"{k} pid {v}" for k, v in endpoints["pids"].items())
     )
     try:
-        import grpc
+        from marl import auth
 
-        stub = learner_pb2_grpc.LearnerStub(grpc.insecure_channel(endpoints["learner"]))
+        stub = learner_pb2_grpc.LearnerStub(auth.channel(endpoints["learner"]))
         run_id = stub.SubmitRun(
             learner_pb2.SubmitRunRequest(spec_yaml=dump_spec(spec)), timeout=120
         ).run_id

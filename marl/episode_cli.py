@@ -158,7 +158,7 @@ def run_episode(spec: RunSpec, problem: Problem, endpoints: dict[str, Any],
     """Push the adapters, run one episode on the first workflow server, unload them."""
     import grpc
 
-    from marl import adapter_io
+    from marl import adapter_io, auth
     from marl.model_id import base_model_id
     from marl.v1 import (
         common_pb2,
@@ -171,7 +171,7 @@ def run_episode(spec: RunSpec, problem: Problem, endpoints: dict[str, Any],
     run_id = f"episode-{uuid.uuid4().hex[:8]}"
     base_model = base_model_id(spec.model.path)
     refs = {p: AdapterRef(f"{run_id}/{p}", 0) for p in adapters}
-    channels = [grpc.insecure_channel(a) for a in endpoints["inference"]]
+    channels = [auth.channel(a) for a in endpoints["inference"]]
     stubs = [inference_pb2_grpc.InferenceStub(ch) for ch in channels]
     try:
         for policy, adapter in adapters.items():
@@ -188,7 +188,7 @@ def run_episode(spec: RunSpec, problem: Problem, endpoints: dict[str, Any],
                     raise
         task = make_task(spec, run_id, problem,
                          {role: refs[p] for role, p in role_policy.items()}, kind, sample)
-        with grpc.insecure_channel(endpoints["workflow"][0]) as ch:
+        with auth.channel(endpoints["workflow"][0]) as ch:
             resp = workflow_pb2_grpc.WorkflowStub(ch).RunEpisode(
                 workflow_pb2.RunEpisodeRequest(task_json=json.dumps(task.to_dict())),
                 timeout=EPISODE_TIMEOUT_S,

@@ -17,6 +17,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from marl.service_config import auth_token
+
 DEFAULT_ENDPOINTS = Path("marl-up") / "endpoints.json"
 TIMEOUT_EXIT = 124
 """Exit status for a program that ran out of time (as coreutils' `timeout` uses)."""
@@ -40,8 +42,11 @@ def endpoint(flag: str | None, env: str, key: str, endpoints_file: Path = DEFAUL
 
 
 def post_json(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    token = auth_token()
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             data: dict[str, Any] = json.loads(resp.read())

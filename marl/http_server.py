@@ -17,7 +17,8 @@ from typing import Any
 
 from aiohttp import web
 
-from marl import prometheus_metrics
+from marl import auth, prometheus_metrics
+from marl.service_config import auth_token
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,9 @@ class HttpServer:
     """An aiohttp application bound to `host:port` (0 picks a free port) once started."""
 
     def __init__(self, host: str, port: int, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
-        self.app = web.Application(client_max_size=max_body_bytes)
+        token = auth_token()
+        middlewares = [auth.http_middleware(token)] if token else []
+        self.app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
         prometheus_metrics.mount(self.app)  # every service's HTTP port serves Prometheus /metrics
         self.host = host
         self.requested_port = port

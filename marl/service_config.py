@@ -219,3 +219,34 @@ def load_learner(path: str | None = None, **overrides: Any) -> LearnerConfig:
 def load_sandbox(path: str | None = None, **overrides: Any) -> SandboxConfig:
     cfg: SandboxConfig = load_service_config("sandbox", path, overrides)
     return cfg
+
+
+AUTH_TOKEN_ENV = "MARL_AUTH_TOKEN"
+AUTH_TOKEN_FILE_ENV = "MARL_AUTH_TOKEN_FILE"
+
+
+def auth_token(environ: Mapping[str, str] | None = None) -> str | None:
+    """The shared-secret token every service requires and every client sends, or None (off).
+
+    Shared by all services and clients of one deployment, so it is not a per-service field:
+    `$MARL_AUTH_TOKEN`, else the content (whitespace stripped) of the file
+    `$MARL_AUTH_TOKEN_FILE` names (a mounted Kubernetes Secret). A set but unusable value is a ValueError naming the variable.
+    """
+    env = os.environ if environ is None else environ
+    value = env.get(AUTH_TOKEN_ENV) or None  # set but empty: off, as when unset
+    where = AUTH_TOKEN_ENV
+    if value is None and env.get(AUTH_TOKEN_FILE_ENV):
+        path = env[AUTH_TOKEN_FILE_ENV]
+        where = f"{AUTH_TOKEN_FILE_ENV} ({path[:200]})"
+        try:
+            value = Path(path).read_text(encoding="utf-8").strip()
+        except (OSError, ValueError) as e:
+            reason = getattr(e, "strerror", None) or "not a readable UTF-8 file"
+            raise ValueError(f"{AUTH_TOKEN_FILE_ENV}: cannot read the token file: {reason}"
+                             ) from None
+    if value is None:
+        return None
+    if not value or len(value) > 4096 or not value.isprintable() or any(c.isspace() for c in value):
+        raise ValueError(f"{where}: the token must be 1-4096 printable characters without "
+                         "spaces; unset it to turn authentication off")
+    return value

@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from marl import auth
 from marl.prometheus_metrics import GrpcMetrics
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,8 @@ class ServiceHost:
     """One grpc.aio server with health and reflection for a set of services."""
 
     def __init__(self, service_names: Iterable[str], host: str = "127.0.0.1", port: int = 0):
-        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[GrpcMetrics()])
+        interceptors = [*auth.server_interceptors(), GrpcMetrics()]
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)
@@ -117,7 +119,7 @@ async def wait_healthy(address: str, timeout: float = 120.0, service: str = "") 
     """Block until `address` reports SERVING, or raise TimeoutError."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with auth.aio_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:

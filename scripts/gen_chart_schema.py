@@ -241,7 +241,9 @@ def build() -> dict[str, Any]:
             ),
             "auth": obj(
                 {
-                    "token": string("Shared auth token (Redis requirepass)."),
+                    "token": string(
+                        "Shared auth token (Redis requirepass; every service requires it)."
+                    ),
                     "existingSecret": string("Existing Secret with key `token`."),
                 }
             ),

@@ -30,8 +30,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-
+from marl import auth
 from marl.v1 import sandbox_pb2, sandbox_pb2_grpc
 
 _DEFAULT_TEST_SECONDS = 5.0
@@ -116,7 +115,7 @@ class SandboxClient:
 
     def __init__(self, address: str):
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=_OPTIONS)
+        self.channel = auth.channel(address, options=_OPTIONS)
         self.stub = sandbox_pb2_grpc.SandboxStub(self.channel)
 
     def execute(self, code: str, tests: list[dict[str, Any]],
@@ -144,7 +143,7 @@ class AsyncSandboxClient:
 
     def __init__(self, address: str):
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
+        self.channel = auth.aio_channel(address, options=_OPTIONS)
         self.stub = sandbox_pb2_grpc.SandboxStub(self.channel)
 
     async def execute(self, code: str, tests: list[dict[str, Any]],

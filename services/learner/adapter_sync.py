@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 import redis.asyncio as aioredis
 
-from marl import adapter_io, replicas
+from marl import adapter_io, auth, replicas
 from marl.config import RunSpec
 from marl.rollout import AdapterRef
 from marl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
@@ -170,7 +170,7 @@ class AdapterSync:
         return task
 
     async def _push_one(self, rid: str, address: str, p: str, pub: Published) -> None:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with auth.aio_channel(address) as channel:
             stub = inference_pb2_grpc.InferenceStub(channel)
             try:
                 await stub.PushAdapter(
@@ -197,7 +197,7 @@ class AdapterSync:
         live = await replicas.live(self.r, "inference", include_joining=True)
 
         async def release(rid: str, address: str) -> None:
-            async with grpc.aio.insecure_channel(address) as channel:
+            async with auth.aio_channel(address) as channel:
                 stub = inference_pb2_grpc.InferenceStub(channel)
                 try:
                     listed = await stub.ListAdapters(

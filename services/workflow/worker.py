@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from marl import replicas, streams
+from marl import auth, replicas, streams
 from marl.config import SpecError, WorkflowCaps
 from marl.rewards.code import SandboxFailure
 from marl.rollout import Rollout, Task
@@ -85,7 +85,7 @@ class EpisodeRunner:
         out = []
         for addr in self._replicas:
             if addr not in self._channels:
-                self._channels[addr] = grpc.aio.insecure_channel(addr)
+                self._channels[addr] = auth.aio_channel(addr)
             out.append(inference_pb2_grpc.InferenceStub(self._channels[addr]))
         return out
 

@@ -187,3 +187,15 @@ def test_schema_refuses_bad_values_naming_them(setting: str, message: str) -> No
     out = helm("template", "r", str(CHART), "--set", setting)
     assert out.returncode != 0
     assert message in out.stderr, out.stderr
+
+
+def test_every_service_gets_the_auth_token_only_when_set() -> None:
+    """With a token every marl service requires it (marl.auth); without one none gets it."""
+    services = ("inference", "workflow", "learner", "sandbox")
+    plain = workloads(render())
+    for s in services:
+        assert "MARL_AUTH_TOKEN" not in _env(plain[f"r-marl-{s}"]), s
+    authed = workloads(render(None, "auth.existingSecret=marl-token"))
+    for s in services:
+        ref = _env(authed[f"r-marl-{s}"])["MARL_AUTH_TOKEN"]["secretKeyRef"]
+        assert ref == {"name": "marl-token", "key": "token"}, s

@@ -113,3 +113,19 @@ def test_cli_serve_needs_redis(
     monkeypatch.delenv("MARL_LEARNER_REDIS", raising=False)
     assert cli.main(["serve", "learner"]) == 2
     assert "--redis URL is required" in capsys.readouterr().err
+
+
+def test_auth_token_from_the_environment_or_a_file(tmp_path: Path) -> None:
+    from marl.service_config import auth_token
+
+    assert auth_token({}) is None
+    assert auth_token({"MARL_AUTH_TOKEN": ""}) is None  # set but empty: off
+    assert auth_token({"MARL_AUTH_TOKEN": "abc"}) == "abc"
+    secret = tmp_path / "token"
+    secret.write_text("from-file\n")  # a mounted Secret often ends in a newline
+    assert auth_token({"MARL_AUTH_TOKEN_FILE": str(secret)}) == "from-file"
+    assert auth_token({"MARL_AUTH_TOKEN": "env", "MARL_AUTH_TOKEN_FILE": str(secret)}) == "env"
+    with pytest.raises(ValueError, match="MARL_AUTH_TOKEN_FILE: cannot read"):
+        auth_token({"MARL_AUTH_TOKEN_FILE": str(tmp_path / "missing")})
+    with pytest.raises(ValueError, match="MARL_AUTH_TOKEN: the token must be"):
+        auth_token({"MARL_AUTH_TOKEN": "two words"})

@@ -69,15 +69,20 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- end }}
 {{- end }}
 
-{{/* Env vars every Redis-using service gets: the token (if any), then its MARL_<SVC>_REDIS. */}}
-{{- define "marl.redisEnv" -}}
-{{- if include "marl.authEnabled" .root }}
+{{/* The shared token, if any: services require it from callers (gRPC metadata, HTTP bearer) and send it. */}}
+{{- define "marl.authEnv" -}}
+{{- if include "marl.authEnabled" . }}
 - name: MARL_AUTH_TOKEN
   valueFrom:
     secretKeyRef:
-      name: {{ include "marl.authSecret" .root }}
+      name: {{ include "marl.authSecret" . }}
       key: token
 {{- end }}
+{{- end }}
+
+{{/* Env vars every Redis-using service gets: the token (if any), then its MARL_<SVC>_REDIS. */}}
+{{- define "marl.redisEnv" -}}
+{{- include "marl.authEnv" .root }}
 - name: MARL_{{ .service | upper }}_REDIS
   value: {{ include "marl.redisUrl" .root | quote }}
 {{- end }}

@@ -1,0 +1,149 @@
+"""With `$MARL_AUTH_TOKEN` set, every service refuses a caller without it and marl's own
+clients (the learner's pushes, the workers' calls, the CLI's RunsClient) still train.
+
+The whole local cluster runs as real processes with the token in their environment.
+Every RPC of every public service is called with no token and with a wrong one:
+each answers UNAUTHENTICATED, while health and reflection stay open (probes need
+no secret). Then a one-step run is submitted through `RunsClient`: it can only
+succeed if the learner's adapter pushes and the workers' generation calls carry
+the token, because inference refuses them otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import requests
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+import marl
+from marl import auth
+from marl.clients.runs import RunsClient
+from marl.clients.sandbox import SandboxClient
+from marl.config import apply_overrides, dump_spec, parse_spec
+from marl.demo import DEMO_SPEC
+from marl.launcher import Cluster
+from marl.service_config import auth_token
+from marl.v1 import inference_pb2, learner_pb2, sandbox_pb2, workflow_pb2
+
+TOKEN = "s3cret-test-token"
+SERVICES = {
+    "inference": inference_pb2.DESCRIPTOR.services_by_name["Inference"],
+    "workflow": workflow_pb2.DESCRIPTOR.services_by_name["Workflow"],
+    "learner": learner_pb2.DESCRIPTOR.services_by_name["Learner"],
+    "sandbox": sandbox_pb2.DESCRIPTOR.services_by_name["Sandbox"],
+}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    before = os.environ.get("MARL_AUTH_TOKEN")
+    os.environ["MARL_AUTH_TOKEN"] = TOKEN
+    model = Path(marl.__file__).parent / "assets" / "demo-model"
+    c = Cluster(tmp_path_factory.mktemp("auth-cluster"), str(model))
+    try:
+        endpoints = c.start()
+        yield endpoints
+    finally:
+        c.stop()
+        if before is None:
+            os.environ.pop("MARL_AUTH_TOKEN", None)
+        else:
+            os.environ["MARL_AUTH_TOKEN"] = before
+
+
+def address(cluster: dict[str, Any], kind: str) -> str:
+    found = cluster[kind]
+    return str(found if isinstance(found, str) else found[0])
+
+
+def call_raw(channel: grpc.Channel, service: Any, method: Any,
+             metadata: list[tuple[str, str]]) -> grpc.StatusCode:
+    """Call `method` with an empty request, as a client that knows nothing but the name."""
+    path = f"/{service.full_name}/{method.name}"
+    try:
+        if method.client_streaming:
+            fn: Any = (channel.stream_stream if method.server_streaming else channel.stream_unary)
+            reply = fn(path)(iter([b""]), timeout=10, metadata=metadata)
+        else:
+            fn = channel.unary_stream if method.server_streaming else channel.unary_unary
+            reply = fn(path)(b"", timeout=10, metadata=metadata)
+        if method.server_streaming:
+            list(reply)
+    except grpc.RpcError as err:
+        return err.code()  # type: ignore[no-any-return]
+    return grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize("kind", list(SERVICES))
+def test_deny_every_rpc_without_the_token(cluster: dict[str, Any], kind: str) -> None:
+    service = SERVICES[kind]
+    with grpc.insecure_channel(address(cluster, kind)) as channel:
+        for method in service.methods:
+            for metadata in ([], [("authorization", "Bearer wrong")],
+                             [("authorization", TOKEN)]):
+                code = call_raw(channel, service, method, metadata)
+                assert code == grpc.StatusCode.UNAUTHENTICATED, (kind, method.name, metadata)
+        # probes and reflection need no secret
+        health = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        listed = next(reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
+        names = {s.name for s in listed.list_services_response.service}
+        assert service.full_name in names
+
+
+def test_deny_http_front_ends_without_the_token(cluster: dict[str, Any]) -> None:
+    (inference,) = cluster["inference_http"]
+    (sandbox,) = cluster["sandbox_http"]
+    body = {"code": "print(1)", "language": "python"}
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = requests.get(f"http://{inference}/v1/models", headers=headers, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "unauthenticated"
+        r = requests.post(f"http://{sandbox}/run_code", json=body, headers=headers, timeout=30)
+        assert r.status_code == 401
+    good = {"Authorization": f"Bearer {TOKEN}"}
+    assert requests.get(f"http://{inference}/v1/models", headers=good, timeout=10).ok
+    ran = requests.post(f"http://{sandbox}/run_code", json=body, headers=good, timeout=60)
+    assert ran.ok and ran.json()["status"] == "Success"
+    for kind in ("inference", "sandbox", "workflow", "learner"):
+        (address,) = cluster[f"{kind}_http"]
+        assert requests.get(f"http://{address}/metrics", timeout=10).ok, kind
+
+
+def test_allow_marl_clients_with_the_token_train_one_step(
+        cluster: dict[str, Any], tmp_path: Path) -> None:
+    assert auth_token() == TOKEN
+    with SandboxClient(cluster["sandbox"][0]) as sandbox:  # what code-reward workers use
+        assert sandbox.execute("print(input())", [{"stdin": "7", "expected_stdout": "7"}]
+                               ).pass_rate == 1.0
+    data = apply_overrides(DEMO_SPEC, [
+        "train.steps=1", "train.problems_per_step=2", "grpo.group_size=2",
+        "train.val_problems=2", "train.step_timeout_s=120"])
+    spec = parse_spec(data)
+    spec.model.path = str(Path(marl.__file__).parent / "assets" / "demo-model")
+    spec.out_dir = str(tmp_path / "run")
+    with RunsClient(cluster["learner"], timeout=30) as runs:
+        run_id = runs.submit(dump_spec(spec))
+        run = runs.wait(run_id, timeout=240)
+    assert run.state == "SUCCEEDED", run
+
+
+def test_client_channel_sends_the_token_only_when_set(
+        cluster: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    from marl.v1 import learner_pb2_grpc
+
+    request = learner_pb2.ListRunsRequest()
+    with auth.channel(cluster["learner"]) as ch:
+        learner_pb2_grpc.LearnerStub(ch).ListRuns(request, timeout=10)
+    monkeypatch.delenv("MARL_AUTH_TOKEN")
+    with auth.channel(cluster["learner"]) as ch, pytest.raises(grpc.RpcError) as err:
+        learner_pb2_grpc.LearnerStub(ch).ListRuns(request, timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
