@@ -213,6 +213,15 @@ class AlarmSpec(_Spec):
     cliff_drop: float = Field(0.1, gt=0, le=1)
     """accuracy_cliff: validation accuracy falls this far (absolute) below its best so far."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _removed(cls, data: Any) -> Any:
+        """`capture_share_rise` (gradient share as capture evidence) is gone: a healthy run
+        moves shares too. Specs and run directories that still name it load as before."""
+        if isinstance(data, dict) and "capture_share_rise" in data:
+            return {k: v for k, v in data.items() if k != "capture_share_rise"}
+        return data
+
 
 class GuardSpec(_Spec):
     """What a fired alarm does to the run."""
