@@ -387,10 +387,6 @@ def build_parser() -> argparse.ArgumentParser:
     from marl.experiment_cli import add_parsers as add_experiment_parsers
 
     add_experiment_parsers(sub)  # matrix, eval, attribute
-
-    from marl.experiment_cli import add_parsers as add_experiment_parsers
-
-    add_experiment_parsers(sub)  # matrix, eval, attribute
     return parser
 
 
