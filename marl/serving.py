@@ -8,6 +8,7 @@ with a grace period so in-flight calls finish.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
@@ -30,11 +31,97 @@ SERVER_OPTIONS = [
 ]
 
 
+MAX_DETAILS_BYTES = 1536
+"""An error message's UTF-8 size limit: the status travels as percent-encoded trailing
+metadata (up to 3 bytes per byte), and a client refuses metadata over 8 KiB, turning the
+error into "Stream removed". Longer messages (ones echoing a caller's huge input) are cut."""
+
+
+def bounded(details: str | None, limit: int = MAX_DETAILS_BYTES) -> str | None:
+    """`details` cut to `limit` UTF-8 bytes, saying how much was left out."""
+    if details is None:
+        return None
+    raw = details.encode("utf-8", "replace")
+    if len(raw) <= limit:
+        return details
+    keep = raw[: limit - 40].decode("utf-8", "ignore")
+    return f"{keep}... [{len(raw) - len(keep.encode())} more bytes cut]"
+
+
+class _BoundedContext:
+    """A ServicerContext whose error messages are bounded (everything else passes through)."""
+
+    def __init__(self, context: grpc.aio.ServicerContext):
+        self._context = context
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "",
+                    trailing_metadata: Any = ()) -> None:
+        await self._context.abort(code, bounded(details) or "", trailing_metadata)
+
+    def set_details(self, details: str) -> None:
+        self._context.set_details(bounded(details) or "")
+
+
+async def _unexpected(err: Exception, context: grpc.aio.ServicerContext) -> None:
+    """What grpc.aio does with an exception a handler lets out (log it, answer UNKNOWN),
+    with the message bounded; an abort passes through as it is."""
+    if isinstance(err, grpc.aio.AbortError):
+        raise err
+    log.error("unexpected error in a handler", exc_info=err)
+    await context.abort(grpc.StatusCode.UNKNOWN,
+                        bounded(f"Unexpected {type(err).__name__}: {err}") or "")
+
+
+def _bounded_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    kinds = [
+        ("unary_unary", grpc.unary_unary_rpc_method_handler),
+        ("unary_stream", grpc.unary_stream_rpc_method_handler),
+        ("stream_unary", grpc.stream_unary_rpc_method_handler),
+        ("stream_stream", grpc.stream_stream_rpc_method_handler),
+    ]
+    for attr, make in kinds:
+        fn = getattr(handler, attr)
+        if fn is None:
+            continue
+        if inspect.isasyncgenfunction(fn):
+            async def gen(request: Any, context: Any, fn: Any = fn) -> Any:
+                try:
+                    async for item in fn(request, _BoundedContext(context)):
+                        yield item
+                except Exception as err:
+                    await _unexpected(err, context)
+
+            wrapped: Any = gen
+        else:
+            async def call(request: Any, context: Any, fn: Any = fn) -> Any:
+                try:
+                    return await fn(request, _BoundedContext(context))
+                except Exception as err:
+                    await _unexpected(err, context)
+
+            wrapped = call
+        return make(wrapped, request_deserializer=handler.request_deserializer,  # type: ignore[operator]
+                    response_serializer=handler.response_serializer)
+    return handler
+
+
+class BoundedErrors(grpc.aio.ServerInterceptor):
+    """Every handler's error messages are cut to MAX_DETAILS_BYTES (see `bounded`)."""
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails
+                                ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        return handler if handler is None else _bounded_handler(handler)
+
+
 class ServiceHost:
     """One grpc.aio server with health and reflection for a set of services."""
 
     def __init__(self, service_names: Iterable[str], host: str = "127.0.0.1", port: int = 0):
-        interceptors = [*auth.server_interceptors(), GrpcMetrics()]
+        interceptors = [*auth.server_interceptors(), GrpcMetrics(), BoundedErrors()]
         self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -70,3 +70,79 @@ class Engine(Protocol):
     async def unload_adapter(self, key: str) -> None: ...
 
     async def close(self) -> None: ...
+
+
+MAX_TEMPERATURE = 100.0
+"""Above this, sampling is uniform noise for any model: a typo, not a setting."""
+MAX_STOP_TOKEN_IDS = 256
+MAX_SEED = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a request must fit: the model's context window and vocabulary."""
+
+    context: int
+    vocab_size: int
+
+
+def model_limits(model_path: str) -> ModelLimits:
+    """The limits from the model directory's config.json (read once per replica)."""
+    import json
+    from pathlib import Path
+
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model: {model_path[:200]} has no readable config.json ({e})"[:400]
+                         ) from None
+    text = config.get("text_config") or {}
+    context = config.get("max_position_embeddings") or text.get("max_position_embeddings")
+    vocab = config.get("vocab_size") or text.get("vocab_size")
+    return ModelLimits(int(context or 2048), int(vocab or 0))
+
+
+def check_request(request: GenerationRequest, limits: ModelLimits) -> None:
+    """A ValueError naming the field for a request the engine must not see.
+
+    Checked before a request joins a batch, so a bad one fails alone, and bounded so
+    that no request can hold the engine longer than a full context's decode.
+    """
+    import math
+
+    ids = request.prompt_token_ids
+    if not ids:
+        raise ValueError("prompt_token_ids is empty")
+    vocab = limits.vocab_size
+    if vocab:
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids[{bad}]: {ids[bad]} is outside the model's "
+                             f"vocabulary 0..{vocab - 1}")
+    if len(ids) >= limits.context:
+        raise ValueError(f"prompt_token_ids: {len(ids)} tokens leave no room in the model's "
+                         f"context of {limits.context}; shorten the prompt")
+    room = limits.context - len(ids)
+    if not 1 <= request.max_tokens <= room:
+        raise ValueError(f"sampling.max_tokens: must be in 1..{room} (the context of "
+                         f"{limits.context} less {len(ids)} prompt tokens), got "
+                         f"{request.max_tokens}")
+    t = request.temperature
+    if not (math.isfinite(t) and 0 <= t <= MAX_TEMPERATURE):
+        raise ValueError(f"sampling.temperature: must be a finite number in 0..{MAX_TEMPERATURE:g}"
+                         f" (0 = greedy), got {t!r}")
+    p = request.top_p
+    if not (math.isfinite(p) and 0 <= p <= 1):
+        raise ValueError(f"sampling.top_p: must be a finite number in 0..1 (0 or 1 = off), "
+                         f"got {p!r}")
+    if request.seed is not None and not 0 <= request.seed <= MAX_SEED:
+        raise ValueError(f"sampling.seed: must be in 0..{MAX_SEED} (0 = unseeded), "
+                         f"got {request.seed}")
+    stops = request.stop_token_ids
+    if len(stops) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"sampling.stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {len(stops)}")
+    if vocab:
+        bad = next((i for i, t in enumerate(stops) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"sampling.stop_token_ids[{bad}]: {stops[bad]} is outside the "
+                             f"model's vocabulary 0..{vocab - 1}")

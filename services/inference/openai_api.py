@@ -27,7 +27,7 @@ from aiohttp import web
 from marl import openai_protocol as oa
 from marl.http_server import HttpServer, json_response, read_json_object
 from services.inference.adapters import AdapterNotLoaded, LoadedVersion
-from services.inference.engine import GenerationRequest
+from services.inference.engine import GenerationRequest, ModelLimits, check_request
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +131,15 @@ class OpenAIApi:
             for ids in prompts
             for j in range(sampling.n)
         ]
+        limits = ModelLimits(self.context, self.vocab_size)
+        for r in requests:  # the gRPC path's checks too (finite, bounded), before any batch
+            try:
+                check_request(r, limits)
+            except ValueError as err:
+                if version is not None:
+                    await self.service.registry.release(version)
+                field, _, why = str(err).partition(": ")
+                raise oa.bad(field.removeprefix("sampling.").split("[")[0], why) from None
         try:
             results = await asyncio.gather(*(self.service.engine.generate(r) for r in requests))
         except Exception as err:  # the engine's failure, reported to this caller only

@@ -30,20 +30,29 @@ from services.inference.adapters import (
     LoadedVersion,
     adapter_key,
 )
-from services.inference.engine import AdapterWeights, Engine, GenerationRequest
+from services.inference.engine import (
+    AdapterWeights,
+    Engine,
+    GenerationRequest,
+    ModelLimits,
+    check_request,
+    model_limits,
+)
 from services.inference.factory import EngineName, make_engine
 
 log = logging.getLogger(__name__)
 
 MAX_ADAPTER_BYTES = 4 << 30
+MAX_REQUEST_ID = 256
 JOIN_CHECK_S = 0.5
 
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
     """Registered before the server starts; `attach` brings the engine once it is built."""
 
-    def __init__(self, replica_id: str):
+    def __init__(self, replica_id: str, limits: ModelLimits):
         self.replica_id = replica_id
+        self.limits = limits
         self._engine: Engine | None = None
         self._registry: AdapterRegistry | None = None
         self._push_lock = asyncio.Lock()
@@ -76,33 +85,32 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         await self._require_ready(context)
         if not request.adapter.name:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "adapter.name is required")
-        if not request.prompt_token_ids:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
+        if len(request.request_id) > MAX_REQUEST_ID:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request_id: at most {MAX_REQUEST_ID} characters")
         sp = request.sampling
-        if sp.max_tokens <= 0:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "sampling.max_tokens must be >= 1"
-            )
-        if sp.temperature < 0:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature must be >= 0"
-            )
+        generation = GenerationRequest(
+            prompt_token_ids=list(request.prompt_token_ids),
+            adapter_key="",
+            max_tokens=sp.max_tokens,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            seed=sp.seed or None,
+            stop_token_ids=list(sp.stop_token_ids),
+        )
+        try:  # before the request can join a batch: a bad one fails alone
+            check_request(generation, self.limits)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        if not 0 < generation.top_p < 1:
+            generation.top_p = 1.0
         try:
             version = self.registry.acquire(request.adapter.name, request.adapter.version)
         except AdapterNotLoaded as err:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        generation.adapter_key = version.key
         try:
-            result = await self.engine.generate(
-                GenerationRequest(
-                    prompt_token_ids=list(request.prompt_token_ids),
-                    adapter_key=version.key,
-                    max_tokens=sp.max_tokens,
-                    temperature=sp.temperature,
-                    top_p=sp.top_p if 0 < sp.top_p < 1 else 1.0,
-                    seed=sp.seed or None,
-                    stop_token_ids=list(sp.stop_token_ids),
-                )
-            )
+            result = await self.engine.generate(generation)
         finally:
             await self.registry.release(version)
         return inference_pb2.GenerateResponse(
@@ -292,7 +300,7 @@ async def _serve(
     service_name = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
     server = ServiceHost([service_name], host, port)
     replica_id = f"inference-{uuid.uuid4().hex[:8]}"
-    service = InferenceService(replica_id)
+    service = InferenceService(replica_id, model_limits(model_path))
     inference_pb2_grpc.add_InferenceServicer_to_server(service, server.server)
     ADAPTER_VERSIONS.set_function(
         lambda: 0 if service._registry is None else len(service._registry.all())

@@ -139,17 +139,27 @@ class TransformersEngine:
                     if self._queue.empty() or loop.time() > deadline:
                         break
                 batch.append(self._queue.get_nowait())
-            try:
-                results = await self._run(self._generate_batch, [p.request for p in batch])
-            except Exception as err:  # delivered to every caller of this batch
-                log.exception("batch of %d failed", len(batch))
+            await self._decode(batch)
+
+    async def _decode(self, batch: list[_Pending]) -> None:
+        """Decode `batch`; if it fails, decode each request alone so a failure stays with the
+        request that caused it (requests are checked before they queue, so this is rare)."""
+        try:
+            results = await self._run(self._generate_batch, [p.request for p in batch])
+        except Exception as err:
+            if len(batch) > 1:
+                log.warning("batch of %d failed (%s); decoding its requests one by one",
+                            len(batch), str(err)[:200])
                 for p in batch:
-                    if not p.future.done():
-                        p.future.set_exception(err)
-                continue
-            for p, res in zip(batch, results, strict=True):
-                if not p.future.done():
-                    p.future.set_result(res)
+                    await self._decode([p])
+                return
+            log.exception("request failed")
+            if not batch[0].future.done():
+                batch[0].future.set_exception(err)
+            return
+        for p, res in zip(batch, results, strict=True):
+            if not p.future.done():
+                p.future.set_result(res)
 
     @torch.no_grad()
     def _generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:

@@ -1,0 +1,167 @@
+"""Bad generation requests fail alone, clearly, and never wedge the replica.
+
+One real `marl serve inference` process (transformers engine, the shipped demo
+model) with one pushed adapter. The classes a hostile client found:
+1. one bad request batched with good ones (a token id outside the vocabulary)
+   failed them all: now it is refused before it joins a batch, and even a
+   request that fails inside the engine fails alone (`test_engine_*`);
+2. non-finite sampling parameters and a huge `max_tokens` wedged the server:
+   now they are INVALID_ARGUMENT naming the field, and the next call is served;
+3. an error echoing a huge input exceeded gRPC's metadata limit ("Stream
+   removed"): error messages are now cut.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from marl import adapter_io
+from marl.demo_model import demo_model_dir
+from marl.launcher import Cluster
+from marl.serving import MAX_DETAILS_BYTES
+from marl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from services.inference.engine import GenerationRequest, ModelLimits, check_request, model_limits
+
+TARGETS = ["q_proj", "v_proj"]
+ADAPTER = common_pb2.AdapterRef(name="bad-input/p", version=0)
+
+
+@pytest.fixture(scope="module")
+def stub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[inference_pb2_grpc.InferenceStub]:
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    model_dir = demo_model_dir()
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                          LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+    state = {k: torch.zeros_like(v) for k, v in get_peft_model_state_dict(peft).items()}
+    cluster = Cluster(tmp_path_factory.mktemp("bad-input"), str(model_dir),
+                      workflow_replicas=0, sandbox_replicas=0, learner=False, max_lora_rank=8)
+    endpoints = cluster.start()
+    try:
+        (address,) = endpoints["inference"]
+        channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_send_message_length", 64 << 20)])
+        s = inference_pb2_grpc.InferenceStub(channel)
+        base = s.GetInfo(inference_pb2.GetInfoRequest(), timeout=10).base_model
+        payload = adapter_io.serialize(state)
+        manifest = adapter_io.make_manifest(ADAPTER.name, 0, base, 4, 8.0, TARGETS, payload)
+        assert s.PushAdapter(adapter_io.chunks(manifest, payload), timeout=60).loaded
+        yield s
+    finally:
+        cluster.stop()
+
+
+def request(ids: list[int] | None = None, **sampling: Any) -> inference_pb2.GenerateRequest:
+    sampling.setdefault("max_tokens", 4)
+    return inference_pb2.GenerateRequest(
+        prompt_token_ids=ids or [5, 6, 7], adapter=ADAPTER,
+        sampling=inference_pb2.SamplingParams(**sampling))
+
+
+def code_and_details(stub: inference_pb2_grpc.InferenceStub,
+                     req: inference_pb2.GenerateRequest) -> tuple[grpc.StatusCode, str]:
+    try:
+        stub.Generate(req, timeout=30)
+    except grpc.RpcError as err:
+        return err.code(), err.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+def test_one_bad_request_does_not_fail_the_good_ones_batched_with_it(stub: Any) -> None:
+    vocab = model_limits(str(demo_model_dir())).vocab_size
+    reqs = [request(seed=i + 1, temperature=1.0) for i in range(8)]
+    reqs.insert(3, request([5, vocab + 7, 6]))
+    with ThreadPoolExecutor(len(reqs)) as pool:
+        results = list(pool.map(lambda r: code_and_details(stub, r), reqs))
+    code, details = results.pop(3)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt_token_ids[1]" in details and "vocabulary" in details
+    assert [c for c, _ in results] == [grpc.StatusCode.OK] * 8
+
+
+@pytest.mark.parametrize("sampling, field", [
+    ({"temperature": math.nan}, "sampling.temperature"),
+    ({"temperature": math.inf}, "sampling.temperature"),
+    ({"temperature": -1.0}, "sampling.temperature"),
+    ({"temperature": 1e300}, "sampling.temperature"),
+    ({"top_p": math.nan}, "sampling.top_p"),
+    ({"top_p": -0.5}, "sampling.top_p"),
+    ({"top_p": 7.0}, "sampling.top_p"),
+    ({"max_tokens": 2**31 - 1}, "sampling.max_tokens"),
+    ({"max_tokens": -3}, "sampling.max_tokens"),
+    ({"seed": -5}, "sampling.seed"),
+    ({"stop_token_ids": [-1]}, "sampling.stop_token_ids[0]"),
+    ({"temperature": math.nan, "max_tokens": 2**31 - 1}, "sampling.max_tokens"),
+])
+def test_bad_sampling_is_refused_and_the_replica_keeps_serving(
+        stub: Any, sampling: dict[str, Any], field: str) -> None:
+    code, details = code_and_details(stub, request(**sampling))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert details.startswith(field), details
+    assert code_and_details(stub, request())[0] == grpc.StatusCode.OK
+
+
+def test_prompt_that_fills_the_context_is_refused(stub: Any) -> None:
+    context = model_limits(str(demo_model_dir())).context
+    code, details = code_and_details(stub, request([5] * context))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "context" in details
+
+
+def test_an_error_echoing_a_huge_input_arrives_cut_not_as_stream_removed(stub: Any) -> None:
+    req = request()
+    req.adapter.name = "x" * 200_000  # named back in "adapter ... is not loaded"
+    code, details = code_and_details(stub, req)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION, details
+    assert "more bytes cut" in details and len(details.encode()) <= MAX_DETAILS_BYTES
+    req = request()
+    req.request_id = "y" * 100_000
+    code, details = code_and_details(stub, req)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("request_id")
+
+
+def test_check_request_names_each_field() -> None:
+    limits = ModelLimits(context=16, vocab_size=10)
+    ok = GenerationRequest([1, 2], "k", max_tokens=14)
+    check_request(ok, limits)
+    for change, field in [({"prompt_token_ids": []}, "prompt_token_ids"),
+                          ({"prompt_token_ids": [1, 10]}, "prompt_token_ids[1]"),
+                          ({"max_tokens": 15}, "sampling.max_tokens"),
+                          ({"temperature": math.nan}, "sampling.temperature"),
+                          ({"top_p": math.inf}, "sampling.top_p"),
+                          ({"seed": 1 << 63}, "sampling.seed"),
+                          ({"stop_token_ids": [1] * 257}, "sampling.stop_token_ids")]:
+        bad = GenerationRequest(**{**ok.__dict__, **change})
+        with pytest.raises(ValueError, match="^" + re.escape(field)):
+            check_request(bad, limits)
+
+
+def test_engine_failure_stays_with_its_own_request() -> None:
+    """A request that fails inside the engine (here: one that skipped the checks) fails
+    alone; the requests batched with it are decoded."""
+    from services.inference.transformers_engine import BASE, TransformersEngine
+
+    engine = TransformersEngine(str(demo_model_dir()), batch_wait_s=0.05)
+    vocab = engine.base.config.vocab_size
+
+    async def run() -> list[Any]:
+        reqs = [GenerationRequest([5, 6], BASE, max_tokens=3, seed=i + 1) for i in range(4)]
+        reqs.insert(2, GenerationRequest([5, vocab + 100], BASE, max_tokens=3))
+        try:
+            return await asyncio.gather(*(engine.generate(r) for r in reqs),
+                                        return_exceptions=True)
+        finally:
+            await engine.close()
+
+    results = asyncio.run(run())
+    assert isinstance(results.pop(2), Exception)
+    assert all(len(r.token_ids) == 3 for r in results), results
