@@ -1,11 +1,11 @@
-"""Twenty successive adapter versions pushed through a real `marl serve inference` process
+"""Thirty successive adapter versions (after twenty of warm-up) pushed through a real `marl serve inference` process
 (transformers engine, tiny model) while Generate requests keep arriving.
 
 Shown: every response is served by the version it asked for, no request fails, the
 replica keeps only the newest `retention` versions (one retired while requests still
 hold it stays until they finish: counted and printed, timing decides how often), and
-its memory returns to its level once the versions are unloaded: 20 leaked versions
-would add about 35 MiB, the tolerance is 8 MiB.
+its memory returns to its level once the versions are unloaded: 30 leaked versions
+would add about 45 MiB, the tolerance is 8 MiB.
 
 Clients only ask for versions the pusher guarantees are still loaded when the request
 arrives, as the learner does by pushing version t+1 only after step t's requests: before
@@ -37,9 +37,11 @@ NAME = "churn/p"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA = 64, 32  # 1.5 MB per version on the tiny model: a leak shows in RSS
 RETENTION = 2  # the replica's default
-WARMUP, VERSIONS = 5, 20
+WARMUP, VERSIONS = 20, 30
+"""The allocator grows over the first ~20 versions, then holds: measured 12:45 UTC, +9.5 MiB
+over versions 5-25 but +10.7 over 5-85, and -1.3 / -2.1 MiB over 30 versions after 20."""
 CLIENTS = 6
-LEAK_TOLERANCE_KIB = 16 * 1024  # 20 versions held on to would add 30 MB (1.5 MB each); seen: 9-13 MiB growth here, see the closing note
+LEAK_TOLERANCE_KIB = 8 * 1024  # 30 versions held on to would add 45 MB (1.5 MB each)
 
 
 def lora_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
@@ -156,7 +158,7 @@ async def settled_rss_kib(pid: int) -> int:
     return int(statistics.median(samples))
 
 
-def test_twenty_versions_under_load(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_thirty_versions_under_load(tiny_model_dir: Path, tmp_path: Path) -> None:
     shapes = lora_shapes(tiny_model_dir)
     cluster = Cluster(
         tmp_path / "cluster",
