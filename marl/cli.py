@@ -113,14 +113,12 @@ def _spec_text(path: str, overrides: list[str]) -> str:
     import yaml
 
     from marl.config import apply_overrides
+    from marl.safe_input import check_path, load_yaml, read_text, shorten
 
-    p = Path(path)
+    p = check_path(path, "spec file", UserError)
     if not p.is_file():
-        raise UserError(f"spec file {path!r} does not exist")
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise UserError(f"{path}: not valid YAML: {err}") from None
+        raise UserError(f"spec file {shorten(path)!r} does not exist")
+    data = load_yaml(read_text(p, "spec file", UserError), shorten(path), UserError) or {}
     if not isinstance(data, dict):
         raise UserError(f"{path}: a run spec must be a mapping of fields")
     return yaml.safe_dump(apply_overrides(data, overrides), sort_keys=False)

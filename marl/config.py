@@ -305,42 +305,64 @@ class RunSpec(_Spec):
         return self
 
 
+MAX_REPORTED_ERRORS = 10
+
+
 def _format_validation_error(err: ValidationError) -> str:
+    from marl.safe_input import shorten
+
     lines = []
-    for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"]) or "(spec)"
+    errors = err.errors()
+    for e in errors[:MAX_REPORTED_ERRORS]:
+        field = shorten(".".join(str(p) for p in e["loc"]) or "(spec)", 200)
         if e["type"] == "extra_forbidden":
             lines.append(f"unknown field `{field}`: remove it or check the spelling")
         else:
             got = e.get("input")
-            shown = "" if isinstance(got, dict) else f" (got {got!r})"
-            lines.append(f"field `{field}`: {e['msg']}{shown}")
+            shown = "" if isinstance(got, dict) else f" (got {shorten(got)})"
+            lines.append(f"field `{field}`: {shorten(e['msg'], 300)}{shown}")
+    if len(errors) > MAX_REPORTED_ERRORS:
+        lines.append(f"and {len(errors) - MAX_REPORTED_ERRORS} more")
     return "; ".join(lines)
 
 
 def parse_spec(data: dict[str, Any]) -> RunSpec:
     """Validate a spec dict; raise SpecError naming every bad field."""
+    from marl.safe_input import MAX_DEPTH, check_path, nul_in_strings, too_deep
+
     if not isinstance(data, dict):
         raise SpecError("a run spec must be a mapping of fields, e.g. `workflow: voting`")
+    if too_deep(data):
+        raise SpecError(f"the spec is nested more than {MAX_DEPTH} levels deep; flatten it")
+    nul = nul_in_strings(data)
+    if nul is not None:
+        raise SpecError(f"field `{nul}`: contains a NUL byte")
     try:
-        return RunSpec.model_validate(data)
+        spec = RunSpec.model_validate(data)
     except ValidationError as err:
         raise SpecError(_format_validation_error(err)) from None
+    for field, value in (("model.path", spec.model.path), ("out_dir", spec.out_dir),
+                         ("data.train_path", spec.data.train_path),
+                         ("data.val_path", spec.data.val_path)):
+        if value is not None:
+            check_path(value, field, SpecError)
+    return spec
 
 
 def load_spec_text(text: str) -> RunSpec:
-    try:
-        data = yaml.safe_load(text) if text.strip() else {}
-    except yaml.YAMLError as err:
-        raise SpecError(f"the spec is not valid YAML: {err}") from None
+    from marl.safe_input import load_yaml
+
+    data = load_yaml(text, "the spec", SpecError) if text.strip() else {}
     return parse_spec(data or {})
 
 
 def load_spec_file(path: str | Path) -> RunSpec:
-    p = Path(path)
+    from marl.safe_input import check_path, read_text, shorten
+
+    p = check_path(path, "spec file", SpecError)
     if not p.is_file():
-        raise SpecError(f"spec file {str(p)!r} does not exist")
-    return load_spec_text(p.read_text())
+        raise SpecError(f"spec file {shorten(str(p))!r} does not exist")
+    return load_spec_text(read_text(p, "spec file", SpecError))
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

@@ -21,7 +21,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MiB = 1 << 20
@@ -143,12 +142,9 @@ def env_name(service: ServiceName, field: str) -> str:
 
 def read_yaml(path: str) -> dict[str, Any]:
     """A config file's mapping; `--config` problems are named as such."""
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except OSError as e:
-        raise ValueError(f"--config: cannot read {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ValueError(f"--config: {path} is not valid YAML: {e}") from None
+    from marl.safe_input import load_yaml, read_text
+
+    data = load_yaml(read_text(path, "--config"), f"--config: {path[:200]}") or {}
     if not isinstance(data, dict):
         raise ValueError(f"--config: {path} must hold a mapping of settings")
     return data

@@ -13,10 +13,7 @@ import logging
 import sys
 import textwrap
 from collections import Counter
-from pathlib import Path
 from typing import TextIO
-
-import yaml
 
 from marl.config import RunSpec, SpecError, apply_overrides, parse_spec, task_of_dataset
 from marl.data import SplitData, load_split
@@ -29,13 +26,12 @@ PROMPT_CHARS = 600
 
 
 def _load_spec(argv: list[str]) -> RunSpec:
-    path, overrides = Path(argv[0]), argv[1:]
+    from marl.safe_input import check_path, load_yaml, read_text, shorten
+
+    path, overrides = check_path(argv[0], "spec file", SpecError), argv[1:]
     if not path.is_file():
-        raise SpecError(f"spec file {str(path)!r} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise SpecError(f"{path} is not valid YAML: {err}") from None
+        raise SpecError(f"spec file {shorten(str(path))!r} does not exist")
+    data = load_yaml(read_text(path, "spec file", SpecError), shorten(str(path)), SpecError) or {}
     if not isinstance(data, dict):
         raise SpecError(f"{path} must be a mapping of fields, e.g. `workflow: voting`")
     return parse_spec(apply_overrides(data, overrides))

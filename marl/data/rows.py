@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from marl.config import SpecError
 from marl.data.problem import Problem
+from marl.safe_input import MAX_DEPTH, check_path, load_json, read_text, shorten, too_deep
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +62,9 @@ class Loaded:
 
 def data_files(path: str, field_name: str) -> list[Path]:
     """The files `path` names: itself, or every parquet/jsonl file under a folder."""
-    p = Path(path).expanduser()
+    p = check_path(path, f"field `{field_name}`", SpecError).expanduser()
     if not p.exists():
-        raise SpecError(f"field `{field_name}`: {path!r} does not exist; point it at a local "
+        raise SpecError(f"field `{field_name}`: {shorten(path)!r} does not exist; point it at a local "
                         ".parquet or .jsonl file, or a folder of them")
     if p.is_file():
         if p.suffix not in SUFFIXES:
@@ -107,14 +108,25 @@ def _parquet_rows(path: Path, columns: Iterable[str] | None, batch_rows: int) ->
 
 
 def _jsonl_rows(path: Path) -> Iterator[Row]:
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield Row(str(path), number, None, f"not UTF-8 text (byte {err.start})")
+                continue
             if not line.strip():
                 continue
             try:
                 data = json.loads(line)
+                deep = too_deep(data)
             except json.JSONDecodeError as err:
                 yield Row(str(path), number, None, f"not valid JSON ({err.msg})")
+                continue
+            except RecursionError:
+                deep = True
+            if deep:
+                yield Row(str(path), number, None, f"nested more than {MAX_DEPTH} levels deep")
                 continue
             if isinstance(data, dict):
                 yield Row(str(path), number, data)
@@ -123,11 +135,7 @@ def _jsonl_rows(path: Path) -> Iterator[Row]:
 
 
 def _json_array_rows(path: Path) -> Iterator[Row]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise SpecError(f"{path} is not valid JSON ({err}); use one JSON object per line "
-                        "in a .jsonl file") from None
+    data = load_json(read_text(path, str(path), SpecError), str(path), SpecError)
     if not isinstance(data, list):
         raise SpecError(f"{path} must hold a JSON list of rows (or use .jsonl)")
     for number, item in enumerate(data, start=1):

@@ -1,0 +1,126 @@
+"""Reading what users hand marl (specs, data files, paths) without raw Python or OS errors.
+
+A spec or data file nested thousands deep (`[[[[...]]]]`) makes PyYAML's and
+json's recursive parsers raise RecursionError, and anything that walks the
+result afterwards (pydantic, our own code) would too; a file that is not
+UTF-8, a NUL byte in a path, or a file name longer than the filesystem allows
+raise UnicodeDecodeError / ValueError / OSError with messages that name
+nothing the user wrote. Here each is a ValueError (or the caller's subclass,
+e.g. SpecError) naming the field or file and what to do. Values echoed back
+are shortened so an error never carries a whole hostile input.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+MAX_DEPTH = 64
+"""Nesting (mappings and lists) a spec, config or data row may have; real ones use < 10."""
+MAX_NAME_BYTES = 255
+MAX_PATH_BYTES = 4096
+
+
+def shorten(value: Any, limit: int = 120) -> str:
+    """repr(value), cut to about `limit` characters."""
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) <= limit:
+        return text if isinstance(value, str) else text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
+def too_deep(data: Any, max_depth: int = MAX_DEPTH) -> bool:
+    """Whether `data` nests mappings/lists deeper than `max_depth` (checked without recursion)."""
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Any = node.values()
+        elif isinstance(node, list | tuple):
+            children = node
+        else:
+            continue
+        if depth > max_depth:
+            return True
+        stack.extend((c, depth + 1) for c in children)
+    return False
+
+
+def _check_parsed(data: Any, what: str, error: type[Exception]) -> Any:
+    if too_deep(data):
+        raise error(f"{what}: nested more than {MAX_DEPTH} levels deep; flatten it")
+    return data
+
+
+def load_yaml(text: str, what: str, error: type[Exception] = ValueError) -> Any:
+    """YAML `text` parsed safely; a YAML, nesting or NUL problem is `error` naming `what`."""
+    import yaml
+
+    try:
+        return _check_parsed(yaml.safe_load(text), what, error)
+    except yaml.YAMLError as err:
+        raise error(f"{what} is not valid YAML: {shorten(str(err), 400)}") from None
+    except RecursionError:
+        raise error(f"{what}: nested more than {MAX_DEPTH} levels deep; flatten it") from None
+
+
+def load_json(text: str | bytes, what: str, error: type[Exception] = ValueError) -> Any:
+    """JSON `text` parsed safely; a syntax or nesting problem is `error` naming `what`."""
+    try:
+        return _check_parsed(json.loads(text), what, error)
+    except RecursionError:
+        raise error(f"{what}: nested more than {MAX_DEPTH} levels deep; flatten it") from None
+    except json.JSONDecodeError as err:
+        raise error(f"{what} is not valid JSON ({err})") from None
+    except UnicodeDecodeError:
+        raise error(f"{what} is not UTF-8 text") from None
+
+
+def check_path(path: str | Path, field: str, error: type[Exception] = ValueError) -> Path:
+    """`path` if the OS could accept it: no NUL byte, no over-long name; else `error`."""
+    text = str(path)
+    if "\x00" in text:
+        raise error(f"{field}: the path {shorten(text)!r} contains a NUL byte")
+    try:
+        raw = text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise error(f"{field}: the path {shorten(text)!r} is not valid UTF-8") from None
+    if len(raw) > MAX_PATH_BYTES:
+        raise error(f"{field}: the path is {len(raw)} bytes long; the limit is {MAX_PATH_BYTES}")
+    long = next((p for p in Path(text).parts if len(p.encode()) > MAX_NAME_BYTES), None)
+    if long is not None:
+        raise error(f"{field}: the name {shorten(long, 60)!r} is {len(long.encode())} bytes "
+                    f"long; a file name may have at most {MAX_NAME_BYTES}")
+    return Path(text)
+
+
+def read_text(path: str | Path, field: str, error: type[Exception] = ValueError) -> str:
+    """The UTF-8 text of the file at `path`; any problem is `error` naming `field` and the file."""
+    p = check_path(path, field, error)
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise error(f"{field}: {shorten(str(p))} is not UTF-8 text (byte {err.start}); "
+                    "save it as UTF-8") from None
+    except OSError as err:
+        raise error(f"{field}: cannot read {shorten(str(p))}: {err.strerror}") from None
+
+
+def nul_in_strings(data: Any) -> str | None:
+    """The dotted field of the first string (or key) holding a NUL byte, else None."""
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, str):
+            if "\x00" in node:
+                return where or "(top level)"
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                key = str(k)
+                if "\x00" in key:
+                    return f"{where}.{shorten(key, 40)}".lstrip(".")
+                stack.append((v, f"{where}.{key}".lstrip(".")))
+        elif isinstance(node, list | tuple):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(node))
+    return None
