@@ -41,6 +41,10 @@ test-learner-resume: setup ## SIGKILL the learner mid-step and mid-checkpoint-wr
 test-drift: setup ## planted role drift: sp_role_capture on a Voting-SP run paid for the generators' long form; gradient_amplification on a Voting-IP generator at 10x lr; the plain run fires nothing (~3-6 min)
 	$(BIN)/python -m pytest -q -m slow tests/integration/test_drift_planted.py
 
+.PHONY: test-matrix
+test-matrix: setup ## marl matrix on the demo (2 workflows x SP/IP + base and SA-RL controls) killed mid-way and resumed; Table 1 vs metrics.jsonl; marl eval and marl attribute reproduce the runs' accuracies (~4 min)
+	$(BIN)/python -m pytest -q -s -m slow tests/integration/test_matrix_experiment.py
+
 check: setup ## ruff and mypy
 	$(BIN)/ruff check marl services tests bench scripts
 	$(BIN)/mypy

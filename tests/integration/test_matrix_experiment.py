@@ -1,0 +1,196 @@
+"""`marl matrix`, `marl eval` and `marl attribute` end to end on the demo model and task.
+
+A 2 (workflow) x 2 (policy) matrix with its base-model and SA-RL controls runs embedded,
+is SIGKILLed after a few cells and started again: only the missing cells run, and Table 1
+agrees with the runs' own metrics.jsonl. Then mixed-deployment evaluation and role
+attribution on those runs reproduce the accuracies the runs logged.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from marl.evaluate import EvalCluster, format_attribution, run_spec
+
+MATRIX = {
+    "name": "demo-matrix",
+    "base": {
+        "engine": "transformers",
+        "lora": {"rank": 16, "alpha": 32},
+        "optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "constant"},
+        "grpo": {"group_size": 8, "mini_batch_size": 128, "micro_batch_sequences": 128},
+        "train": {"steps": 3, "problems_per_step": 8, "val_interval": 1, "val_problems": 40,
+                  "checkpoint_interval": 1, "step_timeout_s": 300},
+        "sampling": {"temperature": 1.0, "max_tokens": 8},
+    },
+    "axes": {"workflow": ["voting", "eval_opt"], "policy": ["shared", "isolated"],
+             "task": ["arithmetic"], "model": ["demo"]},
+}
+PREFIX = "arithmetic-demo-s0"
+CELLS = [f"{PREFIX}-{c}" for c in ("base", "sa_rl", "voting-shared", "voting-isolated",
+                                    "eval_opt-shared", "eval_opt-isolated")]
+KILL_AFTER = 3
+
+
+def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([sys.executable, "-m", "marl.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _state(root: Path, cell: str) -> dict[str, Any] | None:
+    path = root / "cells" / cell / "cell.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _vals(root: Path, cell: str) -> dict[int, float]:
+    rows = [json.loads(x) for x in (root / "cells" / cell / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["val/accuracy"] for r in rows if "val/accuracy" in r}
+
+
+@pytest.fixture(scope="module")
+def matrix_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("matrix")
+    spec = tmp / "matrix.yaml"
+    spec.write_text(yaml.safe_dump(MATRIX))
+    root = tmp / "out"
+    started = time.monotonic()
+    with (tmp / "first.log").open("w") as log:
+        first = subprocess.Popen([sys.executable, "-m", "marl.cli", "matrix", str(spec),
+                                  "--out", str(root)], stdout=log, stderr=subprocess.STDOUT)
+        while first.poll() is None:
+            if sum((_state(root, c) or {}).get("state") == "SUCCEEDED" for c in CELLS) >= (
+                    KILL_AFTER):
+                break
+            assert time.monotonic() - started < 600, (tmp / "first.log").read_text()
+            time.sleep(0.2)
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    killed_at = time.monotonic() - started
+    before = {c: _state(root, c) for c in CELLS}
+    second = _cli("matrix", str(spec), "--out", str(root), timeout=900)
+    return {"root": root, "before": before, "out": second.stdout, "killed_at": killed_at,
+            "seconds": time.monotonic() - started}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_killed_matrix_finishes_only_the_missing_cells(matrix_run: dict[str, Any]) -> None:
+    root, before = matrix_run["root"], matrix_run["before"]
+    print(f"killed after {matrix_run['killed_at']:.0f}s; both runs {matrix_run['seconds']:.0f}s")
+    print(matrix_run["out"])
+    done = [c for c, s in before.items() if s and s["state"] == "SUCCEEDED"]
+    assert KILL_AFTER <= len(done) < len(CELLS), before
+    assert f"{len(done)} done, {len(CELLS) - len(done)} to run" in matrix_run["out"]
+    for cell in CELLS:
+        after = _state(root, cell)
+        assert after is not None and after["state"] == "SUCCEEDED", (cell, after)
+        if cell in done:
+            assert after == before[cell]  # not run again: same run id, same record
+        else:
+            assert f"{cell}: " in matrix_run["out"]
+    for cell in done:
+        assert f"{cell}: " not in matrix_run["out"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_table_agrees_with_the_runs_metrics(matrix_run: dict[str, Any]) -> None:
+    root = matrix_run["root"]
+    report = _cli("matrix", "report", str(root))
+    assert "| arithmetic | demo | 0 | voting |" in report.stdout
+    with (root / "report" / "table1.csv").open() as f:
+        rows = {r["workflow"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"voting", "eval_opt"}
+    base = _vals(root, f"{PREFIX}-base")
+    sa = _vals(root, f"{PREFIX}-sa_rl")
+    assert list(base) == [0] and base[0] == sa[0]  # version 0 is the base model
+    assert sorted(sa) == [0, 1, 2, 3]
+    for workflow, row in rows.items():
+        assert float(row["base"]) == base[0] and float(row["sa_rl"]) == max(sa.values())
+        for policy, p in (("isolated", "ip"), ("shared", "sp")):
+            vals = _vals(root, f"{PREFIX}-{workflow}-{policy}")
+            peak = max(vals.values())
+            assert float(row[f"{p}_peak"]) == peak
+            assert int(row[f"{p}_peak_step"]) == min(s for s, v in vals.items() if v == peak)
+            assert float(row[f"{p}_final"]) == vals[3]
+            assert float(row[f"{p}_cliff"]) == vals[3] - peak
+            assert float(row[f"{p}_residual"]) == peak - max(sa.values())
+    assert (root / "report" / "fig3.png").read_bytes()[:4] == b"\x89PNG"
+    status = _cli("matrix", "status", str(root)).stdout
+    assert all(f"{c} " in status for c in CELLS) and status.count(" done ") == len(CELLS)
+
+
+@pytest.fixture(scope="module")
+def redis_url(matrix_run: dict[str, Any]) -> Iterator[str]:
+    spec = run_spec(matrix_run["root"] / "cells" / f"{PREFIX}-sa_rl")
+    with tempfile.TemporaryDirectory(prefix="marl-eval-") as tmp, EvalCluster(
+        Path(tmp), spec
+    ) as url:
+        yield url
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_eval_reproduces_each_runs_own_accuracy(matrix_run: dict[str, Any], redis_url: str
+                                                ) -> None:
+    root = matrix_run["root"]
+    sa_dir = root / "cells" / f"{PREFIX}-sa_rl"
+    sa = _vals(root, f"{PREFIX}-sa_rl")
+
+    def evaluate(run: Path, adapters: str) -> dict[str, Any]:
+        out = _cli("eval", str(run), "--adapters", adapters, "--redis", redis_url, "--json")
+        result: dict[str, Any] = json.loads(out.stdout)
+        assert result["val/problems"] == 40 and result["val/episode_errors"] == 0
+        return result
+
+    # the SA-RL adapter on the generator, the workflow's only role: its own run's accuracy
+    assert evaluate(sa_dir, f"generator={sa_dir}@3")["val/accuracy"] == sa[3]
+    assert evaluate(sa_dir, f"generator={sa_dir}@step_1")["val/accuracy"] == sa[1]
+    # no role mapped: the base model, i.e. the run's step 0 and the base control
+    assert evaluate(sa_dir, "")["val/accuracy"] == sa[0]
+    # a multi-role workflow with every role mapped to the adapter it trained
+    shared_dir = root / "cells" / f"{PREFIX}-voting-shared"
+    shared = _vals(root, f"{PREFIX}-voting-shared")
+    assert evaluate(shared_dir, f"*={shared_dir}@3")["val/accuracy"] == shared[3]
+    # Table 3: the SA-RL adapter deployed on Voting's generators only
+    mixed = evaluate(shared_dir, f"generator={sa_dir}@best,aggregator=base")
+    assert mixed["routing"]["aggregator"] == "base"
+    assert mixed["routing"]["generator"].endswith(":shared")
+    assert 0.0 <= mixed["val/accuracy"] <= 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_attribute_rows_per_role_and_base_reproduces_step_0(
+    matrix_run: dict[str, Any], redis_url: str
+) -> None:
+    root = matrix_run["root"]
+    for cell, roles in (("sa_rl", ["generator"]), ("voting-isolated", ["generator", "aggregator"])):
+        run = root / "cells" / f"{PREFIX}-{cell}"
+        vals = _vals(root, f"{PREFIX}-{cell}")
+        out = _cli("attribute", str(run), "--checkpoint", "3", "--redis", redis_url, "--json")
+        result = json.loads(out.stdout)
+        print(format_attribution(result))
+        assert [r["role"] for r in result["roles"]] == roles
+        assert result["accuracy"] == vals[3]
+        assert result["accuracy_baseline"] == vals[0]  # every role on the base model: step 0
+        for r in result["roles"]:
+            assert r["contribution"] == result["accuracy"] - r["accuracy_without"]
+        if cell == "sa_rl":  # one role: replacing it is replacing everything
+            assert result["roles"][0]["accuracy_without"] == vals[0]
+        text = format_attribution(result)
+        assert all(f"\n{role} " in text for role in roles)
