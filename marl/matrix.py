@@ -207,11 +207,15 @@ def status_lines(root: Path, matrix: Matrix) -> list[str]:
         rows = read_metrics(metrics) if metrics.is_file() else []
         state = "done" if cell_done(root, cell) else ("partial" if rows else "pending")
         if (d / "cell.json").is_file() and state != "done":
-            state = json.loads((d / "cell.json").read_text()).get("state", state).lower()
+            recorded = json.loads((d / "cell.json").read_text())
+            if recorded.get("state") in ("FAILED", "CANCELLED"):
+                state = recorded["state"].lower()
+            elif recorded.get("run_id"):
+                state = f"{state} (run {recorded['run_id']})"
         vals = [r for r in rows if "val/accuracy" in r]
         last = f"step {rows[-1]['step']}/{cell.spec.train.steps}" if rows else ""
         acc = f"val {vals[-1]['val/accuracy']:.3f}" if vals else ""
-        lines.append(f"{cell.name:<44} {state:<9} {last:<14} {acc}".rstrip())
+        lines.append(f"{cell.name:<40} {state:<9} {last:<12} {acc}".rstrip())
     return lines
 
 
@@ -274,17 +278,19 @@ def _run_cells(cells: list[Cell], root: Path, matrix: Matrix, learner: str,
         for cell in cells:
             index = matrix.cells.index(cell) + 1
             d = cell_dir(root, cell)
-            shutil.rmtree(d, ignore_errors=True)  # a half-finished cell starts over
-            d.mkdir(parents=True)
-            cell.spec.out_dir = str(d.resolve())
             started = time.monotonic()
             out.write(f"[{index}/{total}] {cell.name}: ")
             out.flush()
+            adopted = _live_run(runs, d) if cell.kind != BASE_CONTROL else None
+            if adopted is None:
+                shutil.rmtree(d, ignore_errors=True)  # a half-finished cell starts over
+                d.mkdir(parents=True)
+            cell.spec.out_dir = str(d.resolve())
             if cell.kind == BASE_CONTROL:
                 assert redis_url is not None
                 state, info = _run_base(cell, d, redis_url)
             else:
-                state, info = _run_training(cell, runs, out)
+                state, info = _run_training(cell, runs, out, root, adopted)
             seconds = time.monotonic() - started
             _mark(root, cell, state, seconds=round(seconds, 1), **info)
             if state != "SUCCEEDED":
@@ -310,9 +316,30 @@ def _run_base(cell: Cell, d: Path, redis_url: str) -> tuple[str, dict[str, Any]]
     return "SUCCEEDED", {}
 
 
-def _run_training(cell: Cell, runs: Any, out: TextIO) -> tuple[str, dict[str, Any]]:
-    run_id = runs.submit(cell.spec)
-    out.write(f"run {run_id} ")
+def _live_run(runs: Any, d: Path) -> str | None:
+    """The run a previous `marl matrix` submitted for this cell, if this cluster still knows
+    it and it has not failed (a matrix killed while a cluster ran its cell): follow it
+    instead of starting the cell over."""
+    from marl.clients.runs import RunNotFound
+
+    marker = d / "cell.json"
+    if not marker.is_file():
+        return None
+    run_id = json.loads(marker.read_text()).get("run_id")
+    if not run_id:
+        return None
+    try:
+        run = runs.get(run_id)
+    except RunNotFound:
+        return None
+    return str(run_id) if run.state in ("QUEUED", "RUNNING", "SUCCEEDED") else None
+
+
+def _run_training(cell: Cell, runs: Any, out: TextIO, root: Path,
+                  adopted: str | None) -> tuple[str, dict[str, Any]]:
+    run_id = adopted or runs.submit(cell.spec)
+    _mark(root, cell, "RUNNING", run_id=run_id)
+    out.write(f"run {run_id}{' (resumed following it)' if adopted else ''} ")
     out.flush()
     last = -1
     for event in runs.watch(run_id):

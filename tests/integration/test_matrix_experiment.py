@@ -194,3 +194,49 @@ def test_attribute_rows_per_role_and_base_reproduces_step_0(
             assert result["roles"][0]["accuracy_without"] == vals[0]
         text = format_attribution(result)
         assert all(f"\n{role} " in text for role in roles)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_on_a_cluster_a_killed_matrix_follows_its_run_instead_of_restarting(
+    tmp_path: Path,
+) -> None:
+    from marl.clients.runs import RunsClient
+    from marl.demo_model import demo_model_dir
+    from marl.launcher import Cluster
+
+    raw = {**MATRIX, "axes": {**MATRIX["axes"], "workflow": ["voting"], "policy": ["shared"]},
+           "controls": {"sa_rl": False}}
+    spec = tmp_path / "matrix.yaml"
+    spec.write_text(yaml.safe_dump(raw))
+    root = tmp_path / "out"
+    cell = f"{PREFIX}-voting-shared"
+    with Cluster(tmp_path / "cluster", str(demo_model_dir()), max_lora_rank=16) as cluster:
+        endpoints = cluster.endpoints()
+        args = ["matrix", str(spec), "--out", str(root), "--learner", endpoints["learner"],
+                "--redis", endpoints["redis"]]
+        with (tmp_path / "first.log").open("w") as log:
+            first = subprocess.Popen([sys.executable, "-m", "marl.cli", *args], stdout=log,
+                                     stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + 300
+            metrics = root / "cells" / cell / "metrics.jsonl"
+            while not (metrics.is_file() and metrics.read_text().count("\n") >= 1):
+                assert first.poll() is None, (tmp_path / "first.log").read_text()
+                assert time.monotonic() < deadline, (tmp_path / "first.log").read_text()
+                time.sleep(0.1)
+            first.send_signal(signal.SIGKILL)
+            first.wait()
+        record = _state(root, cell)
+        assert record is not None and record["state"] == "RUNNING", record
+        with RunsClient(endpoints["learner"]) as runs:
+            assert runs.get(record["run_id"]).state in ("QUEUED", "RUNNING")
+        assert "(run " in _cli("matrix", "status", str(root)).stdout
+        second = _cli(*args)
+        assert f"run {record['run_id']} (resumed following it)" in second.stdout, second.stdout
+        assert "1 done, 1 to run" in second.stdout  # the base control was done before
+        final = _state(root, cell)
+        assert final is not None and final["state"] == "SUCCEEDED"
+        assert final["run_id"] == record["run_id"]
+        assert list(_vals(root, cell)) == [0, 1, 2, 3]
+        with RunsClient(endpoints["learner"]) as runs:
+            assert len(runs.list()) == 1  # no second run was submitted
