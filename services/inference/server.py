@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -306,7 +307,9 @@ async def _serve(
         lambda: 0 if service._registry is None else len(service._registry.all())
     )
     redis_client = streams.connect(redis_url) if redis_url else None
-    info: dict[str, Any] = {"address": server.address}
+    # model_path: what workers may load a tokenizer from (never a caller's path)
+    info: dict[str, Any] = {"address": server.address,
+                            "model_path": os.path.realpath(model_path)}
     http = openai = None
     if http_port is not None:  # OpenAI's /v1 API, served by the same engine and registry
         from services.inference.openai_api import OpenAIApi

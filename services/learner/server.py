@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,6 +21,7 @@ from marl.data import load_problems
 from marl.http_server import HttpServer
 from marl.metrics_export import extra_sinks
 from marl.model_id import base_model_id
+from marl.safe_input import shorten
 from marl.serving import ServiceHost, configure_logging, serve_until_stopped
 from marl.v1 import learner_pb2, learner_pb2_grpc
 from marl.workflows import policy_of_role
@@ -53,10 +56,62 @@ def validate_spec(spec_yaml: str) -> RunSpec:
         base_model_id(spec.model.path)
     except ValueError as err:
         raise SpecError(str(err)) from None
+    if not 0 <= spec.seed <= MAX_SEED:
+        raise SpecError(f"field `seed`: must be in 0..{MAX_SEED}, got {shorten(spec.seed)}")
+    if spec.out_dir:
+        out_dir_problem(spec.out_dir)
+    missing = missing_lora_targets(spec.model.path, spec.lora.target_modules)
+    if missing:
+        raise SpecError(
+            f"field `lora.target_modules`: {', '.join(shorten(m, 60) for m in missing[:5])} "
+            f"name no layer of {shorten(spec.model.path)}; use layer names such as q_proj, "
+            "v_proj, or `all-linear`")
     for split in ("train", "val"):
         if not load_problems(spec.data, split, spec.seed):  # type: ignore[arg-type]
             raise SpecError(f"field `data.{split}`: the dataset has no problems")
     return spec
+
+
+MAX_SEED = (1 << 32) - 1
+"""Seeds every library the run seeds (torch, numpy, vLLM, random) accepts."""
+
+
+def out_dir_problem(out_dir: str) -> None:
+    """A SpecError if the run could not create or write `out_dir`."""
+    p = Path(out_dir).expanduser().absolute()
+    if p.exists() and not p.is_dir():
+        raise SpecError(f"field `out_dir`: {shorten(out_dir)} is a file; name a directory")
+    ancestor = p
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise SpecError(f"field `out_dir`: {shorten(str(ancestor))} is a file, so "
+                        f"{shorten(out_dir)} cannot be created; name a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise SpecError(f"field `out_dir`: the learner cannot write in {shorten(str(ancestor))}")
+
+
+@functools.lru_cache(maxsize=16)
+def _layer_names(model_path: str) -> tuple[str, ...]:
+    """Names of the layers LoRA can adapt, from the model's config (no weights are loaded)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, Conv1D)
+    return tuple(n for n, m in model.named_modules() if isinstance(m, kinds))
+
+
+def missing_lora_targets(model_path: str, targets: list[str] | str) -> list[str]:
+    """The entries of `lora.target_modules` that match no adaptable layer (as PEFT matches:
+    the full name or its last dotted part)."""
+    if isinstance(targets, str):  # `all-linear`
+        return []
+    names = _layer_names(str(Path(model_path).resolve()))
+    return [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
 
 
 class LearnerService(learner_pb2_grpc.LearnerServicer):

@@ -4,17 +4,43 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import uuid
+from typing import Any
 
 import grpc
 
-from marl import streams
+from marl import replicas, streams
 from marl.http_server import HttpServer
 from marl.prometheus_metrics import INFLIGHT_EPISODES
 from marl.rollout import Task
+from marl.safe_input import check_path, load_json, shorten
 from marl.serving import ServiceHost, configure_logging, serve_until_stopped
 from marl.v1 import workflow_pb2, workflow_pb2_grpc
 from services.workflow.worker import EpisodeRunner, work_loop
+
+
+async def served_model_problem(r: Any, model_path: Any) -> str | None:
+    """Why this worker will not load `model_path` for a caller, or None.
+
+    A worker loads only models its operator configured, i.e. the base model an inference
+    replica was started with (announced in the replica registry): never a path or hub
+    name a caller sends, which could make it read any file (`/etc/passwd`) as a config
+    or reach out to a model hub.
+    """
+    if not isinstance(model_path, str) or not model_path:
+        return "task_json: model_path must be the served base model's directory"
+    try:
+        wanted = os.path.realpath(check_path(model_path, "task_json: model_path"))
+    except ValueError as err:
+        return str(err)
+    live = await replicas.live(r, "inference")
+    served = sorted({str(info["model_path"]) for info in live.values() if info.get("model_path")})
+    if wanted in {os.path.realpath(p) for p in served}:
+        return None
+    return (f"task_json: model_path {shorten(model_path)!r} is not the base model of any live "
+            f"inference replica (served: {', '.join(shorten(p) for p in served) or 'none'}); "
+            "a worker loads only models its operator started inference with")
 
 
 class WorkflowService(workflow_pb2_grpc.WorkflowServicer):
@@ -25,9 +51,12 @@ class WorkflowService(workflow_pb2_grpc.WorkflowServicer):
         self, request: workflow_pb2.RunEpisodeRequest, context: grpc.aio.ServicerContext
     ) -> workflow_pb2.RunEpisodeResponse:
         try:
-            task = Task.from_dict(json.loads(request.task_json))
-        except (ValueError, TypeError, KeyError) as err:
+            task = Task.from_dict(load_json(request.task_json, "task_json"))
+        except (ValueError, TypeError, KeyError, AttributeError) as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"task_json: {err}")
+        problem = await served_model_problem(self.runner.redis, task.model_path)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         rollout = await self.runner.run(task)
         return workflow_pb2.RunEpisodeResponse(rollout_json=json.dumps(rollout.to_dict()))
 

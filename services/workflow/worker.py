@@ -71,7 +71,9 @@ class EpisodeRunner:
         if model_path not in self._tokenizers:
             from transformers import AutoTokenizer
 
-            self._tokenizers[model_path] = AutoTokenizer.from_pretrained(model_path)
+            # local files only: a model name must never make a worker reach out to a hub
+            self._tokenizers[model_path] = AutoTokenizer.from_pretrained(
+                model_path, local_files_only=True)
         return self._tokenizers[model_path]
 
     async def stubs(self) -> list[inference_pb2_grpc.InferenceStub]:

@@ -1,0 +1,81 @@
+"""Bad input classes 5 and 6.
+
+5. `RunEpisode` must not load a model path its caller sends: a worker loads only the
+   base model an inference replica was started with (announced in the registry), and
+   tokenizers load from local files only (never a hub).
+6. What used to pass `SubmitRun` and then fail when the run started (LoRA target
+   modules absent from the model, a seed out of range, an output directory that is a
+   file) is refused at submit, naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import marl
+from marl import replicas, streams
+from marl.config import SpecError, apply_overrides, dump_spec, parse_spec
+from marl.demo import DEMO_SPEC
+from services.learner.server import validate_spec
+from services.workflow.server import served_model_problem
+
+MODEL = str(Path(marl.__file__).parent / "assets" / "demo-model")
+
+
+def spec_yaml(*overrides: str) -> str:
+    spec = parse_spec(apply_overrides(DEMO_SPEC, list(overrides)))
+    spec.model.path = MODEL
+    return dump_spec(spec)
+
+
+def test_a_good_spec_passes() -> None:
+    assert validate_spec(spec_yaml("lora.target_modules=[q_proj,v_proj]")).seed == 0
+
+
+@pytest.mark.parametrize("override, field", [
+    ("lora.target_modules=[q_proj,not_a_layer]", "lora.target_modules"),
+    ("lora.target_modules=[mlp]", "lora.target_modules"),  # a block, not a layer
+    ("seed=-1", "seed"),
+    (f"seed={1 << 40}", "seed"),
+])
+def test_submit_refuses_what_would_fail_at_start(override: str, field: str) -> None:
+    with pytest.raises(SpecError, match=f"field `{field}`"):
+        validate_spec(spec_yaml(override))
+
+
+def test_submit_refuses_an_out_dir_that_is_or_is_under_a_file(tmp_path: Path) -> None:
+    f = tmp_path / "afile"
+    f.write_text("x")
+    for out_dir in (f, f / "run"):
+        with pytest.raises(SpecError, match="field `out_dir`.*is a file"):
+            validate_spec(spec_yaml(f"out_dir={out_dir}"))
+    assert validate_spec(spec_yaml(f"out_dir={tmp_path / 'new' / 'run'}"))
+
+
+def test_run_episode_loads_only_an_announced_model(redis_url: str) -> None:
+    async def check(path: Any) -> str | None:
+        r = streams.connect(redis_url)
+        try:
+            return await served_model_problem(r, path)
+        finally:
+            await r.aclose()
+
+    async def announce() -> None:
+        r = streams.connect(redis_url)
+        await replicas.announce(r, "inference", "i-1", {"address": "127.0.0.1:1",
+                                                        "model_path": MODEL, "serving": True})
+        await r.aclose()
+
+    assert "served: none" in (asyncio.run(check(MODEL)) or "")
+    asyncio.run(announce())
+    assert asyncio.run(check(MODEL)) is None
+    assert asyncio.run(check(MODEL + "/../demo-model")) is None  # the same directory
+    for hostile in ("/etc/passwd", "Qwen/Qwen3-0.6B", "/etc", "", None, 7):
+        problem = asyncio.run(check(hostile))
+        assert problem is not None and "model_path" in problem, hostile
+    assert "NUL byte" in (asyncio.run(check("/tmp/x\x00y")) or "")
+    assert "at most 255" in (asyncio.run(check("/" + "m" * 300)) or "")
