@@ -94,7 +94,16 @@ class GRPOSpec(_Spec):
     says "sequence-mean, token-mean", read here as verl's seq-mean-token-mean (it could
     also list two modes); token_mean weighs long turns more."""
     micro_batch_sequences: int = Field(64, ge=1)
-    """Role turns per forward/backward; memory only, no effect on the math."""
+    """At most this many role turns per forward/backward; memory only, no effect on the
+    math."""
+    max_tokens_per_micro_batch: int = Field(2048, ge=1)
+    """Padded tokens (sequences x longest sequence, prompts included) per forward/backward:
+    micro-batches are packed up to this budget, so the learner's peak memory follows it,
+    not the step's sequence count. A sequence longer than the budget gets a micro-batch of
+    its own. Memory only, no effect on the math."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping
+    them: less memory per token of the budget, about a third more compute."""
     normalize_std: bool = True
     """Divide group-relative advantages by the group's std (GRPO); False = Dr. GRPO."""
 

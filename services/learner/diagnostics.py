@@ -25,9 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.learner.grpo import token_logprobs
 from services.learner.policy import MultiAdapterPolicy
-from services.learner.sequences import Sequence, collate
+from services.learner.sequences import Sequence, collate, pack
 
 SAMPLE_TOKENS_PER_ROLE = 32
 
@@ -113,29 +112,42 @@ def sampled_drift(
     temperature: float,
     micro: int,
     signals: RoleSignals,
+    max_tokens: int | None = None,
 ) -> None:
-    """χ² against π_old and KL to the base model at the sampled tokens, after the update."""
+    """χ² against π_old and KL to the base model at the sampled tokens, after the update.
+
+    Micro-batches as the update packs them (`micro` sequences, `max_tokens` padded
+    tokens); full next-token distributions only at the sampled positions."""
     by_policy: dict[str, list[int]] = defaultdict(list)
     for i in sorted(picked):
         by_policy[seqs[i].policy].append(i)
     t = temperature if temperature > 0 else 1.0
     for p, idx in by_policy.items():
         policy.activate(p)
-        for start in range(0, len(idx), micro):
-            chunk = idx[start : start + micro]
+        ordered = sorted(idx, key=lambda i: len(seqs[i].tokens))
+        for chunk in pack(seqs, ordered, micro, max_tokens or 2**62):
             b = collate([seqs[i] for i in chunk], policy.pad_id)
-            logits = policy.logits(b.input_ids, b.attention_mask)
-            new = token_logprobs(logits, b.targets, temperature)
-            logq = torch.log_softmax(
-                policy.base_logits(b.input_ids, b.attention_mask).float() / t, -1
+            rows = torch.cat(
+                [torch.full((len(picked[i]),), r, dtype=torch.long) for r, i in enumerate(chunk)]
             )
-            logp = torch.log_softmax(logits.float() / t, -1)
-            for row, i in enumerate(chunk):
+            # completion token j is predicted at column n_prompt-1+j
+            cols = torch.cat(
+                [torch.tensor(picked[i], dtype=torch.long) + seqs[i].n_prompt - 1 for i in chunk]
+            )
+            feats = policy.features(b.input_ids, b.attention_mask)[rows, cols]
+            base = policy.features(b.input_ids, b.attention_mask, base=True)[rows, cols]
+            logp_all = torch.log_softmax(policy.head(feats).float() / t, -1)
+            logq_all = torch.log_softmax(policy.head(base).float() / t, -1)
+            new_all = logp_all.gather(-1, b.input_ids[rows, cols + 1][:, None]).squeeze(-1)
+            sizes = [len(picked[i]) for i in chunk]
+            parts = zip(
+                new_all.split(sizes), logp_all.split(sizes), logq_all.split(sizes), strict=True
+            )
+            for i, (new, logp, logq) in zip(chunk, parts, strict=True):
                 s = seqs[i]
                 pos = torch.tensor(picked[i], dtype=torch.long)
-                at = pos + s.n_prompt - 1  # completion token j is predicted at n_prompt-1+j
-                ratio = torch.exp(new[row, at] - old[i][pos])
-                kl = (logp[row, at].exp() * (logp[row, at] - logq[row, at])).sum(-1)
+                ratio = torch.exp(new - old[i][pos])
+                kl = (logp.exp() * (logp - logq)).sum(-1)
                 r = signals.roles[s.role]
                 r.chi2 += float(((ratio - 1) ** 2).sum())
                 r.kl_base += float(kl.sum())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -20,11 +21,30 @@ from peft import (
     get_peft_model_state_dict,
     set_peft_model_state_dict,
 )
+from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from marl.config import LoraSpec, OptimSpec
 
+LOGIT_CHUNK_BYTES = 128 * 2**20
+"""fp32 logits per log-prob chunk (about 220 positions at Qwen3's 152k vocabulary)."""
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _chunk_logprobs(
+    head: Callable[[torch.Tensor], torch.Tensor],
+    h: torch.Tensor,
+    y: torch.Tensor,
+    t: float,
+    entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logp = torch.log_softmax(head(h).float() / t, dim=-1)
+    lp = logp.gather(-1, y[:, None]).squeeze(-1)
+    if not entropy:
+        return lp, None
+    with torch.no_grad():
+        return lp, -(logp.exp() * logp).sum(-1)
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
@@ -84,6 +104,9 @@ class MultiAdapterPolicy:
             p: torch.optim.lr_scheduler.LambdaLR(opt, factor) for p, opt in self.optimizers.items()
         }
         self.updates = 0
+        self.logit_chunk_bytes = LOGIT_CHUNK_BYTES
+        self._checkpointing = False
+        self._split = self._split_check()
 
     def parameters(self, policy: str) -> list[torch.nn.Parameter]:
         tag = f".{policy}."
@@ -111,6 +134,105 @@ class MultiAdapterPolicy:
 
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+
+    def _split_check(self) -> bool:
+        """Whether the causal LM's logits are exactly its output embeddings applied to its
+        decoder's last hidden state (Llama, Qwen, Mistral...; not models that soft-cap or
+        scale logits): then logits are computed only where they are needed."""
+        base: Any = self.model.get_base_model()
+        try:
+            decoder, head = base.get_decoder(), base.get_output_embeddings()
+        except (AttributeError, NotImplementedError):
+            return False
+        if decoder is None or head is None:
+            return False
+        ids = torch.tensor([[self.pad_id, 1, 2, 3]]) % int(base.config.vocab_size)
+        mask = torch.ones_like(ids)
+        with torch.no_grad():
+            want = base(input_ids=ids, attention_mask=mask).logits
+            h = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+            return bool(torch.allclose(head(h), want, rtol=1e-4, atol=1e-5))
+
+    def features(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, base: bool = False
+    ) -> torch.Tensor:
+        """[B, L, D] per-position features that `head` turns into next-token logits: the
+        decoder's last hidden state (D = hidden size), or, for a model whose logits are not
+        its head applied to that state, the logits themselves (D = vocabulary). `base`:
+        with every adapter disabled (the KL reference)."""
+        if base:
+            with self.model.disable_adapter():
+                return self.features(input_ids, attention_mask)
+        if not self._split:
+            return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+        causal: Any = self.model.get_base_model()
+        out = causal.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return out.last_hidden_state  # type: ignore[no-any-return]
+
+    def head(self, features: torch.Tensor) -> torch.Tensor:
+        """Next-token logits of selected `features` rows, in the model's dtype."""
+        if not self._split:
+            return features
+        causal: Any = self.model.get_base_model()
+        return causal.get_output_embeddings()(features)  # type: ignore[no-any-return]
+
+    def chunk_tokens(self) -> int:
+        """Positions per log-prob chunk: their fp32 logits take about LOGIT_CHUNK_BYTES."""
+        causal: Any = self.model.get_base_model()
+        vocab = int(causal.config.vocab_size)
+        return max(1, self.logit_chunk_bytes // (4 * vocab))
+
+    def token_logprobs(
+        self,
+        features: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float,
+        entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """log π(target) (and, if asked, the entropy, without gradient) at N selected
+        positions: `features` [N, D], `targets` [N]. Logits are made in fp32 a chunk of
+        positions at a time; under autograd each chunk is recomputed in the backward pass
+        (activation checkpointing), so no more than one chunk's vocabulary-wide tensors is
+        ever alive, whatever N is. The same math as log_softmax(logits / T) over all N."""
+        t = temperature if temperature > 0 else 1.0
+        step = self.chunk_tokens()
+        grad = torch.is_grad_enabled() and features.requires_grad
+        logps, ents = [], []
+        for start in range(0, features.shape[0], step):
+            h, y = features[start : start + step], targets[start : start + step]
+            if grad:
+                lp, ent = checkpoint(
+                    _chunk_logprobs, self.head, h, y, t, entropy, use_reentrant=False
+                )
+            else:
+                lp, ent = _chunk_logprobs(self.head, h, y, t, entropy)
+            logps.append(lp)
+            if ent is not None:
+                ents.append(ent)
+        if not logps:
+            empty = features.new_zeros(0, dtype=torch.float32)
+            return empty, (empty if entropy else None)
+        return torch.cat(logps), (torch.cat(ents) if entropy else None)
+
+    def set_activation_checkpointing(self, on: bool) -> None:
+        """Recompute decoder layers in the backward pass (`grpo.activation_checkpointing`)."""
+        if on == self._checkpointing:
+            return
+        base: Any = self.model.get_base_model()
+        # transformers 5.2x names it activation_checkpointing_*, older ones gradient_*
+        enable = getattr(base, "activation_checkpointing_enable", None)
+        disable = getattr(base, "activation_checkpointing_disable", None)
+        if on:
+            kwargs = {"use_reentrant": False}
+            if enable is not None:
+                enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        elif disable is not None:
+            disable()
+        else:
+            base.gradient_checkpointing_disable()
+        self._checkpointing = on
 
     def base_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The frozen base model's logits (every adapter disabled): the KL reference."""

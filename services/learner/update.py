@@ -27,12 +27,16 @@ from services.learner.grpo import (
     clipped_loss,
     good_rollouts,
     group_advantages,
-    token_entropy,
-    token_logprobs,
     token_weights,
 )
 from services.learner.policy import MultiAdapterPolicy
-from services.learner.sequences import Sequence, build_sequences, collate
+from services.learner.sequences import (
+    Sequence,
+    build_sequences,
+    collate,
+    completion_positions,
+    pack,
+)
 
 
 @dataclass
@@ -78,21 +82,37 @@ def plan_mini_batches(
     return plan
 
 
-def _micro_batches(seqs: list[Sequence], idx: list[int], size: int) -> list[list[int]]:
-    """Role-pure micro-batches of similar length: little padding, and each role's part of
-    the gradient can be read apart."""
+def _micro_batches(
+    seqs: list[Sequence], idx: list[int], size: int, max_tokens: int
+) -> list[list[int]]:
+    """Role-pure micro-batches of similar length, at most `size` sequences and
+    `max_tokens` padded tokens each: little padding, bounded memory, and each role's part
+    of the gradient can be read apart."""
     by_role: dict[str, list[int]] = defaultdict(list)
     for i in idx:
         by_role[seqs[i].role].append(i)
     out = []
     for role in sorted(by_role):
         ordered = sorted(by_role[role], key=lambda i: len(seqs[i].tokens))
-        out += [ordered[k : k + size] for k in range(0, len(ordered), size)]
+        out += pack(seqs, ordered, size, max_tokens)
     return out
 
 
-def _completion(s: Sequence) -> slice:
-    return slice(s.n_prompt - 1, len(s.tokens) - 1)
+def completion_logprobs(
+    policy: MultiAdapterPolicy,
+    chunk: list[Sequence],
+    temperature: float,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    """log π of every completion token of `chunk` (one forward), concatenated in sequence
+    order, the entropies there if asked, and each sequence's completion length. The
+    decoder runs over the padded batch; logits exist only at completion positions, a
+    chunk at a time (MultiAdapterPolicy.token_logprobs)."""
+    b = collate(chunk, policy.pad_id)
+    rows, cols = completion_positions(chunk)
+    feats = policy.features(b.input_ids, b.attention_mask)[rows, cols]
+    logp, ent = policy.token_logprobs(feats, b.input_ids[rows, cols + 1], temperature, entropy)
+    return logp, ent, [len(s.tokens) - s.n_prompt for s in chunk]
 
 
 @torch.no_grad()
@@ -102,13 +122,13 @@ def _old_logprobs(
     idx: list[int],
     temperature: float,
     micro: int,
+    max_tokens: int,
     old: list[torch.Tensor | None],
 ) -> None:
-    for chunk in _micro_batches(seqs, idx, micro):
-        b = collate([seqs[i] for i in chunk], policy.pad_id)
-        logp = token_logprobs(policy.logits(b.input_ids, b.attention_mask), b.targets, temperature)
-        for row, i in enumerate(chunk):
-            old[i] = logp[row, _completion(seqs[i])].clone()
+    for chunk in _micro_batches(seqs, idx, micro, max_tokens):
+        logp, _, lengths = completion_logprobs(policy, [seqs[i] for i in chunk], temperature)
+        for i, part in zip(chunk, logp.split(lengths), strict=True):
+            old[i] = part.clone()
 
 
 def _grads(policy: MultiAdapterPolicy, p: str) -> list[torch.Tensor]:
@@ -146,38 +166,47 @@ def grpo_step(
     signals = diagnostics.RoleSignals()
     old: list[torch.Tensor | None] = [None] * len(seqs)
     diag_s = 0.0
+    budget = g.max_tokens_per_micro_batch
+    policy.set_activation_checkpointing(g.activation_checkpointing)
     policy.model.train()
     for p, mbs in plan.items():
         policy.activate(p)
         first = set(mbs[0])
         rest = sorted({i for mb in mbs for i in mb} - first)
-        _old_logprobs(policy, seqs, rest, temperature, g.micro_batch_sequences, old)
+        _old_logprobs(policy, seqs, rest, temperature, g.micro_batch_sequences, budget, old)
         per_epoch = len(mbs) // g.epochs
         for k, mb in enumerate(mbs):
             lengths = [len(seqs[i].tokens) - seqs[i].n_prompt for i in mb]
             weight_of = dict(zip(mb, token_weights(lengths, g.loss_agg), strict=True))
             st = MiniBatchStats(p, k, len(mb), 0.0, 0.0)
             before: list[torch.Tensor] | None = None
-            chunks = _micro_batches(seqs, mb, g.micro_batch_sequences)
+            chunks = _micro_batches(seqs, mb, g.micro_batch_sequences, budget)
             for c, chunk in enumerate(chunks):
                 role = seqs[chunk[0]].role
                 t0 = time.perf_counter()
                 if k == 0 and before is None:
                     before = _grads(policy, p)
                 diag_s += time.perf_counter() - t0
-                b = collate([seqs[i] for i in chunk], policy.pad_id)
-                logits = policy.logits(b.input_ids, b.attention_mask)
-                logp = token_logprobs(logits, b.targets, temperature)
-                old_b = torch.zeros_like(logp)
-                w = torch.zeros_like(logp)
-                for row, i in enumerate(chunk):
+                # flat over the chunk's completion tokens: no padding, no prompt positions
+                logp, ent, lengths = completion_logprobs(
+                    policy, [seqs[i] for i in chunk], temperature, entropy=k < per_epoch
+                )
+                olds, ws, advs = [], [], []
+                for i, part, n in zip(chunk, logp.split(lengths), lengths, strict=True):
                     o = old[i]
                     if o is None:  # the first mini-batch: π_old is this very forward
-                        o = old[i] = logp[row, _completion(seqs[i])].detach().clone()
-                    old_b[row, _completion(seqs[i])] = o
-                    w[row] = weight_of[i]
+                        o = old[i] = part.detach().clone()
+                    olds.append(o)
+                    ws.append(torch.full((n,), weight_of[i]))
+                    advs.append(torch.full((n,), seqs[i].advantage))
                 loss, ls = clipped_loss(
-                    logp, old_b, b.advantages, b.loss_mask, g.clip_low, g.clip_high, w
+                    logp,
+                    torch.cat(olds),
+                    torch.cat(advs),
+                    torch.ones_like(logp),
+                    g.clip_low,
+                    g.clip_high,
+                    torch.cat(ws),
                 )
                 loss.backward()
                 st.loss += ls.loss
@@ -187,11 +216,7 @@ def grpo_step(
                 st.ratio_min = min(st.ratio_min, ls.ratio_min)
                 st.ratio_max = max(st.ratio_max, ls.ratio_max)
                 t0 = time.perf_counter()
-                entropy = None
-                if k < per_epoch:
-                    with torch.no_grad():
-                        e = token_entropy(logits, temperature)
-                        entropy = float((e * b.loss_mask).sum())
+                entropy = float(ent.sum()) if ent is not None else None
                 signals.add_update(role, ls.tokens, ls.clipped_low + ls.clipped_high, entropy)
                 last_of_role = c + 1 == len(chunks) or seqs[chunks[c + 1][0]].role != role
                 if before is not None and last_of_role:
@@ -213,7 +238,7 @@ def grpo_step(
         signals.add_old(s, o)
     picked = diagnostics.sample_tokens(seqs, diagnostics.SAMPLE_TOKENS_PER_ROLE, rng)
     diagnostics.sampled_drift(
-        policy, seqs, final_old, picked, temperature, g.micro_batch_sequences, signals
+        policy, seqs, final_old, picked, temperature, g.micro_batch_sequences, signals, budget
     )
     diag_s += time.perf_counter() - t0
     policy.end_step()

@@ -26,15 +26,14 @@ class FixedPolicy:
     def activate(self, policy: str) -> None:
         pass
 
-    def _logits(self, input_ids: torch.Tensor, row: list[float]) -> torch.Tensor:
+    def features(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, base: bool = False
+    ) -> torch.Tensor:
         b, length = input_ids.shape
-        return torch.tensor(row).expand(b, length - 1, 2).clone()
+        return torch.tensor([0.0, 0.0] if base else [LN(3.0), 0.0]).expand(b, length, 2).clone()
 
-    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self._logits(input_ids, [LN(3.0), 0.0])
-
-    def base_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self._logits(input_ids, [0.0, 0.0])
+    def head(self, features: torch.Tensor) -> torch.Tensor:
+        return features
 
 
 def seq(role: str, completion: list[int], n_prompt: int = 2) -> Sequence:
