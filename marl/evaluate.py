@@ -270,12 +270,23 @@ async def evaluate(
         async def never_cancelled() -> None:
             return None
 
-        episodes = Episodes(eval_id, spec, r, "eval", lambda: refs, never_cancelled)
+        class Recorded(Episodes):
+            rollouts: list[Any] = []
+
+            async def run(self, problems: list[Any], step: int, kind: str) -> list[Any]:
+                self.rollouts = await super().run(problems, step, kind)
+                return self.rollouts
+
+        episodes = Recorded(eval_id, spec, r, "eval", lambda: refs, never_cancelled)
         await episodes.open(fresh=True)
         problems = load_problems(spec.data, "val", spec.seed)[: spec.train.val_problems]
         at = step if step is not None else max((s.step for s in routing.values()), default=0)
         metrics = await Validator(problems, 1, 1, episodes).run(at)
         await r.delete(streams.rollouts_stream(eval_id))
+        errors = [x.error for x in episodes.rollouts if x.error is not None]
+        if errors:
+            # scored as the learner's validation scores them, but say why
+            metrics["val/first_episode_error"] = errors[0]
         return metrics
     finally:
         await _unload(addresses, list(names.values()))
@@ -303,13 +314,22 @@ def attribute(
     else:
         before = routing_of_run(run_dir, baseline, spec)
     step = max(s.step for s in trained.values())
-    full = evaluate_sync(spec, trained, redis_url, step)["val/accuracy"]
+    errors = 0
+
+    def accuracy(routing: dict[str, AdapterSource], at: int | None) -> float:
+        nonlocal errors
+        metrics = evaluate_sync(spec, routing, redis_url, at)
+        errors += int(metrics["val/episode_errors"])
+        return float(metrics["val/accuracy"])
+
+    full = accuracy(trained, step)
     rows = []
     for role in trained:
-        acc = evaluate_sync(spec, {**trained, role: before[role]}, redis_url, step)["val/accuracy"]
+        acc = accuracy({**trained, role: before[role]}, step)
         rows.append({"role": role, "accuracy_without": acc, "contribution": full - acc})
-    none = evaluate_sync(spec, before, redis_url, 0 if baseline == BASE else None)["val/accuracy"]
+    none = accuracy(before, 0 if baseline == BASE else None)
     return {
+        "episode_errors": errors,
         "run_dir": str(run_dir),
         "checkpoint": checkpoint,
         "baseline": baseline,
@@ -330,6 +350,8 @@ def format_attribution(result: dict[str, Any]) -> str:
         lines.append(
             f"{row['role']:<16} {row['accuracy_without']:>28.3f} {row['contribution']:>+13.3f}"
         )
+    if result.get("episode_errors"):
+        lines.append(f"warning: {result['episode_errors']} episodes failed and scored 0")
     return "\n".join(lines)
 
 

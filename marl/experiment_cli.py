@@ -77,6 +77,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"{role:<16} <- {src.label}", file=sys.stderr)
     metrics = _with_cluster(spec, args.redis, lambda url: evaluate_sync(spec, routing, url))
     result = {"routing": {r: s.label for r, s in routing.items()}, **metrics}
+    if metrics["val/episode_errors"]:
+        print(f"warning: {metrics['val/episode_errors']} episodes failed (scored 0), e.g. "
+              f"{metrics['val/first_episode_error']}", file=sys.stderr)
     if args.json:
         print(json.dumps(result))
     else:

@@ -313,6 +313,8 @@ def _run_base(cell: Cell, d: Path, redis_url: str) -> tuple[str, dict[str, Any]]
     routing = {role: AdapterSource(None) for role in policy_of_role(cell.spec)}
     metrics = evaluate_sync(cell.spec, routing, redis_url, step=0)
     (d / "metrics.jsonl").write_text(json.dumps({"step": 0, **metrics, "alarms": []}) + "\n")
+    if metrics["val/episode_errors"] == metrics["val/problems"]:
+        return "FAILED", {"error": f"every episode failed: {metrics['val/first_episode_error']}"}
     return "SUCCEEDED", {}
 
 
@@ -520,7 +522,7 @@ def plot_scatter(rows: list[dict[str, Any]], path: Path) -> None:
     lo, hi = max(0.0, min(vals) - 0.05), min(1.0, max(vals) + 0.05)
     ax.plot([lo, hi], [lo, hi], color="0.6", lw=1, ls="--", label="IP = SP")
     for r in pts:
-        ax.scatter(r["sp_peak"], r["ip_peak"], s=36)
+        ax.scatter(r["sp_peak"], r["ip_peak"], s=36, clip_on=False)
         ax.annotate(f"{r['workflow']} / {r['task']}", (r["sp_peak"], r["ip_peak"]),
                     textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.set_xlim(lo, hi)

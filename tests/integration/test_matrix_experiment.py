@@ -185,7 +185,7 @@ def test_attribute_rows_per_role_and_base_reproduces_step_0(
         out = _cli("attribute", str(run), "--checkpoint", "3", "--redis", redis_url, "--json")
         result = json.loads(out.stdout)
         print(format_attribution(result))
-        assert [r["role"] for r in result["roles"]] == roles
+        assert [r["role"] for r in result["roles"]] == roles and result["episode_errors"] == 0
         assert result["accuracy"] == vals[3]
         assert result["accuracy_baseline"] == vals[0]  # every role on the base model: step 0
         for r in result["roles"]:
