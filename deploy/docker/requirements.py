@@ -1,7 +1,7 @@
 """Print the pinned requirements an image layer installs, read from pyproject.toml.
 
-`light`: what `marl serve sandbox` imports (gRPC, protobuf, pydantic, YAML, and
-aiohttp for its HTTP front end) — the sandbox image stops there, so untrusted
+`light`: what `marl serve sandbox` imports (gRPC, protobuf, pydantic, YAML,
+aiohttp for its HTTP front end and prometheus-client for its /metrics) — the sandbox image stops there, so untrusted
 code shares its interpreter with as few packages as possible. `heavy`: everything else in `[project] dependencies`
 except torch, which the Dockerfile installs first from a wheel it is handed.
 Keeping the list in pyproject.toml alone means an image never drifts from
@@ -18,6 +18,7 @@ LIGHT = {
     "grpcio",
     "grpcio-health-checking",
     "grpcio-reflection",
+    "prometheus-client",
     "protobuf",
     "pydantic",
     "pyyaml",
