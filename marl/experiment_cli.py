@@ -56,7 +56,26 @@ def _spec(path: str, overrides: list[str]) -> RunSpec:
     return parse_spec(apply_overrides(data, overrides))
 
 
-def _with_cluster(spec: RunSpec, redis: str | None, fn: Any) -> Any:
+class EvalFailed(Exception):
+    """A service the evaluation needs failed or refused (exit 1)."""
+
+
+def _with_cluster(spec: RunSpec, redis_url: str | None, fn: Any) -> Any:
+    import grpc
+    from redis.exceptions import ConnectionError as RedisUnreachable
+
+    try:
+        return _on_cluster(spec, redis_url, fn)
+    except RedisUnreachable as err:
+        raise SpecError(f"--redis {redis_url}: cannot connect ({err}); pass a running cluster's "
+                        "Redis URL, or leave --redis out to start one") from None
+    except grpc.RpcError as err:
+        raise EvalFailed(f"an inference replica refused the evaluation: {err}") from None
+    except RuntimeError as err:
+        raise EvalFailed(str(err)) from None
+
+
+def _on_cluster(spec: RunSpec, redis: str | None, fn: Any) -> Any:
     if redis:
         return fn(redis)
     from marl.evaluate import EvalCluster
@@ -68,6 +87,14 @@ def _with_cluster(spec: RunSpec, redis: str | None, fn: Any) -> Any:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    try:
+        return _cmd_eval(args)
+    except EvalFailed as err:
+        print(f"marl {args.command}: {err}", file=sys.stderr)
+        return 1
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
     from marl.evaluate import evaluate_sync, parse_routing
     from marl.workflows.routing import policy_of_role
 
@@ -90,6 +117,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_attribute(args: argparse.Namespace) -> int:
+    try:
+        return _cmd_attribute(args)
+    except EvalFailed as err:
+        print(f"marl {args.command}: {err}", file=sys.stderr)
+        return 1
+
+
+def _cmd_attribute(args: argparse.Namespace) -> int:
     from marl.evaluate import attribute, format_attribution, run_spec
 
     run_dir = Path(args.run_dir)

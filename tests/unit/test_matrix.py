@@ -199,3 +199,21 @@ def test_isolated_run_needs_the_policy_named_for_another_role(tmp_path: Path) ->
     run = _run_dir(tmp_path, ["generator", "aggregator"])
     with pytest.raises(SpecError, match="name one"):
         parse_routing(f"worker={run}@best", ["worker"])
+
+
+def test_eval_against_an_unreachable_redis_is_a_user_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from marl.cli import main
+    from marl.config import dump_spec, parse_spec
+    from marl.demo_model import demo_model_dir
+    from marl.redis_server import free_port
+
+    run = tmp_path / "run"
+    run.mkdir()
+    spec = parse_spec({"workflow": "single", "model": {"path": str(demo_model_dir())}})
+    (run / "run.yaml").write_text(dump_spec(spec))
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    assert main(["eval", str(run), "--adapters", "", "--redis", url]) == 2
+    err = capsys.readouterr().err
+    assert f"--redis {url}: cannot connect" in err and "Traceback" not in err
