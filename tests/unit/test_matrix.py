@@ -217,3 +217,12 @@ def test_eval_against_an_unreachable_redis_is_a_user_error(
     assert main(["eval", str(run), "--adapters", "", "--redis", url]) == 2
     err = capsys.readouterr().err
     assert f"--redis {url}: cannot connect" in err and "Traceback" not in err
+
+
+def test_the_example_matrix_expands() -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "matrix_demo.yaml"
+    m = matrix.load_matrix(example)
+    assert [c.kind for c in m.cells] == ["base", "sa_rl", "run", "run", "run", "run"]
+    assert {(c.workflow, c.policy) for c in m.cells if c.kind == "run"} == {
+        ("voting", "shared"), ("voting", "isolated"), ("eval_opt", "shared"),
+        ("eval_opt", "isolated")}
