@@ -69,6 +69,13 @@ class WorkflowConfig(_RedisConfig):
     """Episodes this worker runs at once."""
     http_port: int | None = Field(default=None, ge=0, le=65535)
     """Port of the HTTP server (Prometheus /metrics); none when unset."""
+    heartbeat_ttl_s: float = Field(default=5.0, ge=0.5, le=600)
+    """Life of the worker's liveness key (renewed every second or so): this long after a
+    worker dies, its tasks are claimed by another."""
+    claim_idle_s: float = Field(default=120.0, ge=1, le=86_400)
+    """A task untouched this long is claimed even from a live worker (one that hangs)."""
+    max_deliveries: int = Field(default=5, ge=1, le=1000)
+    """Deliveries of one task before it goes to the dead-letter stream."""
 
 
 class LearnerConfig(_RedisConfig):
@@ -76,6 +83,9 @@ class LearnerConfig(_RedisConfig):
 
     runs_dir: str = "runs"
     """Where run directories (metrics, checkpoints, report) are written."""
+    max_queued_tasks: int = Field(default=4096, ge=1, le=1_000_000)
+    """Tasks waiting in (or held from) the tasks stream past which a step adds no more
+    until workers catch up: the bound on queued work."""
     http_port: int | None = Field(default=None, ge=0, le=65535)
     """Port of the HTTP server (Prometheus /metrics); none when unset."""
 

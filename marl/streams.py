@@ -1,15 +1,23 @@
 """Redis streams with consumer groups: the task, rollout and metric queues.
 
-The pattern is XREADGROUP -> work -> XADD result -> XACK. A consumer that dies
-leaves its entries pending; `claim_stale` (XAUTOCLAIM) hands them to another
-consumer. An entry delivered more than `max_deliveries` times goes to a
-dead-letter stream instead of looping forever. Streams are never trimmed past
-unacknowledged entries: producers apply backpressure by checking lag.
+The pattern is XREADGROUP -> work -> XADD result -> XACK. A consumer proves it is
+alive with a heartbeat key that expires by itself (`beat`); a consumer whose key
+is gone is dead, and `claim_dead` hands its pending entries to a live consumer
+within seconds, while a slow but live consumer keeps its entries however long
+it works on them. `claim_stale` (XAUTOCLAIM) is the last resort for a consumer
+that is alive but hung: entries idle longer than `claim_idle_s` move on. An
+entry whose handler failed is `release`d to a pseudo-consumer nobody heartbeats
+for, so it is retried after a short pause. An entry delivered more than
+`max_deliveries` times goes to a dead-letter stream instead of looping forever.
+Streams are never trimmed past unacknowledged entries: producers apply
+backpressure by checking lag.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,8 +28,22 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+log = logging.getLogger(__name__)
+
 TASKS = "marl:tasks"
 WORKERS_GROUP = "workers"
+DEAD_LETTERED = "dead-lettered"
+"""How the `error` of the rollout a dead-lettered task's run gets instead begins."""
+RETRY_CONSUMER = "marl-retry"
+"""Pseudo-consumer that holds released entries (whose handler failed) until one is claimed."""
+
+
+def alive_key(consumer: str) -> str:
+    return f"marl:alive:{consumer}"
+
+
+def dead_letter_stream(stream: str) -> str:
+    return f"{stream}:dead"
 
 
 def rollouts_stream(run_id: str) -> str:
@@ -54,12 +76,20 @@ class Entry:
     deliveries: int = 1
 
 
-async def ensure_group(r: aioredis.Redis, stream: str, group: str) -> None:
+async def ensure_group(r: aioredis.Redis, stream: str, group: str) -> bool:
+    """Create `group` (and `stream`) unless it exists; True when it had to be created."""
     try:
         await r.xgroup_create(stream, group, id="0", mkstream=True)
     except ResponseError as err:
         if "BUSYGROUP" not in str(err):
             raise
+        return False
+    return True
+
+
+def missing_group(err: ResponseError) -> bool:
+    """Whether a stream command failed because its stream or group is gone (NOGROUP)."""
+    return "NOGROUP" in str(err)
 
 
 async def add(r: aioredis.Redis, stream: str, payload: dict[str, Any]) -> str:
@@ -85,7 +115,18 @@ async def read_group(
     count: int = 16,
     block_ms: int = 1000,
 ) -> list[Entry]:
-    resp: Any = await r.xreadgroup(group, consumer, {stream: ">"}, count=count, block=block_ms)
+    """New entries for `consumer`; a stream or group that vanished (a Redis that lost its
+    data, someone's DEL) is recreated and logged, and the read answers nothing this time."""
+    try:
+        resp: Any = await r.xreadgroup(
+            group, consumer, {stream: ">"}, count=count, block=block_ms
+        )
+    except ResponseError as err:
+        if not missing_group(err):
+            raise
+        if await ensure_group(r, stream, group):
+            log.warning("stream %s had no group %s: recreated it", stream, group)
+        return []
     out: list[Entry] = []
     for _name, entries in resp or []:
         for entry_id, fields in entries:
@@ -99,6 +140,122 @@ async def ack(r: aioredis.Redis, stream: str, group: str, *ids: str) -> None:
         await r.xack(stream, group, *ids)
 
 
+async def beat(r: aioredis.Redis, consumer: str, ttl_s: float) -> None:
+    """`consumer` is alive for the next `ttl_s` seconds."""
+    await r.set(alive_key(consumer), "1", px=max(1, int(ttl_s * 1000)))
+
+
+async def forget(r: aioredis.Redis, consumer: str) -> None:
+    """`consumer` stops now: its pending entries are claimable at once."""
+    await r.delete(alive_key(consumer))
+
+
+async def release(r: aioredis.Redis, stream: str, group: str, entry_id: str) -> None:
+    """Hand an entry whose handler failed to the retry pseudo-consumer (a consumer no one
+    heartbeats for), so `claim_dead` retries it anywhere after its `min_idle_ms`."""
+    await r.xclaim(stream, group, RETRY_CONSUMER, min_idle_time=0, message_ids=[entry_id],
+                   justid=True)
+
+
+DeadLetter = Callable[[Entry], Awaitable[None]]
+
+
+async def _dead_letter(
+    r: aioredis.Redis, stream: str, group: str, entry: Entry, on_dead: DeadLetter | None
+) -> None:
+    await r.xadd(
+        dead_letter_stream(stream),
+        {"json": json.dumps(entry.data), "source_id": entry.id, "deliveries": entry.deliveries},
+    )
+    if on_dead is not None:
+        await on_dead(entry)
+    await r.xack(stream, group, entry.id)
+
+
+async def claim_dead(
+    r: aioredis.Redis,
+    stream: str,
+    group: str,
+    consumer: str,
+    count: int = 16,
+    max_deliveries: int = 5,
+    min_idle_ms: int = 1000,
+    on_dead: DeadLetter | None = None,
+) -> list[Entry]:
+    """Take over the pending entries of consumers whose heartbeat key expired.
+
+    `min_idle_ms` keeps two claimers from taking one entry (XCLAIM resets the idle time,
+    so the second finds it too fresh) and is the pause before a released entry is
+    retried. Entries delivered more than `max_deliveries` times are dead-lettered
+    (`on_dead` runs first, e.g. to tell the producer) instead of returned.
+    """
+    try:
+        summary: Any = await r.xpending(stream, group)
+    except ResponseError as err:
+        if missing_group(err):
+            return []
+        raise
+    owners = [c["name"] for c in summary.get("consumers") or [] if c["name"] != consumer]
+    if not owners:
+        return []
+    alive = await r.mget([alive_key(o) for o in owners])
+    out: list[Entry] = []
+    for owner, beating in zip(owners, alive, strict=True):
+        if beating is not None or len(out) >= count:
+            continue
+        pending: Any = await r.xpending_range(
+            stream, group, min="-", max="+", count=count - len(out), consumername=owner,
+            idle=min_idle_ms,
+        )
+        if not pending:
+            continue
+        ids = [p["message_id"] for p in pending]
+        deliveries = {p["message_id"]: int(p["times_delivered"]) + 1 for p in pending}
+        claimed: Any = await r.xclaim(
+            stream, group, consumer, min_idle_time=min_idle_ms, message_ids=ids
+        )
+        got = {entry_id for entry_id, fields in claimed if entry_id is not None and fields}
+        if len(got) < len(claimed):  # deleted entries (Redis < 7 keeps them pending)
+            for entry_id in ids:
+                if entry_id not in got and not await r.xrange(stream, entry_id, entry_id):
+                    await r.xack(stream, group, entry_id)
+        for entry_id, fields in claimed:
+            if entry_id is None or not fields:
+                continue
+            entry = _decode(stream, entry_id, fields)
+            entry.deliveries = deliveries[entry_id]
+            log.info("claimed %s from dead consumer %s (delivery %d)", entry_id, owner,
+                     entry.deliveries)
+            if entry.deliveries > max_deliveries:
+                await _dead_letter(r, stream, group, entry, on_dead)
+                continue
+            out.append(entry)
+    return out
+
+
+async def forget_dead_consumers(
+    r: aioredis.Redis, stream: str, group: str, min_idle_ms: int = 60_000
+) -> int:
+    """Remove consumers that hold nothing, read nothing for `min_idle_ms` and have no
+    heartbeat (SIGKILLed workers), so the group does not grow without end."""
+    try:
+        consumers: Any = await r.xinfo_consumers(stream, group)
+    except ResponseError:
+        return 0
+    gone = [
+        c["name"]
+        for c in consumers
+        if int(c["pending"]) == 0 and int(c["idle"]) >= min_idle_ms
+        and c["name"] != RETRY_CONSUMER
+    ]
+    if gone:
+        beating = await r.mget([alive_key(n) for n in gone])
+        gone = [n for n, b in zip(gone, beating, strict=True) if b is None]
+    for name in gone:
+        await r.xgroup_delconsumer(stream, group, name)
+    return len(gone)
+
+
 async def claim_stale(
     r: aioredis.Redis,
     stream: str,
@@ -107,8 +264,10 @@ async def claim_stale(
     min_idle_ms: int,
     count: int = 16,
     max_deliveries: int = 5,
+    on_dead: DeadLetter | None = None,
 ) -> list[Entry]:
-    """Take over entries idle longer than `min_idle_ms`; dead-letter the hopeless ones."""
+    """Take over entries idle longer than `min_idle_ms` whoever holds them (a live but hung
+    consumer's too); dead-letter the hopeless ones."""
     # Redis 6.2 answers [next, claimed]; 7.0+ adds the ids of deleted entries.
     reply = await r.xautoclaim(
         stream, group, consumer, min_idle_time=min_idle_ms, start_id="0-0", count=count
@@ -127,8 +286,7 @@ async def claim_stale(
         entry = _decode(stream, entry_id, fields)
         entry.deliveries = deliveries.get(entry_id, 1)
         if entry.deliveries > max_deliveries:
-            await r.xadd(f"{stream}:dead", {"json": fields["json"], "source_id": entry_id})
-            await r.xack(stream, group, entry_id)
+            await _dead_letter(r, stream, group, entry, on_dead)
             continue
         out.append(entry)
     return out

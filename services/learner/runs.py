@@ -22,8 +22,12 @@ LEASE_S = 10.0
 """A learner that has not renewed its lease for this long is taken for dead."""
 
 
-def _key(run_id: str) -> str:
+def run_key(run_id: str) -> str:
+    """The hash that is the run's record (state, step, counters such as dead_lettered)."""
     return f"marl:run:{run_id}"
+
+
+_key = run_key
 
 
 def _lease(run_id: str) -> str:

@@ -4,20 +4,57 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
+import socket
 import uuid
 from typing import Any
 
 import grpc
+from pydantic import TypeAdapter, ValidationError
 
 from marl import replicas, streams
 from marl.http_server import HttpServer
-from marl.prometheus_metrics import INFLIGHT_EPISODES
+from marl.prometheus_metrics import INFLIGHT_EPISODES, on_scrape, stream_lag_hook
 from marl.rollout import Task
 from marl.safe_input import check_path, load_json, shorten
 from marl.serving import ServiceHost, configure_logging, serve_until_stopped
 from marl.v1 import workflow_pb2, workflow_pb2_grpc
+from marl.workflows import resolve
 from services.workflow.worker import EpisodeRunner, work_loop
+
+_TASK = TypeAdapter(Task)
+REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+           grpc.StatusCode.NOT_FOUND)
+"""Codes by which inference says a caller's request (not marl) is wrong: passed on."""
+
+
+def parse_task(task_json: str) -> Task:
+    """A caller's task, fully typed and complete, or a ValueError naming the field."""
+    data = load_json(task_json, "task_json")
+    try:
+        task = _TASK.validate_python(data)
+    except ValidationError as err:
+        e = err.errors()[0]
+        where = ".".join(str(p) for p in e["loc"]) or "(task)"
+        raise ValueError(f"task_json: field `{shorten(where, 100)}`: {e['msg']}"
+                         + (f" and {err.error_count() - 1} more" if err.error_count() > 1 else "")
+                         ) from None
+    for name, value, low, high in (("temperature", task.temperature, 0.0, 100.0),
+                                   ("top_p", task.top_p, 0.0, 1.0),
+                                   ("max_tokens", task.max_tokens, 1, 1 << 20),
+                                   ("seed", task.seed, 0, (1 << 63) - 1),
+                                   ("math_timeout_s", task.math_timeout_s, 0.001, 3600.0),
+                                   ("format_penalty", task.format_penalty, -1e6, 1e6)):
+        if not (math.isfinite(value) and low <= value <= high):
+            raise ValueError(f"task_json: field `{name}`: must be in {low}..{high}, "
+                             f"got {shorten(value)}")
+    workflow = resolve(task.workflow)  # a SpecError (a ValueError) names the field
+    missing = [r for r in workflow.roles if r not in task.adapters]
+    if missing:
+        raise ValueError(f"task_json: field `adapters`: no adapter for role(s) "
+                         f"{', '.join(missing)} of workflow {task.workflow!r}")
+    return task
 
 
 async def served_model_problem(r: Any, model_path: Any) -> str | None:
@@ -51,13 +88,19 @@ class WorkflowService(workflow_pb2_grpc.WorkflowServicer):
         self, request: workflow_pb2.RunEpisodeRequest, context: grpc.aio.ServicerContext
     ) -> workflow_pb2.RunEpisodeResponse:
         try:
-            task = Task.from_dict(load_json(request.task_json, "task_json"))
-        except (ValueError, TypeError, KeyError, AttributeError) as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"task_json: {err}")
+            task = parse_task(request.task_json)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         problem = await served_model_problem(self.runner.redis, task.model_path)
         if problem is not None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
-        rollout = await self.runner.run(task)
+        try:
+            rollout = await self.runner.run(task)
+        except grpc.aio.AioRpcError as err:  # inference refused what the caller asked for
+            if err.code() not in REFUSED:
+                raise
+            await context.abort(err.code(), f"inference refused the episode's request: "
+                                            f"{err.details()}")
         return workflow_pb2.RunEpisodeResponse(rollout_json=json.dumps(rollout.to_dict()))
 
     async def GetStats(
@@ -80,16 +123,22 @@ async def _serve(
     sandbox: str | None,
     concurrency: int,
     http_port: int | None = None,
+    claim_idle_s: float = 120.0,
+    heartbeat_ttl_s: float = 5.0,
+    max_deliveries: int = 5,
 ) -> None:
     name = workflow_pb2.DESCRIPTOR.services_by_name["Workflow"].full_name
     server = ServiceHost([name], host, port)
     r = streams.connect(redis_url)
-    runner = EpisodeRunner(r, f"workflow-{uuid.uuid4().hex[:8]}", sandbox)
+    # host and pid make a consumer in XINFO traceable to its pod and process
+    worker_id = f"workflow-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    runner = EpisodeRunner(r, worker_id, sandbox)
     workflow_pb2_grpc.add_WorkflowServicer_to_server(WorkflowService(runner), server.server)
     INFLIGHT_EPISODES.set_function(lambda: runner.stats.in_flight)
     http = None
     if http_port is not None:  # Prometheus /metrics
         http = HttpServer(host, http_port)
+        on_scrape(http.app, stream_lag_hook(r, streams.TASKS, streams.WORKERS_GROUP))
         await http.start()
 
     async def ready() -> None:
@@ -99,7 +148,13 @@ async def _serve(
         await asyncio.to_thread(math_reward.warm_up)
 
     async def loop() -> None:
-        await work_loop(runner, concurrency=concurrency)
+        await work_loop(
+            runner,
+            concurrency=concurrency,
+            claim_idle_s=claim_idle_s,
+            heartbeat_ttl_s=heartbeat_ttl_s,
+            max_deliveries=max_deliveries,
+        )
 
     async def on_stop() -> None:
         if http is not None:
@@ -117,6 +172,14 @@ def run(
     sandbox: str | None = None,
     concurrency: int = 512,
     http_port: int | None = None,
+    claim_idle_s: float = 120.0,
+    heartbeat_ttl_s: float = 5.0,
+    max_deliveries: int = 5,
 ) -> None:
     configure_logging("workflow")
-    asyncio.run(_serve(port, host, redis_url, sandbox, concurrency, http_port))
+    asyncio.run(
+        _serve(
+            port, host, redis_url, sandbox, concurrency, http_port,
+            claim_idle_s, heartbeat_ttl_s, max_deliveries,
+        )
+    )

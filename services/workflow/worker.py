@@ -1,22 +1,31 @@
 """The worker loop: take tasks from Redis, run episodes, score them, return rollouts.
 
 XREADGROUP a task -> run its workflow -> score the final answer -> XADD the
-rollout -> XACK. Tasks a dead worker left pending are claimed after
-`claim_idle_s`. An episode that could not run (see `could_not_run`: inference
+rollout -> XACK. A worker keeps a heartbeat key alive (`heartbeat_ttl_s`); the
+tasks of a worker whose key expired (a SIGKILLed pod) are claimed by another
+within seconds, while a slow but live worker keeps its tasks until
+`claim_idle_s` (the last resort for a hung one). A task whose handling raised is
+released and retried elsewhere; one delivered more than `max_deliveries` times
+goes to the dead-letter stream, and its run gets a rollout with `error` set
+("dead-lettered ...") so the learner reports it and the step does not wait for
+it. Redis errors (a restart) are logged and retried with backoff. An episode that could not run (see `could_not_run`: inference
 unreachable, no replica, the sandbox down, a prompt over its cap) returns a
 rollout with `error` set, which the learner leaves out of training, so a step
 never waits for a task that cannot succeed. Any other exception is a bug: it
-propagates and the task stays pending.
+is logged and the task retried (see above).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from typing import Any
 
 import grpc
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from marl import auth, replicas, streams
 from marl.config import SpecError, WorkflowCaps
@@ -190,13 +199,56 @@ async def episode_run(workflow: Workflow, episode: Episode, task: Task) -> str:
     return final
 
 
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
+"""Errors of a Redis that is unreachable (restarting): retried with backoff."""
+
+
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+async def heartbeat(r: Any, worker_id: str, ttl_s: float) -> None:
+    """Keep `worker_id`'s liveness key; a Redis outage is waited out, not fatal."""
+    while True:
+        try:
+            await streams.beat(r, worker_id, ttl_s)
+        except REDIS_DOWN as err:
+            if _cancelling():
+                raise asyncio.CancelledError from err
+            log.warning("heartbeat: redis unreachable (%s); retrying", err)
+        await asyncio.sleep(min(1.0, ttl_s / 4))
+
+
+def dead_rollout(entry: streams.Entry, worker_id: str) -> Rollout:
+    """The rollout a dead-lettered task's run gets instead of one from its episode."""
+    task = Task.from_dict(entry.data)
+    return Rollout(
+        task_id=task.id,
+        run_id=task.run_id,
+        step=task.step,
+        kind=task.kind,
+        problem_id=task.problem.id,
+        sample=task.sample,
+        turns=[],
+        final_text="",
+        reward=0.0,
+        worker_id=worker_id,
+        seconds=0.0,
+        error=f"{streams.DEAD_LETTERED} after {entry.deliveries} deliveries",
+        facts={},
+    )
+
+
 async def work_loop(
     runner: EpisodeRunner,
     concurrency: int = 512,
     claim_idle_s: float = 120.0,
+    heartbeat_ttl_s: float = 5.0,
+    max_deliveries: int = 5,
 ) -> None:
     r = runner.redis
-    await streams.ensure_group(r, streams.TASKS, streams.WORKERS_GROUP)
+    worker_id = runner.worker_id
     running: set[asyncio.Task[None]] = set()
 
     async def handle(entry: streams.Entry) -> None:
@@ -205,31 +257,81 @@ async def work_loop(
             rollout = await runner.run(task)
             await streams.add(r, streams.rollouts_stream(task.run_id), rollout.to_dict())
             await streams.ack(r, streams.TASKS, streams.WORKERS_GROUP, entry.id)
-        except Exception:  # left pending: another delivery (or the dead-letter stream) follows
-            log.exception("task entry %s not completed", entry.id)
+        except Exception:
+            log.exception("task entry %s not completed; releasing it for a retry", entry.id)
+            try:
+                await streams.release(r, streams.TASKS, streams.WORKERS_GROUP, entry.id)
+            except REDIS_DOWN:  # still ours; claimed once this worker is gone or hung
+                log.warning("could not release task entry %s: redis unreachable", entry.id)
 
-    last_claim = time.monotonic()
-    while True:
-        free = min(concurrency - len(running), 64)
-        if free <= 0:
-            await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-            continue
+    async def on_dead(entry: streams.Entry) -> None:
+        try:
+            rollout = dead_rollout(entry, worker_id)
+        except (ValueError, TypeError, KeyError) as err:  # not a task: nobody waits for it
+            log.error("dead-lettered entry %s is no task: %s", entry.id, err)
+            return
+        log.error("task %s dead-lettered after %d deliveries", rollout.task_id, entry.deliveries)
+        await streams.add(r, streams.rollouts_stream(rollout.run_id), rollout.to_dict())
+
+    last_dead_check = last_stale_check = last_forget = time.monotonic()
+
+    async def claim(free: int) -> list[streams.Entry]:
+        nonlocal last_dead_check, last_stale_check, last_forget
+        now = time.monotonic()
         entries: list[streams.Entry] = []
-        if time.monotonic() - last_claim > claim_idle_s / 4:
-            last_claim = time.monotonic()
+        if now - last_dead_check >= min(1.0, heartbeat_ttl_s / 4):
+            last_dead_check = now
+            entries = await streams.claim_dead(
+                r, streams.TASKS, streams.WORKERS_GROUP, worker_id, count=free,
+                max_deliveries=max_deliveries, on_dead=on_dead,
+            )
+        if not entries and now - last_stale_check > claim_idle_s / 4:
+            last_stale_check = now
             entries = await streams.claim_stale(
-                r,
-                streams.TASKS,
-                streams.WORKERS_GROUP,
-                runner.worker_id,
-                int(claim_idle_s * 1000),
-                count=free,
+                r, streams.TASKS, streams.WORKERS_GROUP, worker_id, int(claim_idle_s * 1000),
+                count=free, max_deliveries=max_deliveries, on_dead=on_dead,
             )
-        if not entries:
-            entries = await streams.read_group(
-                r, streams.TASKS, streams.WORKERS_GROUP, runner.worker_id, count=free, block_ms=500
-            )
-        for entry in entries:
-            t = asyncio.create_task(handle(entry))
-            running.add(t)
-            t.add_done_callback(running.discard)
+        if now - last_forget > 30.0:
+            last_forget = now
+            await streams.forget_dead_consumers(r, streams.TASKS, streams.WORKERS_GROUP)
+        return entries
+
+    await streams.beat(r, worker_id, heartbeat_ttl_s)  # alive before it holds anything
+    beating = asyncio.create_task(heartbeat(r, worker_id, heartbeat_ttl_s))
+    backoff = 0.1
+    try:
+        await streams.ensure_group(r, streams.TASKS, streams.WORKERS_GROUP)
+        while True:
+            if _cancelling():  # a cancel that redis-py swallowed mid-command (seen with 8.1)
+                raise asyncio.CancelledError
+            free = min(concurrency - len(running), 64)
+            if free <= 0:
+                await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                continue
+            try:
+                entries = await claim(free)
+                if not entries:
+                    entries = await streams.read_group(
+                        r, streams.TASKS, streams.WORKERS_GROUP, worker_id, count=free,
+                        block_ms=500,
+                    )
+            except REDIS_DOWN as err:
+                if _cancelling():  # redis-py can turn a cancelled read into ConnectionError
+                    raise asyncio.CancelledError from err
+                log.warning("redis unreachable (%s); retrying in %.1fs", err, backoff)
+                await asyncio.sleep(backoff * (0.5 + random.random()))
+                backoff = min(backoff * 2, 5.0)
+                continue
+            backoff = 0.1
+            for entry in entries:
+                t = asyncio.create_task(handle(entry))
+                running.add(t)
+                t.add_done_callback(running.discard)
+    finally:
+        beating.cancel()
+        for t in list(running):
+            t.cancel()
+        try:  # a clean stop: what this worker held is claimable at once
+            await asyncio.wait_for(streams.forget(r, worker_id), 2.0)
+        except (TimeoutError, *REDIS_DOWN):
+            pass

@@ -1,0 +1,175 @@
+"""Delivery against a real redis-server: heartbeats decide who is dead, a dead worker's
+entries move within seconds while a slow live worker keeps its own, failing entries are
+retried and then dead-lettered (and their run told), and a vanished group is recreated."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from marl import streams
+from marl.config import RunSpec
+from marl.data.problem import Problem
+from marl.rollout import AdapterRef, Rollout, Task
+from services.workflow import worker
+
+
+async def test_dead_consumer_entries_are_claimed_and_a_live_ones_are_kept(redis_url: str) -> None:
+    r = streams.connect(redis_url)
+    try:
+        await streams.ensure_group(r, "s", "g")
+        for i in range(4):
+            await streams.add(r, "s", {"i": i})
+        await streams.beat(r, "slow", ttl_s=30)
+        await streams.beat(r, "doomed", ttl_s=0.5)
+        assert len(await streams.read_group(r, "s", "g", "slow", count=2, block_ms=10)) == 2
+        assert len(await streams.read_group(r, "s", "g", "doomed", count=2, block_ms=10)) == 2
+        await asyncio.sleep(0.3)
+        # both alive: nothing moves, however idle their entries
+        assert await streams.claim_dead(r, "s", "g", "rescuer", min_idle_ms=100) == []
+        await asyncio.sleep(0.4)  # doomed's key expired: it is dead
+        t0 = time.monotonic()
+        got = await streams.claim_dead(r, "s", "g", "rescuer", min_idle_ms=100)
+        assert time.monotonic() - t0 < 1.0
+        assert sorted(e.data["i"] for e in got) == [2, 3]
+        assert all(e.deliveries == 2 for e in got)
+        # a second claimer finds them fresh (XCLAIM reset their idle time): no double claim
+        assert await streams.claim_dead(r, "s", "g", "other", min_idle_ms=100) == []
+        summary = await r.xpending("s", "g")
+        owners = {c["name"]: int(c["pending"]) for c in summary["consumers"]}
+        assert owners == {"slow": 2, "rescuer": 2}
+    finally:
+        await r.aclose()
+
+
+async def test_released_entry_is_retried_then_dead_lettered(redis_url: str) -> None:
+    r = streams.connect(redis_url)
+    told: list[streams.Entry] = []
+
+    async def on_dead(entry: streams.Entry) -> None:
+        told.append(entry)
+
+    try:
+        await streams.ensure_group(r, "s", "g")
+        await streams.add(r, "s", {"i": 7})
+        await streams.beat(r, "w", ttl_s=30)
+        (entry,) = await streams.read_group(r, "s", "g", "w", block_ms=10)
+        deliveries = [entry.deliveries]
+        for _ in range(5):
+            await streams.release(r, "s", "g", entry.id)  # the handler failed
+            # not at once: a released entry waits min_idle_ms before its retry
+            assert await streams.claim_dead(r, "s", "g", "w", min_idle_ms=200) == []
+            await asyncio.sleep(0.25)
+            got = await streams.claim_dead(
+                r, "s", "g", "w", min_idle_ms=200, max_deliveries=3, on_dead=on_dead
+            )
+            if not got:
+                break
+            deliveries.append(got[0].deliveries)
+        assert deliveries == [1, 2, 3]
+        assert [e.data for e in told] == [{"i": 7}]
+        dead = await r.xrange(streams.dead_letter_stream("s"))
+        assert len(dead) == 1 and dead[0][1]["deliveries"] == "4"
+        assert (await r.xpending("s", "g"))["pending"] == 0
+    finally:
+        await r.aclose()
+
+
+async def test_a_deleted_pending_entry_is_acknowledged_not_claimed_forever(
+    redis_url: str,
+) -> None:
+    r = streams.connect(redis_url)
+    try:
+        await streams.ensure_group(r, "s", "g")
+        entry_id = await streams.add(r, "s", {"i": 1})
+        await streams.read_group(r, "s", "g", "gone", block_ms=10)
+        await r.xdel("s", entry_id)
+        await asyncio.sleep(0.05)
+        assert await streams.claim_dead(r, "s", "g", "w", min_idle_ms=10) == []
+        assert (await r.xpending("s", "g"))["pending"] == 0
+    finally:
+        await r.aclose()
+
+
+async def test_a_vanished_group_is_recreated_not_a_crash(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    r = streams.connect(redis_url)
+    try:
+        await streams.ensure_group(r, "s", "g")
+        await r.delete("s")  # a Redis restarted without its data
+        assert await streams.read_group(r, "s", "g", "c", block_ms=10) == []
+        assert "recreated" in caplog.text
+        await streams.add(r, "s", {"i": 1})
+        assert [e.data for e in await streams.read_group(r, "s", "g", "c", block_ms=10)] == [
+            {"i": 1}
+        ]
+    finally:
+        await r.aclose()
+
+
+async def test_forget_dead_consumers_keeps_live_and_holding_ones(redis_url: str) -> None:
+    r = streams.connect(redis_url)
+    try:
+        await streams.ensure_group(r, "s", "g")
+        for i in range(3):
+            await streams.add(r, "s", {"i": i})
+        await streams.read_group(r, "s", "g", "holder", count=1, block_ms=10)
+        await streams.beat(r, "empty-live", ttl_s=30)
+        for name in ("empty-dead", "empty-live"):  # each took one entry and finished it
+            (e,) = await streams.read_group(r, "s", "g", name, count=1, block_ms=10)
+            await streams.ack(r, "s", "g", e.id)
+        await asyncio.sleep(0.05)
+        assert await streams.forget_dead_consumers(r, "s", "g", min_idle_ms=10) == 1
+        names = {c["name"] for c in await r.xinfo_consumers("s", "g")}
+        assert names == {"holder", "empty-live"}
+    finally:
+        await r.aclose()
+
+
+class FailingRunner(worker.EpisodeRunner):
+    """A worker whose every episode hits a bug."""
+
+    def __init__(self, redis: object, worker_id: str):
+        super().__init__(redis, worker_id)
+        self.attempts = 0
+
+    async def run(self, task: Task) -> Rollout:
+        self.attempts += 1
+        raise RuntimeError("a bug in marl")
+
+
+async def test_a_task_that_keeps_failing_reaches_its_run_as_dead_lettered(
+    redis_url: str,
+) -> None:
+    r = streams.connect(redis_url)
+    task = Task.for_spec(
+        RunSpec(), "run-1", Problem(id="p", prompt="q", answer="1"), 0, "train", 0,
+        {"generator": AdapterRef("run-1/generator", 1)},
+    )
+    await streams.ensure_group(r, streams.TASKS, streams.WORKERS_GROUP)
+    await streams.ensure_group(r, streams.rollouts_stream("run-1"), "learner")
+    await streams.add(r, streams.TASKS, task.to_dict())
+    runner = FailingRunner(r, "w1")
+    loop = asyncio.create_task(
+        worker.work_loop(runner, concurrency=4, heartbeat_ttl_s=2.0, max_deliveries=3)
+    )
+    try:
+        deadline = time.monotonic() + 20
+        got: list[streams.Entry] = []
+        while not got:
+            assert time.monotonic() < deadline, "no dead-lettered rollout arrived"
+            got = await streams.read_group(
+                r, streams.rollouts_stream("run-1"), "learner", "l", block_ms=200
+            )
+        rollout = Rollout.from_dict(got[0].data)
+        assert rollout.task_id == task.id
+        assert rollout.error == f"{streams.DEAD_LETTERED} after 4 deliveries"
+        assert runner.attempts == 3
+        assert len(await r.xrange(streams.dead_letter_stream(streams.TASKS))) == 1
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        await r.aclose()
