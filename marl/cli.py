@@ -191,6 +191,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.out, args.steps, args.overrides)
 
 
+def cmd_model(args: argparse.Namespace) -> int:
+    from marl.model_import import ModelImportError, import_gguf
+
+    try:
+        print(import_gguf(args.file, args.out, force=args.force))
+    except ModelImportError as err:
+        raise UserError(str(err)) from None
+    return 0
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from marl.demo import run_up
 
@@ -371,6 +381,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.set_defaults(fn=cmd_generate)
 
+    p = sub.add_parser("model", help="model tools: import FILE.gguf OUT_DIR (safetensors)")
+    p.add_argument("action", choices=["import"])
+    p.add_argument("file", help="a GGUF checkpoint, e.g. SmolLM2-135M-Instruct.Q4_1.gguf")
+    p.add_argument("out", help="the model directory to write (model.path in a run spec)")
+    p.add_argument("--force", action="store_true", help="write into a non-empty OUT_DIR")
+    p.set_defaults(fn=cmd_model)
+
     p = sub.add_parser("data", help="dataset tools")
     p.add_argument("action", choices=["inspect"])
     p.add_argument("spec")
@@ -389,7 +406,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # `marl demo model.path=DIR --steps 2 lora.rank=8`: key=value overrides after an
+        # option are overrides too (argparse takes one run of positionals only)
+        if hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+            args.overrides = [*(args.overrides or []), *extra]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.fn(args))
     except (UserError, SpecError) as err:

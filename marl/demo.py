@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -83,17 +84,34 @@ def run_demo(out: str | None, steps: int | None, overrides: list[str]) -> int:
         f"services up in {time.monotonic() - started:.0f}s: "
         + ", ".join(f"{k} pid {v}" for k, v in endpoints["pids"].items())
     )
-    try:
-        from marl import auth
+    import grpc
 
-        stub = learner_pb2_grpc.LearnerStub(auth.channel(endpoints["learner"]))
+    from marl import auth
+
+    stub = learner_pb2_grpc.LearnerStub(auth.channel(endpoints["learner"]))
+    watched = _WatchedStub(stub)
+    watchdog = _Watchdog(cluster, watched)
+    watchdog.start()
+    try:
         run_id = stub.SubmitRun(
             learner_pb2.SubmitRunRequest(spec_yaml=dump_spec(spec)), timeout=120
         ).run_id
         print(f"run {run_id}")
-        state = follow_run(stub, run_id)
+        state = follow_run(watched, run_id)
         run = stub.GetRun(learner_pb2.GetRunRequest(run_id=run_id), timeout=30)
+    except grpc.RpcError as err:
+        watchdog.stop()
+        died = watchdog.died or [d for p in cluster.dead() if (d := p.exit_description())]
+        if died:
+            print("marl demo: a service died; the run cannot go on:")
+            for line in died:
+                print(f"  {line}")
+            return 1
+        print(f"marl demo: lost the learner: {err.code().name}: {err.details()}; "
+              f"logs: {out_dir / 'cluster' / 'logs'}")
+        return 1
     finally:
+        watchdog.stop()
         cluster.stop()
     if state != "SUCCEEDED":
         print(f"run ended {state}: {run.error}\nlogs: {out_dir / 'cluster' / 'logs'}")
@@ -109,6 +127,42 @@ def run_demo(out: str | None, steps: int | None, overrides: list[str]) -> int:
     print(f"finished in {time.monotonic() - started:.0f}s")
     print(f"metrics: {out_dir / 'metrics.jsonl'}")
     return 0
+
+
+class _WatchedStub:
+    """The learner stub, keeping the WatchRun call so that a watchdog can cancel it."""
+
+    def __init__(self, stub: Any):
+        self.stub = stub
+        self.call: Any = None
+
+    def WatchRun(self, request: Any) -> Any:  # noqa: N802 - the gRPC method's name
+        self.call = self.stub.WatchRun(request)
+        return self.call
+
+
+class _Watchdog(threading.Thread):
+    """Ends the demo's wait as soon as any service process exits: a dead workflow or
+    inference service would otherwise leave the run waiting for its step timeout, and a
+    dead learner would surface as a gRPC error."""
+
+    def __init__(self, cluster: Any, watched: _WatchedStub):
+        super().__init__(daemon=True)
+        self.cluster, self.watched = cluster, watched
+        self.died: list[str] = []
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.wait(0.5):
+            dead = [d for p in self.cluster.dead() if (d := p.exit_description())]
+            if dead:
+                self.died = dead
+                if self.watched.call is not None:
+                    self.watched.call.cancel()
+                return
+
+    def stop(self) -> None:
+        self._halt.set()
 
 
 def summarize(metrics_path: Path) -> dict[str, Any]:
@@ -150,9 +204,10 @@ def run_up(workdir: Path, model: str | None, engine: str) -> int:
     signal.signal(signal.SIGINT, _stop)
     try:
         while not stopping:
-            dead = [p for p in cluster.processes if p.proc.poll() is not None]
+            dead = cluster.dead()
             if dead:
-                print(f"{dead[0].kind} exited ({dead[0].proc.returncode}); see {dead[0].log_path}")
+                for p in dead:
+                    print(f"marl up: {p.exit_description()}")
                 return 1
             time.sleep(0.5)
     finally:

@@ -37,6 +37,23 @@ class Process:
     http_address: str | None = None
     """HTTP front end (inference: OpenAI /v1; sandbox: SandboxFusion /run_code)."""
 
+    def exit_description(self) -> str | None:
+        """None while it runs; else which service ended, how, and where its log is."""
+        code = self.proc.poll()
+        if code is None:
+            return None
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            how = f"was killed by {name}"
+            if -code == signal.SIGKILL:
+                how += " (the kernel's OOM killer does this when memory runs out: see dmesg)"
+        else:
+            how = f"exited with code {code}"
+        return f"the {self.kind} service (pid {self.proc.pid}) {how}; its log: {self.log_path}"
+
 
 @dataclass
 class Cluster:
@@ -142,6 +159,10 @@ class Cluster:
             await waiter
 
         await asyncio.gather(*(one(p) for p in processes))
+
+    def dead(self) -> list[Process]:
+        """The services that have exited (none should while the cluster runs)."""
+        return [p for p in self.processes if p.proc.poll() is not None]
 
     def endpoints(self) -> dict[str, Any]:
         def of(kind: str) -> list[str]:

@@ -1,0 +1,91 @@
+"""`marl demo` / `marl up` name a service that died (which one, how, its log), and the CLI
+takes key=value overrides wherever they stand."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from marl.cli import build_parser, main
+from marl.demo import _Watchdog, _WatchedStub
+from marl.launcher import Cluster, Process
+
+
+def spawn(kind: str, code: str, tmp: Path) -> Process:
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    return Process(kind, "127.0.0.1:1", proc, tmp / f"{kind}-0.log")
+
+
+def test_exit_description_names_service_signal_and_log(tmp_path: Path) -> None:
+    learner = spawn("learner", "import time; time.sleep(60)", tmp_path)
+    workflow = spawn("workflow", "raise SystemExit(3)", tmp_path)
+    assert learner.exit_description() is None
+    learner.proc.send_signal(signal.SIGKILL)
+    learner.proc.wait()
+    workflow.proc.wait()
+    text = learner.exit_description()
+    assert text is not None
+    assert "learner service" in text and "SIGKILL" in text and "OOM" in text
+    assert str(tmp_path / "learner-0.log") in text
+    assert f"pid {learner.proc.pid}" in text
+    assert "workflow service" in str(workflow.exit_description())
+    assert "exited with code 3" in str(workflow.exit_description())
+
+
+class FakeCall:
+    """Stands in for the WatchRun stream: records the watchdog's cancel."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeStub:
+    def WatchRun(self, request: object) -> FakeCall:  # noqa: N802
+        return FakeCall()
+
+
+def test_watchdog_cancels_the_watch_when_a_service_dies(tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path, "unused")
+    alive = spawn("inference", "import time; time.sleep(60)", tmp_path)
+    doomed = spawn("workflow", "import time; time.sleep(60)", tmp_path)
+    cluster.processes = [alive, doomed]
+    watched = _WatchedStub(FakeStub())
+    call = watched.WatchRun(None)
+    dog = _Watchdog(cluster, watched)
+    dog.start()
+    try:
+        time.sleep(0.7)
+        assert not call.cancelled and not dog.died
+        doomed.proc.send_signal(signal.SIGTERM)
+        dog.join(5)
+        assert call.cancelled
+        assert len(dog.died) == 1 and "workflow service" in dog.died[0]
+        assert "SIGTERM" in dog.died[0]
+    finally:
+        for p in (alive, doomed):
+            p.proc.kill()
+            p.proc.wait()
+
+
+def test_overrides_after_an_option_are_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = {}
+
+    def fake_demo(out: str | None, steps: int | None, overrides: list[str]) -> int:
+        seen.update(steps=steps, overrides=overrides)
+        return 0
+
+    monkeypatch.setattr("marl.demo.run_demo", fake_demo)
+    assert main(["demo", "model.path=M", "--steps", "2", "lora.rank=8", "grpo.group_size=4"]) == 0
+    assert seen == {"steps": 2, "overrides": ["model.path=M", "lora.rank=8", "grpo.group_size=4"]}
+    with pytest.raises(SystemExit):
+        main(["demo", "--steps", "2", "--bogus"])
+    assert build_parser().parse_known_args(["demo", "a=1", "--steps", "2", "b=2"])[1] == ["b=2"]
+
