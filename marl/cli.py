@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from marl.clients.runs import LearnerUnavailable, RunNotFound, RunRefused, RunsClient
 from marl.config import SpecError
 
@@ -423,6 +425,13 @@ def main(argv: list[str] | None = None) -> int:
     except (RunRefused, RunNotFound, LearnerUnavailable) as err:
         print(f"marl {args.command}: {err.args[0] if err.args else err}", file=sys.stderr)
         return 2
+    except grpc.RpcError as err:  # a service that went away mid-call: no traceback
+        code = err.code() if hasattr(err, "code") else None
+        details = err.details() if hasattr(err, "details") else str(err)
+        name = code.name if code is not None else "error"
+        print(f"marl {args.command}: the service answered {name}: {details} (did it die? "
+              f"`marl up` names a dead service and its log)", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

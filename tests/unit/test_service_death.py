@@ -89,3 +89,24 @@ def test_overrides_after_an_option_are_overrides(monkeypatch: pytest.MonkeyPatch
         main(["demo", "--steps", "2", "--bogus"])
     assert build_parser().parse_known_args(["demo", "a=1", "--steps", "2", "b=2"])[1] == ["b=2"]
 
+
+
+def test_a_grpc_error_from_a_dying_service_is_one_line_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import grpc
+
+    class Removed(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.UNKNOWN
+
+        def details(self) -> str:
+            return "Stream removed"
+
+    def dying(out: str | None, steps: int | None, overrides: list[str]) -> int:
+        raise Removed()
+
+    monkeypatch.setattr("marl.demo.run_demo", dying)
+    assert main(["demo"]) == 1
+    err = capsys.readouterr().err
+    assert "UNKNOWN: Stream removed" in err and "Traceback" not in err
