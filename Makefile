@@ -45,6 +45,10 @@ test-drift: setup ## planted role drift: sp_role_capture on a Voting-SP run paid
 test-matrix: setup ## marl matrix on the demo (2 workflows x SP/IP + base and SA-RL controls) killed mid-way and resumed; Table 1 vs metrics.jsonl; marl eval and marl attribute reproduce the runs' accuracies (~4 min)
 	$(BIN)/python -m pytest -q -s -m slow tests/integration/test_matrix_experiment.py
 
+.PHONY: test-fuzz
+test-fuzz: setup ## Hypothesis fuzzes every public RPC (>= 500 requests each) and the RunSpec against real services: only clear errors, no server dies, RSS flat (slow)
+	$(BIN)/python -m pytest -q -m slow tests/integration/test_fuzz_rpcs.py
+
 check: setup ## ruff and mypy
 	$(BIN)/ruff check marl services tests bench scripts
 	$(BIN)/mypy

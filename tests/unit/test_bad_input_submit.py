@@ -79,3 +79,32 @@ def test_run_episode_loads_only_an_announced_model(redis_url: str) -> None:
         assert problem is not None and "model_path" in problem, hostile
     assert "NUL byte" in (asyncio.run(check("/tmp/x\x00y")) or "")
     assert "at most 255" in (asyncio.run(check("/" + "m" * 300)) or "")
+
+
+def good_task() -> dict[str, Any]:
+    return {"run_id": "r", "step": 0, "kind": "train",
+            "problem": {"id": "p", "prompt": "1+1?", "answer": "2", "task": "math", "tests": []},
+            "sample": 0, "workflow": "single",
+            "adapters": {"generator": {"name": "r/p", "version": 0}},
+            "model_path": MODEL, "temperature": 1.0, "top_p": 1.0, "max_tokens": 4}
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"problem": {"id": "p", "prompt": "q", "task": -3}}, "problem.task"),
+    ({"step": "soon"}, "step"),
+    ({"adapters": {"solver": {"name": "r/p", "version": 0}}}, "adapters"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"seed": -1}, "seed"),
+    ({"workflow": "no_such"}, "workflow"),
+])
+def test_run_episode_task_is_typed_and_complete(change: dict[str, Any], field: str) -> None:
+    import json
+
+    from services.workflow.server import parse_task
+
+    assert parse_task(json.dumps(good_task())).workflow == "single"
+    with pytest.raises(ValueError, match=f"field `{field}"):
+        parse_task(json.dumps({**good_task(), **change}))
+    with pytest.raises(ValueError, match="task_json"):
+        parse_task("[" * 100_000)
