@@ -44,7 +44,8 @@ from services.inference.factory import EngineName, make_engine
 log = logging.getLogger(__name__)
 
 MAX_ADAPTER_BYTES = 4 << 30
-MAX_REQUEST_ID = 256
+MAX_REQUEST_ID = 4096
+"""request_id carries the task id (run, step, problem id, role): long problem ids must fit."""
 JOIN_CHECK_S = 0.5
 
 
