@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from marl import auth
 from marl.config import RunSpec, SpecError, load_spec_text
 
 BASE = "base"
@@ -195,7 +196,6 @@ async def _push(
     r: Any, name: str, base_model: str, payload: bytes, config: dict[str, Any]
 ) -> list[str]:
     """Push `name`@1 to every serving replica of the base model; their addresses."""
-    import grpc
 
     from marl import adapter_io, replicas
     from marl.v1 import inference_pb2_grpc
@@ -212,7 +212,7 @@ async def _push(
         sorted(config["target_modules"]), payload,
     )
     for address in targets:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with auth.aio_channel(address) as channel:
             stub = inference_pb2_grpc.InferenceStub(channel)
             await stub.PushAdapter(adapter_io.chunks(manifest, payload), timeout=300)
     return targets
@@ -224,7 +224,7 @@ async def _unload(addresses: list[str], names: list[str]) -> None:
     from marl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
     for address in addresses:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with auth.aio_channel(address) as channel:
             stub = inference_pb2_grpc.InferenceStub(channel)
             for name in names:
                 try:
