@@ -76,6 +76,14 @@ MAX_TEMPERATURE = 100.0
 """Above this, sampling is uniform noise for any model: a typo, not a setting."""
 MAX_STOP_TOKEN_IDS = 256
 MAX_SEED = (1 << 63) - 1
+MAX_TOKENS = 1 << 20
+"""Past this a max_tokens is a mistake; below it, decoding stops at the context's end anyway
+(`room`), so no request holds the engine longer than a full context's decode."""
+
+
+def room(request: GenerationRequest, limits: ModelLimits) -> int:
+    """Tokens the context leaves after the prompt: the most a request may generate."""
+    return limits.context - len(request.prompt_token_ids)
 
 
 @dataclass(frozen=True)
@@ -122,10 +130,8 @@ def check_request(request: GenerationRequest, limits: ModelLimits) -> None:
     if len(ids) >= limits.context:
         raise ValueError(f"prompt_token_ids: {len(ids)} tokens leave no room in the model's "
                          f"context of {limits.context}; shorten the prompt")
-    room = limits.context - len(ids)
-    if not 1 <= request.max_tokens <= room:
-        raise ValueError(f"sampling.max_tokens: must be in 1..{room} (the context of "
-                         f"{limits.context} less {len(ids)} prompt tokens), got "
+    if not 1 <= request.max_tokens <= MAX_TOKENS:
+        raise ValueError(f"sampling.max_tokens: must be in 1..{MAX_TOKENS}, got "
                          f"{request.max_tokens}")
     t = request.temperature
     if not (math.isfinite(t) and 0 <= t <= MAX_TEMPERATURE):

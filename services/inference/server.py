@@ -38,6 +38,7 @@ from services.inference.engine import (
     ModelLimits,
     check_request,
     model_limits,
+    room,
 )
 from services.inference.factory import EngineName, make_engine
 
@@ -106,6 +107,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         if not 0 < generation.top_p < 1:
             generation.top_p = 1.0
+        # bounded by the context: a longer budget ends there (finish_reason "length")
+        generation.max_tokens = min(generation.max_tokens, room(generation, self.limits))
         try:
             version = self.registry.acquire(request.adapter.name, request.adapter.version)
         except AdapterNotLoaded as err:

@@ -111,10 +111,13 @@ def test_bad_sampling_is_refused_and_the_replica_keeps_serving(
     assert code_and_details(stub, request())[0] == grpc.StatusCode.OK
 
 
-def test_prompt_that_fills_the_context_is_refused(stub: Any) -> None:
+def test_prompt_that_fills_the_context_is_refused_and_generation_ends_there(stub: Any) -> None:
     context = model_limits(str(demo_model_dir())).context
     code, details = code_and_details(stub, request([5] * context))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "context" in details
+    reply = stub.Generate(request([5] * (context - 3), max_tokens=500, temperature=1.0, seed=1,
+                                  stop_token_ids=[]), timeout=60)
+    assert len(reply.token_ids) <= 3  # the budget was cut at the context's end
 
 
 def test_an_error_echoing_a_huge_input_arrives_cut_not_as_stream_removed(stub: Any) -> None:
@@ -135,7 +138,8 @@ def test_check_request_names_each_field() -> None:
     check_request(ok, limits)
     for change, field in [({"prompt_token_ids": []}, "prompt_token_ids"),
                           ({"prompt_token_ids": [1, 10]}, "prompt_token_ids[1]"),
-                          ({"max_tokens": 15}, "sampling.max_tokens"),
+                          ({"max_tokens": 0}, "sampling.max_tokens"),
+                          ({"max_tokens": (1 << 20) + 1}, "sampling.max_tokens"),
                           ({"temperature": math.nan}, "sampling.temperature"),
                           ({"top_p": math.inf}, "sampling.top_p"),
                           ({"seed": 1 << 63}, "sampling.seed"),
