@@ -37,6 +37,10 @@ test-workflows: setup ## every built-in workflow x SP/IP x math/code trains 2 st
 test-learner-resume: setup ## SIGKILL the learner mid-step and mid-checkpoint-write: the run resumes under its id, next steps equal an uninterrupted run's (slow, ~1 min)
 	$(BIN)/python -m pytest -q -m slow tests/integration/test_learner_resume.py
 
+.PHONY: test-chaos
+test-chaos: setup ## SIGKILL 20 workflow workers that hold tasks during one run, then Redis (AOF) mid-run: the runs complete, every step has its full groups, nothing counted twice or lost (~5 min)
+	$(BIN)/python -m pytest -q -s -m slow tests/integration/test_worker_kills.py tests/integration/test_redis_restart.py
+
 .PHONY: test-drift
 test-drift: setup ## planted role drift: sp_role_capture on a Voting-SP run paid for the generators' long form; gradient_amplification on a Voting-IP generator at 10x lr; the plain run fires nothing (~3-6 min)
 	$(BIN)/python -m pytest -q -m slow tests/integration/test_drift_planted.py

@@ -44,9 +44,16 @@ def free_port() -> int:
 
 
 class PrivateRedis:
-    """A redis-server child process on a loopback port, no persistence."""
+    """A redis-server child process on a loopback port; no persistence unless `aof`.
 
-    def __init__(self, port: int | None = None, workdir: str | None = None):
+    With `aof`, every write goes to an append-only file in `workdir` and is fsynced
+    once a second (`appendfsync everysec`): a redis-server SIGKILLed and started again
+    on the same port and workdir (`kill`, then `start`) comes back with everything
+    written more than about a second before it died.
+    """
+
+    def __init__(self, port: int | None = None, workdir: str | None = None, aof: bool = False):
+        self.aof = aof
         self.port = port or free_port()
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="marl-redis-")
         self.workdir = workdir or self._tmp.name  # type: ignore[union-attr]
@@ -68,7 +75,9 @@ class PrivateRedis:
                 "--save",
                 "",
                 "--appendonly",
-                "no",
+                "yes" if self.aof else "no",
+                "--appendfsync",
+                "everysec",
                 "--dir",
                 self.workdir,
                 "--loglevel",
@@ -90,6 +99,12 @@ class PrivateRedis:
                 time.sleep(0.05)
         client.close()
         return self
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash: nothing is flushed); `start` brings it back."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

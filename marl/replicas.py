@@ -1,7 +1,9 @@
 """Service replicas announce themselves in Redis and keep a heartbeat; learners
 publish the adapter versions a replica must hold before it serves.
 
-A replica is live while its last heartbeat is younger than `max_age_s`. An
+Each replica is one Redis key that expires by itself `MAX_AGE_S` after its last
+heartbeat, so a SIGKILLed replica leaves nothing behind; readers also skip an
+entry older than their `max_age_s`. An
 inference replica announces itself as soon as its engine is loaded, first as
 *joining* (`"serving": false`): the learner pushes adapters to every live
 inference replica, joining ones included, but workers route requests only to
@@ -28,20 +30,40 @@ CURRENT_ADAPTERS = "marl:adapters:current"
 
 
 def registry_key(kind: str) -> str:
+    """Prefix of the `kind` replicas' keys (one key per replica)."""
     return f"marl:replicas:{kind}"
 
 
+def replica_key(kind: str, replica_id: str) -> str:
+    return f"{registry_key(kind)}:{replica_id}"
+
+
 async def announce(r: aioredis.Redis, kind: str, replica_id: str, info: dict[str, Any]) -> None:
-    await r.hset(registry_key(kind), replica_id, json.dumps({**info, "ts": time.time()}))
+    await r.set(
+        replica_key(kind, replica_id),
+        json.dumps({**info, "ts": time.time()}),
+        px=int(MAX_AGE_S * 1000),
+    )
+
+
+async def withdraw(r: aioredis.Redis, kind: str, replica_id: str) -> None:
+    await r.delete(replica_key(kind, replica_id))
 
 
 async def heartbeat(r: aioredis.Redis, kind: str, replica_id: str, info: dict[str, Any]) -> None:
+    """Re-announce every HEARTBEAT_S; a Redis outage (a restart) is waited out."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
     try:
         while True:
-            await announce(r, kind, replica_id, info)
+            try:
+                await announce(r, kind, replica_id, info)
+            except (RedisConnectionError, RedisTimeoutError, OSError):
+                pass  # the key expires meanwhile; the next beat restores it
             await asyncio.sleep(HEARTBEAT_S)
     finally:
-        await r.hdel(registry_key(kind), replica_id)
+        await withdraw(r, kind, replica_id)
 
 
 async def live(
@@ -50,8 +72,13 @@ async def live(
     """Replicas with a fresh heartbeat; joining ones (not yet serving) only if asked for."""
     now = time.time()
     out: dict[str, dict[str, Any]] = {}
-    entries: Any = await r.hgetall(registry_key(kind))
-    for rid, raw in entries.items():
+    prefix = registry_key(kind) + ":"
+    keys = [k async for k in r.scan_iter(match=prefix + "*", count=1000)]
+    values: Any = await r.mget(keys) if keys else []
+    for key, raw in zip(keys, values, strict=True):
+        if raw is None:  # expired between SCAN and MGET
+            continue
+        rid = key[len(prefix) :]
         info = json.loads(raw)
         if now - float(info["ts"]) <= max_age_s and (include_joining or info.get("serving", True)):
             out[rid] = info

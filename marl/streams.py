@@ -61,7 +61,9 @@ def connect(url: str, max_connections: int = 32) -> aioredis.Redis:
         decode_responses=True,
         max_connections=max_connections,
         timeout=60,
-        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), 8),
+        # about 30 s of retries: a restarting Redis (a pod rescheduled, a crash with
+        # AOF replay) is waited out instead of failing every caller
+        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), 20),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
         health_check_interval=30,
     )

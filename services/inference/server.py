@@ -349,7 +349,7 @@ async def _serve(
         if service._engine is not None:
             await service.engine.close()
         if redis_client is not None:
-            await redis_client.hdel(replicas.registry_key("inference"), replica_id)
+            await replicas.withdraw(redis_client, "inference", replica_id)
             await redis_client.aclose()
 
     await serve_until_stopped(server, ready=ready, background=background, on_stop=on_stop)

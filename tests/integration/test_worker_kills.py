@@ -1,0 +1,217 @@
+"""SIGKILL a workflow worker mid-episode, again and again, during one run: the run completes,
+every step trains on exactly its group size of rollouts per problem, none counted twice,
+none lost, and no step takes more than 30 s longer than an undisturbed one.
+
+Every service is a real process on a real Redis. A worker is killed only while it holds
+tasks (it has unacknowledged entries in the tasks stream: an episode under way), at most
+once a step (so the bound on a step's time tests recovery, not a pile of kills), and a
+replacement is started each time. Workers heartbeat a key that lives
+`MARL_WORKFLOW_HEARTBEAT_TTL_S` seconds, so a killed worker's tasks move within seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+import yaml
+
+from marl import streams
+from marl.launcher import Cluster, Process
+from marl.v1 import learner_pb2, learner_pb2_grpc
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+KILLS = 20
+GROUP = 4
+PROBLEMS = 4
+WORKERS = 3
+
+
+def demo_model_dir() -> Path:
+    from marl.demo_model import demo_model_dir as shipped
+
+    return shipped()
+
+
+def stub(cluster: Cluster) -> learner_pb2_grpc.LearnerStub:
+    address = [p.address for p in cluster.processes if p.kind == "learner"][-1]
+    return learner_pb2_grpc.LearnerStub(grpc.insecure_channel(address))
+
+
+def submit(cluster: Cluster, spec: dict) -> str:
+    request = learner_pb2.SubmitRunRequest(spec_yaml=yaml.safe_dump(spec))
+    return str(stub(cluster).SubmitRun(request, timeout=60).run_id)
+
+
+def wait_end(cluster: Cluster, run_id: str, timeout_s: float = 600) -> learner_pb2.Run:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        run = stub(cluster).GetRun(learner_pb2.GetRunRequest(run_id=run_id), timeout=10)
+        if run.state in ("SUCCEEDED", "FAILED", "CANCELLED"):
+            return run
+        time.sleep(0.5)
+    raise AssertionError(f"run {run_id} did not end in {timeout_s}s")
+
+
+def rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def spec(out_dir: Path, steps: int) -> dict:
+    return {
+        "name": "kills",
+        "workflow": "voting",
+        "policy": "shared",
+        "out_dir": str(out_dir),
+        "model": {"path": str(demo_model_dir())},
+        "lora": {"rank": 4, "alpha": 8},
+        "optim": {"lr": 1e-2, "warmup_steps": 0},
+        "grpo": {"group_size": GROUP, "mini_batch_size": GROUP * PROBLEMS},
+        "train": {
+            "steps": steps,
+            "problems_per_step": PROBLEMS,
+            "val_interval": 1000,
+            "val_problems": 2,
+            "checkpoint_interval": 1000,
+            "rollouts_logged": GROUP * PROBLEMS,
+            "step_timeout_s": 300,
+        },
+        "sampling": {"temperature": 1.5, "max_tokens": 12},
+        "data": {"train": "arithmetic", "val": "arithmetic"},
+    }
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    work = tmp_path_factory.mktemp("kills")
+    saved = dict(os.environ)
+    # a task can be under every one of the kills: none may be dead-lettered for it
+    os.environ.update(
+        MARL_WORKFLOW_HEARTBEAT_TTL_S="3",
+        MARL_WORKFLOW_CONCURRENCY="4",
+        MARL_WORKFLOW_MAX_DELIVERIES=str(KILLS + 5),
+    )
+    try:
+        with Cluster(
+            work, str(demo_model_dir()), engine="transformers", sandbox_replicas=0,
+            workflow_replicas=WORKERS,
+        ) as c:
+            yield c
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def holders(r: redis.Redis, workers: list[Process]) -> list[Process]:
+    """The live workers that hold tasks of the step under way (an episode in progress:
+    an unacknowledged entry the learner has not deleted yet)."""
+    summary = r.xpending(streams.TASKS, streams.WORKERS_GROUP)
+    out = []
+    for c in summary.get("consumers") or []:
+        pending = r.xpending_range(
+            streams.TASKS, streams.WORKERS_GROUP, min="-", max="+", count=100,
+            consumername=c["name"],
+        )
+        live = any(r.xrange(streams.TASKS, p["message_id"], p["message_id"]) for p in pending)
+        out += [
+            p for p in workers
+            if live and p.proc.poll() is None and f"-{p.proc.pid}-" in c["name"]
+        ]
+    return out
+
+
+def logged(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def step_seconds(out: Path) -> list[float]:
+    return [row["time/step_s"] for row in rows(out) if "time/step_s" in row]
+
+
+def check_rollouts(out: Path, steps: int) -> int:
+    """Every step: each problem exactly GROUP rollouts, task ids unique, none failed."""
+    for step in range(1, steps + 1):
+        lines = (out / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()
+        logged = [json.loads(line) for line in lines]
+        assert len(logged) == GROUP * PROBLEMS, step
+        ids = [r["task_id"] for r in logged]
+        assert len(set(ids)) == len(ids), f"step {step}: a rollout counted twice"
+        per_problem = Counter(r["problem_id"] for r in logged)
+        assert len(per_problem) == PROBLEMS and set(per_problem.values()) == {GROUP}, step
+        assert sorted(r["sample"] for r in logged) == sorted(list(range(GROUP)) * PROBLEMS)
+        assert all(r["error"] is None for r in logged), step
+    return steps
+
+
+def test_twenty_sigkilled_workers_lose_and_double_count_nothing(cluster: Cluster) -> None:
+    c = cluster
+    assert c.redis_url is not None
+    r = redis.Redis.from_url(c.redis_url, decode_responses=True)
+
+    plain = c.workdir / "plain"
+    t0 = time.monotonic()
+    run = wait_end(c, submit(c, spec(plain, steps=3)))
+    assert run.state == "SUCCEEDED", run.error
+    undisturbed = step_seconds(plain)
+    print(f"undisturbed: {time.monotonic() - t0:.0f}s, steps {[round(s, 1) for s in undisturbed]}")
+
+    steps = 26
+    out = c.workdir / "killed"
+    t0 = time.monotonic()
+    run_id = submit(c, spec(out, steps=steps))
+    rng = random.Random(0)
+    killed_in = 0
+    """Steps logged when the last kill fell: the next waits for the next step's rollouts."""
+    kills = 0
+    kill_times: list[float] = []
+    deadline = time.monotonic() + 600
+    while kills < KILLS:
+        assert time.monotonic() < deadline, f"only {kills} kills"
+        state = stub(c).GetRun(learner_pb2.GetRunRequest(run_id=run_id), timeout=10).state
+        assert state in ("QUEUED", "RUNNING"), f"the run ended ({state}) after {kills} kills"
+        if logged(out) <= killed_in:  # one kill a step: the step it hit has not ended yet
+            time.sleep(0.1)
+            continue
+        workers = [p for p in c.processes if p.kind == "workflow"]
+        held = holders(r, workers)
+        if not held:
+            time.sleep(0.1)
+            continue
+        victim = rng.choice(held)
+        os.killpg(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait(timeout=30)
+        c.processes.remove(victim)
+        killed_in = logged(out)
+        kills += 1
+        kill_times.append(time.monotonic() - t0)
+        # the replacement; the next kill waits for it, so the fleet never runs dry
+        replacement = c._spawn("workflow", ["--redis", c.redis_url])
+        asyncio.run(c._wait([replacement], 120))
+    run = wait_end(c, run_id)
+    seconds = time.monotonic() - t0
+    assert run.state == "SUCCEEDED", run.error
+    disturbed = step_seconds(out)
+    print(
+        f"disturbed: {seconds:.0f}s, {kills} kills at {[round(t) for t in kill_times]}s, "
+        f"steps {[round(s, 1) for s in disturbed]}, duplicates dropped {run.duplicate_rollouts}"
+    )
+    assert kill_times[-1] < seconds  # every kill fell inside the run
+    assert len(disturbed) == steps
+    assert max(disturbed) <= max(undisturbed) + 30.0
+    check_rollouts(out, steps)
+    assert all(row.get("train/episode_errors", 0) == 0 for row in rows(out) if row["step"] > 0)
+    assert run.dead_lettered == 0
+    assert r.xlen(streams.dead_letter_stream(streams.TASKS)) == 0
+    assert r.xpending(streams.TASKS, streams.WORKERS_GROUP)["pending"] == 0
