@@ -133,6 +133,8 @@ def _translate(err: grpc.RpcError, address: str) -> Exception:
         return RunRefused(details)
     if code == grpc.StatusCode.NOT_FOUND:
         return RunNotFound(details)
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return RunRefused(f"the learner at {address} requires a token: {details}")
     if code == grpc.StatusCode.UNAVAILABLE:
         return LearnerUnavailable(
             f"the learner at {address} is not reachable ({details}); start it or pass --learner"

@@ -23,8 +23,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import marl
-from marl import auth
-from marl.clients.runs import RunsClient
+from marl import auth, cli
+from marl.clients.runs import RunRefused, RunsClient
 from marl.clients.sandbox import SandboxClient
 from marl.config import apply_overrides, dump_spec, parse_spec
 from marl.demo import DEMO_SPEC
@@ -137,7 +137,8 @@ def test_allow_marl_clients_with_the_token_train_one_step(
 
 
 def test_client_channel_sends_the_token_only_when_set(
-        cluster: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+        cluster: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
     from marl.v1 import learner_pb2_grpc
 
     request = learner_pb2.ListRunsRequest()
@@ -147,3 +148,7 @@ def test_client_channel_sends_the_token_only_when_set(
     with auth.channel(cluster["learner"]) as ch, pytest.raises(grpc.RpcError) as err:
         learner_pb2_grpc.LearnerStub(ch).ListRuns(request, timeout=10)
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with RunsClient(cluster["learner"]) as runs, pytest.raises(RunRefused, match="token"):
+        runs.list()
+    assert cli.main(["status", "some-run", "--learner", cluster["learner"]]) == 2
+    assert "MARL_AUTH_TOKEN" in capsys.readouterr().err
