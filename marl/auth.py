@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from marl.service_config import auth_token
+from marl.service_config import auth_token, tls_files
 
 METADATA_KEY = "authorization"
 EXEMPT_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -138,9 +138,17 @@ class _AioStreamStream(_Metadata, grpc.aio.StreamStreamClientInterceptor):
         return await continuation(self._details(details), it)
 
 
+def _credentials() -> grpc.ChannelCredentials | None:
+    ca = tls_files().get("ca")
+    return None if ca is None else grpc.ssl_channel_credentials(root_certificates=ca)
+
+
 def channel(address: str, options: ChannelOptions = None) -> grpc.Channel:
-    """A blocking channel to `address` that sends the token when one is set."""
-    ch = grpc.insecure_channel(address, options=options)
+    """A blocking channel to `address` that sends the token when one is set, over TLS
+    (verified against `$MARL_TLS_CA`) when that is set."""
+    creds = _credentials()
+    ch = (grpc.insecure_channel(address, options=options) if creds is None
+          else grpc.secure_channel(address, creds, options=options))
     token = auth_token()
     return grpc.intercept_channel(ch, _SyncToken(token)) if token else ch
 
@@ -151,6 +159,10 @@ def aio_channel(address: str, options: ChannelOptions = None) -> grpc.aio.Channe
     interceptors: list[grpc.aio.ClientInterceptor] = (
         [_AioUnaryUnary(token), _AioUnaryStream(token), _AioStreamUnary(token),
          _AioStreamStream(token)] if token else [])
+    creds = _credentials()
+    if creds is not None:
+        return grpc.aio.secure_channel(address, creds, options=options,
+                                       interceptors=interceptors)
     return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import sys
 import urllib.error
 import urllib.request
@@ -38,7 +39,8 @@ def endpoint(flag: str | None, env: str, key: str, endpoints_file: Path = DEFAUL
     if not url:
         raise HttpUserError(f"no endpoint: pass the URL, set ${env}, or run `marl up` here so "
                             f"{endpoints_file} lists {key}")
-    return url if "://" in url else f"http://{url}"
+    scheme = "https" if os.environ.get("MARL_TLS_CA") else "http"
+    return url if "://" in url else f"{scheme}://{url}"
 
 
 def post_json(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -48,7 +50,9 @@ def post_json(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         headers["Authorization"] = f"Bearer {token}"
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        ca = os.environ.get("MARL_TLS_CA")
+        context = ssl.create_default_context(cafile=ca) if ca else None
+        with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
             data: dict[str, Any] = json.loads(resp.read())
             return data
     except urllib.error.HTTPError as err:

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import ssl
 from typing import Any
 
 from aiohttp import web
 
 from marl import auth, prometheus_metrics
-from marl.service_config import auth_token
+from marl.service_config import auth_token, tls_files
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,8 @@ class HttpServer:
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
                                      handler_cancellation=True)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.requested_port, reuse_port=False)
+        site = web.TCPSite(self._runner, self.host, self.requested_port, reuse_port=False,
+                           ssl_context=_server_ssl())
         try:
             await site.start()
         except OSError as err:
@@ -67,6 +70,15 @@ class HttpServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+
+def _server_ssl() -> ssl.SSLContext | None:
+    """TLS for the HTTP port when `$MARL_TLS_CERT`/`$MARL_TLS_KEY` are set (as for gRPC)."""
+    if "cert" not in tls_files():
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(os.environ["MARL_TLS_CERT"], os.environ["MARL_TLS_KEY"])
+    return ctx
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None

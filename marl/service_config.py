@@ -256,3 +256,31 @@ def auth_token(environ: Mapping[str, str] | None = None) -> str | None:
         raise ValueError(f"{where}: the token must be 1-4096 printable characters without "
                          "spaces; unset it to turn authentication off")
     return value
+
+
+TLS_CERT_ENV = "MARL_TLS_CERT"
+TLS_KEY_ENV = "MARL_TLS_KEY"
+TLS_CA_ENV = "MARL_TLS_CA"
+
+
+def tls_files(environ: Mapping[str, str] | None = None) -> dict[str, bytes]:
+    """Optional TLS, PEM files named by the environment: `cert` + `key` make every server
+    (gRPC and HTTP) serve TLS only; `ca` makes every client verify servers against it.
+
+    Returns the keys that are set, read; a file that cannot be read, or a certificate
+    without its key, is a ValueError naming the variable.
+    """
+    env = os.environ if environ is None else environ
+    out: dict[str, bytes] = {}
+    for key, name in (("cert", TLS_CERT_ENV), ("key", TLS_KEY_ENV), ("ca", TLS_CA_ENV)):
+        path = env.get(name)
+        if not path:
+            continue
+        try:
+            out[key] = Path(path).read_bytes()
+        except OSError as e:
+            raise ValueError(f"{name}: cannot read {path[:200]}: {e.strerror}") from None
+    if ("cert" in out) != ("key" in out):
+        raise ValueError(f"{TLS_CERT_ENV} and {TLS_KEY_ENV}: set both (a server needs its "
+                         "certificate and its key) or neither")
+    return out

@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from marl import auth
 from marl.prometheus_metrics import GrpcMetrics
+from marl.service_config import tls_files
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,12 @@ class ServiceHost:
         reflection.enable_server_reflection(
             [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
         )
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        tls = tls_files()
+        if "cert" in tls:  # TLS only: no plaintext port beside it
+            creds = grpc.ssl_server_credentials([(tls["key"], tls["cert"])])
+            self.port = self.server.add_secure_port(f"{host}:{port}", creds)
+        else:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise ValueError(f"--port: cannot bind {host}:{port}; choose a free port")
         self.address = f"{host}:{self.port}"

@@ -129,3 +129,18 @@ def test_auth_token_from_the_environment_or_a_file(tmp_path: Path) -> None:
         auth_token({"MARL_AUTH_TOKEN_FILE": str(tmp_path / "missing")})
     with pytest.raises(ValueError, match="MARL_AUTH_TOKEN: the token must be"):
         auth_token({"MARL_AUTH_TOKEN": "two words"})
+
+
+def test_tls_files_both_or_neither_and_readable(tmp_path: Path) -> None:
+    from marl.service_config import tls_files
+
+    assert tls_files({}) == {}
+    cert = tmp_path / "cert.pem"
+    cert.write_bytes(b"PEM")
+    assert tls_files({"MARL_TLS_CA": str(cert)}) == {"ca": b"PEM"}
+    assert tls_files({"MARL_TLS_CERT": str(cert), "MARL_TLS_KEY": str(cert)}) == {
+        "cert": b"PEM", "key": b"PEM"}
+    with pytest.raises(ValueError, match="set both"):
+        tls_files({"MARL_TLS_CERT": str(cert)})
+    with pytest.raises(ValueError, match="MARL_TLS_KEY: cannot read"):
+        tls_files({"MARL_TLS_CERT": str(cert), "MARL_TLS_KEY": str(tmp_path / "nope")})
