@@ -178,11 +178,10 @@ def start_replica(args: argparse.Namespace, model_path: Path, port: int) -> subp
 
 
 async def push_one(address: str, manifest: Any, payload: bytes) -> None:
-    import grpc
-
+    from marl import auth
     from marl.v1 import inference_pb2_grpc
 
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with auth.aio_channel(address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         resp = await stub.PushAdapter(adapter_io.chunks(manifest, payload), timeout=120)
         assert resp.loaded, f"{address} did not load {manifest.ref}"
