@@ -194,6 +194,8 @@ def load_service_config(
     for where, values in layers:
         merged.update(values)
         source.update(dict.fromkeys(values, where))
+    auth_token(environ)  # the deployment-wide settings too: a bad one stops `marl serve` here
+    tls_files(environ)
     try:
         return MODELS[service](**merged)
     except ValidationError as e:

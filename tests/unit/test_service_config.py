@@ -144,3 +144,14 @@ def test_tls_files_both_or_neither_and_readable(tmp_path: Path) -> None:
         tls_files({"MARL_TLS_CERT": str(cert)})
     with pytest.raises(ValueError, match="MARL_TLS_KEY: cannot read"):
         tls_files({"MARL_TLS_CERT": str(cert), "MARL_TLS_KEY": str(tmp_path / "nope")})
+
+
+def test_marl_serve_with_a_bad_token_or_tls_file_exits_2(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("MARL_AUTH_TOKEN", "has spaces")
+    assert cli.main(["serve", "sandbox", "--port", "0"]) == 2
+    assert "MARL_AUTH_TOKEN" in capsys.readouterr().err
+    monkeypatch.delenv("MARL_AUTH_TOKEN")
+    monkeypatch.setenv("MARL_TLS_CERT", "/no/such/cert.pem")
+    assert cli.main(["serve", "sandbox", "--port", "0"]) == 2
+    assert "MARL_TLS_CERT: cannot read" in capsys.readouterr().err
