@@ -144,6 +144,11 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"error: {run.error}")
         for alarm in run.alarms:
             print(f"alarm: {alarm}")
+        if run.dead_lettered:
+            print(
+                f"dead-lettered tasks: {run.dead_lettered} (failed max_deliveries times, left "
+                "out of their steps; see the stream marl:tasks:dead and the workers' logs)"
+            )
     return 0
 
 

@@ -63,6 +63,11 @@ class RunInfo:
     spec_yaml: str
     alarms: tuple[str, ...] = ()
     """Every role drift alarm and guard action of the run so far, "step N: ..."."""
+    dead_lettered: int = 0
+    """Tasks that failed `max_deliveries` times and were left out of their step."""
+    duplicate_rollouts: int = 0
+    """Rollouts that arrived a second time (a task re-run after its worker died) and were
+    dropped."""
 
     @property
     def done(self) -> bool:
@@ -81,6 +86,8 @@ class RunInfo:
             created_at=run.created_at,
             spec_yaml=run.spec_yaml,
             alarms=tuple(run.alarms),
+            dead_lettered=run.dead_lettered,
+            duplicate_rollouts=run.duplicate_rollouts,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -94,6 +101,8 @@ class RunInfo:
             "error": self.error,
             "last_metrics": self.last_metrics,
             "alarms": list(self.alarms),
+            "dead_lettered": self.dead_lettered,
+            "duplicate_rollouts": self.duplicate_rollouts,
         }
 
 

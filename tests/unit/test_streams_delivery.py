@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 
@@ -70,7 +71,7 @@ async def test_released_entry_is_retried_then_dead_lettered(redis_url: str) -> N
             deliveries.append(got[0].deliveries)
         assert deliveries == [1, 2, 3]
         assert [e.data for e in told] == [{"i": 7}]
-        dead = await r.xrange(streams.dead_letter_stream("s"))
+        dead: Any = await r.xrange(streams.dead_letter_stream("s"))
         assert len(dead) == 1 and dead[0][1]["deliveries"] == "4"
         assert (await r.xpending("s", "g"))["pending"] == 0
     finally:
@@ -168,8 +169,66 @@ async def test_a_task_that_keeps_failing_reaches_its_run_as_dead_lettered(
         assert rollout.task_id == task.id
         assert rollout.error == f"{streams.DEAD_LETTERED} after 4 deliveries"
         assert runner.attempts == 3
-        assert len(await r.xrange(streams.dead_letter_stream(streams.TASKS))) == 1
+        assert await r.xlen(streams.dead_letter_stream(streams.TASKS)) == 1
     finally:
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
+        await r.aclose()
+
+
+async def test_the_learner_counts_a_step_once_and_reports_dead_letters_and_duplicates(
+    redis_url: str,
+) -> None:
+    from marl.clients.runs import RunInfo
+    from marl.v1 import learner_pb2
+    from services.learner.episodes import Episodes
+    from services.learner.runs import run_key
+    from services.learner.server import _run_message
+
+    r = streams.connect(redis_url)
+    spec = RunSpec.model_validate({"grpo": {"group_size": 2}})
+    adapters = {"generator": AdapterRef("run-1/generator", 1)}
+
+    async def never_cancelled() -> None:
+        return None
+
+    episodes = Episodes("run-1", spec, r, "learner-1", lambda: adapters, never_cancelled,
+                        max_queued_tasks=1)
+    await episodes.open(fresh=True)
+    await r.hset(run_key("run-1"), mapping={"run_id": "run-1", "state": "RUNNING"})
+
+    async def fake_worker() -> None:
+        """Answers the first task twice (a worker died between XADD and XACK); the second
+        task is dead-lettered."""
+        seen = 0
+        while seen < 2:
+            for e in await streams.read_group(r, streams.TASKS, streams.WORKERS_GROUP, "w",
+                                              block_ms=100):
+                seen += 1
+                # max_queued_tasks=1: the second task waits until the first is done
+                assert await r.xlen(streams.TASKS) == seen
+                task = Task.from_dict(e.data)
+                if task.sample == 1:
+                    rollout = worker.dead_rollout(e, "w")
+                else:
+                    rollout = Rollout(task.id, task.run_id, task.step, task.kind,
+                                      task.problem.id, task.sample, [], "x", 1.0, "w", 0.1)
+                for _ in range(2 if task.sample == 0 else 1):
+                    await streams.add(r, streams.rollouts_stream("run-1"), rollout.to_dict())
+                await streams.ack(r, streams.TASKS, streams.WORKERS_GROUP, e.id)
+
+    try:
+        producer = asyncio.create_task(fake_worker())
+        got = await asyncio.wait_for(
+            episodes.run([Problem(id="p", prompt="q", answer="1")], 0, "train"), 30
+        )
+        await producer
+        assert [x.sample for x in got] == [0, 1]
+        assert got[0].error is None and (got[1].error or "").startswith(streams.DEAD_LETTERED)
+        record: Any = await r.hgetall(run_key("run-1"))
+        info = RunInfo.from_proto(_run_message({**record, "step": 0, "total_steps": 1}))
+        assert isinstance(_run_message(record), learner_pb2.Run)
+        assert (info.dead_lettered, info.duplicate_rollouts) == (1, 1)
+        assert info.to_dict()["dead_lettered"] == 1
+    finally:
         await r.aclose()
