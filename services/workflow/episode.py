@@ -56,6 +56,9 @@ class Episode:
         self._oracle = oracle
         self._next = 0
         self._started: dict[tuple[str, int], int] = {}
+        self.context: int | None = None
+        """The base model's context window (set by the worker): a prompt that fills it fails
+        the episode here, as one over the cap does, instead of being refused by inference."""
 
     @property
     def caps(self) -> Caps:
@@ -103,6 +106,12 @@ class Episode:
                 f"the {role} prompt (slot {slot}) is {len(prompt_ids)} tokens, over the "
                 f"{self.task.problem.task} prompt cap of {self._caps.prompt_tokens} "
                 f"(caps.prompt_tokens_{self.task.problem.task})"
+            )
+        if self.context is not None and len(prompt_ids) >= self.context:
+            raise PromptTooLong(
+                f"the {role} prompt (slot {slot}) is {len(prompt_ids)} tokens and fills the "
+                f"model's context of {self.context}; lower caps.prompt_tokens_"
+                f"{self.task.problem.task} below it"
             )
         request = inference_pb2.GenerateRequest(
             prompt_token_ids=prompt_ids,

@@ -70,6 +70,7 @@ class EpisodeRunner:
         self.sandbox_address = sandbox_address
         self.stats = Stats()
         self._tokenizers: dict[str, Any] = {}
+        self._contexts: dict[str, int | None] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._replicas: list[str] = []
         self._replicas_at = 0.0
@@ -84,6 +85,17 @@ class EpisodeRunner:
             self._tokenizers[model_path] = AutoTokenizer.from_pretrained(
                 model_path, local_files_only=True)
         return self._tokenizers[model_path]
+
+    def context(self, model_path: str) -> int | None:
+        """The model's context window, from its config.json (None if it has none to read)."""
+        if model_path not in self._contexts:
+            from services.inference.engine import model_limits
+
+            try:
+                self._contexts[model_path] = model_limits(model_path).context
+            except ValueError:
+                self._contexts[model_path] = None
+        return self._contexts[model_path]
 
     async def stubs(self) -> list[inference_pb2_grpc.InferenceStub]:
         async with self._replicas_lock:
@@ -106,7 +118,9 @@ class EpisodeRunner:
         async def oracle(answer: str) -> bool:
             return await self.score(task, answer) >= 1.0
 
-        return Episode(task, self.tokenizer(task.model_path), [], caps, oracle)
+        episode = Episode(task, self.tokenizer(task.model_path), [], caps, oracle)
+        episode.context = self.context(task.model_path)
+        return episode
 
     async def run(self, task: Task) -> Rollout:
         started = time.monotonic()

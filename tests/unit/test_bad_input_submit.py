@@ -108,3 +108,26 @@ def test_run_episode_task_is_typed_and_complete(change: dict[str, Any], field: s
         parse_task(json.dumps({**good_task(), **change}))
     with pytest.raises(ValueError, match="task_json"):
         parse_task("[" * 100_000)
+
+
+async def test_a_prompt_that_fills_the_model_context_fails_the_episode() -> None:
+    """Inference refuses a prompt that fills the context (INVALID_ARGUMENT); the worker knows
+    the context and fails the episode first, as for a prompt over its cap."""
+    from workflows_scripted import CharTokenizer, ScriptedEngine, make_task
+
+    from services.workflow.worker import EpisodeRunner
+
+    engine = ScriptedEngine(lambda role, slot, prompt: "\\boxed{5}")
+    runner = EpisodeRunner(None, "w-test")
+    runner._tokenizers[""] = CharTokenizer()
+    runner._contexts[""] = 30  # the model's context window
+
+    async def stubs() -> list[Any]:
+        return [engine]
+
+    runner.stubs = stubs  # type: ignore[method-assign]
+    rollout = await runner.run(make_task("single"))
+    assert rollout.error is not None and rollout.error.startswith("PromptTooLong")
+    assert "context of 30" in rollout.error and engine.seen == []
+    runner._contexts[""] = None  # unknown context: nothing refused here
+    assert (await runner.run(make_task("single"))).error is None
