@@ -11,12 +11,15 @@ a lagging fleet of workers slows producers down instead of growing the queue.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from marl import streams
 from marl.config import RunSpec
@@ -107,10 +110,19 @@ class Episodes:
         queue = [] if queue is None else queue
         ids = [] if ids is None else ids
         while len(got) < len(expected):
-            await self.add_tasks(queue, ids)
-            entries = await streams.read_group(
-                self.r, self.stream, LEARNER_GROUP, self.consumer, count=1024, block_ms=500
-            )
+            try:
+                await self.add_tasks(queue, ids)
+                entries = await streams.read_group(
+                    self.r, self.stream, LEARNER_GROUP, self.consumer, count=1024, block_ms=500
+                )
+            except (RedisConnectionError, RedisTimeoutError) as err:
+                # Redis is down past the client's own retries: wait it out within the
+                # step's deadline (AOF brings back what it had acknowledged)
+                log.warning("redis unreachable while collecting rollouts: %s; retrying", err)
+                if time.monotonic() > deadline:
+                    raise RunFailed(f"redis unreachable for the whole step: {err}") from err
+                await asyncio.sleep(1.0)
+                continue
             for e in entries:
                 rollout = Rollout.from_dict(e.data)
                 task = expected.get(rollout.task_id)

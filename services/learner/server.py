@@ -219,9 +219,17 @@ async def _next_run(store: RunStore, learner_id: str) -> tuple[str, int] | None:
 
 
 async def _keep_lease(store: RunStore, run_id: str, learner_id: str) -> None:
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
     while True:
         await asyncio.sleep(LEASE_S / 3)
-        if not await store.renew(run_id, learner_id):
+        try:
+            renewed = await store.renew(run_id, learner_id)
+        except (RedisConnectionError, RedisTimeoutError) as err:  # a restarting Redis
+            log.warning("could not renew the lease of run %s: %s; retrying", run_id, err)
+            continue
+        if not renewed:
             log.error("lost the lease of run %s to another learner", run_id)
 
 
