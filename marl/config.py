@@ -96,7 +96,7 @@ class GRPOSpec(_Spec):
     micro_batch_sequences: int = Field(64, ge=1)
     """At most this many role turns per forward/backward; memory only, no effect on the
     math."""
-    max_tokens_per_micro_batch: int = Field(2048, ge=1)
+    max_tokens_per_micro_batch: int = Field(1024, ge=1)
     """Padded tokens (sequences x longest sequence, prompts included) per forward/backward:
     micro-batches are packed up to this budget, so the learner's peak memory follows it,
     not the step's sequence count. A sequence longer than the budget gets a micro-batch of

@@ -133,10 +133,9 @@ CHILD = textwrap.dedent(
 
 
 def peak_rss_kb(model: Path, n: int, budget: int, chunk_bytes: int) -> int:
-    # a fixed mmap threshold: freed large blocks go back to the OS, so the high-water mark
-    # is what was alive at once, not glibc's heap fragmentation
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-           "MALLOC_MMAP_THRESHOLD_": "1048576"}
+    # no malloc settings here: MultiAdapterPolicy fixes glibc's mmap threshold itself, so
+    # the high-water mark is what was alive at once, not heap fragmentation
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
         [sys.executable, "-c", CHILD, str(model), str(n), str(budget), str(chunk_bytes)],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=180, check=True,
