@@ -24,17 +24,6 @@ PROBLEMS = [Problem(id=f"p{i}", prompt=f"problem {i}") for i in range(6)]
 STEPS = [["p2", "p1"], ["p4", "p3"], ["p5", "p0"], ["p0", "p1"], ["p2", "p5"]]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from marl.demo_model import build_model, build_tokenizer
-
-    out = tmp_path_factory.mktemp("tiny")
-    tok = build_tokenizer(["What is"])
-    build_model(tok, seed=0).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
 def new_policy(model_dir: Path) -> MultiAdapterPolicy:
     return MultiAdapterPolicy(str(model_dir), ["shared"], LoraSpec(rank=2, alpha=4),
                               OptimSpec(), total_steps=10)

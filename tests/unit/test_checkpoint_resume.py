@@ -10,7 +10,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
 import torch
 from test_grpo_minibatch import new_policy, spec, step, voting_batch
 
@@ -18,17 +17,6 @@ from marl.config import LoraSpec, OptimSpec
 from services.learner import checkpoint
 from services.learner.checkpoint import Checkpointer
 from services.learner.policy import MultiAdapterPolicy
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from marl.demo_model import build_model, build_tokenizer
-
-    out = tmp_path_factory.mktemp("tiny")
-    tok = build_tokenizer(["What is"])
-    build_model(tok, seed=0).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
 
 
 def test_adapter_dir_loads_with_peft_and_gives_the_learners_greedy_tokens(

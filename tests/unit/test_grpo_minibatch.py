@@ -24,17 +24,6 @@ ROLES = {"shared": {"generator": "shared", "aggregator": "shared"},
 REWARDS = {"p0": [1.0, 0.0, 0.0, 1.0], "p1": [0.0, 1.0, 1.0, 1.0]}
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from marl.demo_model import build_model, build_tokenizer
-
-    out = tmp_path_factory.mktemp("tiny")
-    tok = build_tokenizer(["What is"])
-    build_model(tok, seed=0).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
 def turn(role: str, slot: int, rng: random.Random, completion: int = 3) -> Turn:
     prompt = [rng.randrange(3, 52) for _ in range(4)]
     done = [rng.randrange(3, 52) for _ in range(completion)]

@@ -18,17 +18,6 @@ CLIFF = Alarm("accuracy_cliff", "all", 5, "validation accuracy 0.3, down 0.2")
 ENTROPY = Alarm("entropy_collapse", "generator", 5, "token entropy 1.0 -> 0.2")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from marl.demo_model import build_model, build_tokenizer
-
-    out = tmp_path_factory.mktemp("tiny")
-    tok = build_tokenizer(["What is"])
-    build_model(tok, seed=0).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
 def guarded(**guard: object) -> RunSpec:
     base = spec().model_dump(mode="json")
     base["optim"]["policy_lr"] = {"generator": 0.2}

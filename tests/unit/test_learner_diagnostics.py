@@ -97,17 +97,6 @@ def test_grad_share_sums_to_one() -> None:
     assert (m["role/generator/grad_share"], m["role/aggregator/grad_share"]) == (0.75, 0.25)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from marl.demo_model import build_model, build_tokenizer
-
-    out = tmp_path_factory.mktemp("tiny")
-    tok = build_tokenizer(["What is"])
-    build_model(tok, seed=0).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
 @pytest.mark.parametrize("mode", ["shared", "isolated"])
 def test_every_role_signal_is_logged_under_ip_and_sp(model_dir: Path, mode: str) -> None:
     from test_grpo_minibatch import new_policy, spec, step, voting_batch
