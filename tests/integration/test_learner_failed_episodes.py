@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
+from grpo_replay import replay_shared_loss
 from transformers import AutoTokenizer
 
 from marl.config import parse_spec
@@ -25,11 +26,9 @@ from marl.data import load_problems
 from marl.launcher import Cluster
 from marl.rollout import Rollout
 from marl.v1 import learner_pb2, learner_pb2_grpc
-from marl.workflows import policy_of_role, prompts
+from marl.workflows import prompts
 from services.learner.grpo import good_rollouts, group_advantages
-from services.learner.policy import MultiAdapterPolicy
 from services.learner.sampler import DataSampler
-from services.learner.update import grpo_step
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -76,22 +75,6 @@ def aggregator_cap(model_dir: Path, raw: dict) -> int:
     return empty + 14
 
 
-def replay(model_dir: Path, raw: dict, rollouts: list[Rollout]) -> float:
-    spec = parse_spec(raw)
-    roles = policy_of_role(spec)
-    policy = MultiAdapterPolicy(
-        str(model_dir),
-        sorted(set(roles.values())),
-        spec.lora,
-        spec.optim,
-        spec.train.steps,
-        spec.model.dtype,
-        spec.seed,
-    )
-    result = grpo_step(policy, rollouts, [r.problem_id for r in rollouts], roles, spec)
-    return result.metrics["policy/shared/loss"]
-
-
 def test_failed_episodes_leave_their_groups_in_a_real_run(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -136,8 +119,8 @@ def test_failed_episodes_leave_their_groups_in_a_real_run(
     # the good rollouts train exactly as if the failed ones had never been sampled
     good = [rollouts[i] for i in keep]
     logged = row["policy/shared/loss"]
-    assert replay(tiny_model_dir, raw, rollouts) == pytest.approx(logged, rel=1e-4, abs=1e-7)
-    assert replay(tiny_model_dir, raw, good) == pytest.approx(logged, rel=1e-4, abs=1e-7)
+    assert replay_shared_loss(tiny_model_dir, raw, rollouts) == pytest.approx(logged, rel=1e-4, abs=1e-7)
+    assert replay_shared_loss(tiny_model_dir, raw, good) == pytest.approx(logged, rel=1e-4, abs=1e-7)
 
     # scored 0 instead, the failed ones would have shifted their groups' advantages
     as_zero = [
@@ -151,4 +134,4 @@ def test_failed_episodes_leave_their_groups_in_a_real_run(
     without = group_advantages([r.reward for r in good], [r.problem_id for r in good])
     shifted = [with_zeros[i] for i in keep]
     assert any(abs(a - b) > 1e-6 for a, b in zip(shifted, without, strict=True)), outcome
-    assert replay(tiny_model_dir, raw, as_zero) != pytest.approx(logged, rel=1e-3)
+    assert replay_shared_loss(tiny_model_dir, raw, as_zero) != pytest.approx(logged, rel=1e-3)

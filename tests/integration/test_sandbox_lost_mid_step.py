@@ -24,15 +24,12 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
+from grpo_replay import replay_shared_loss
 
-from marl.config import parse_spec
 from marl.launcher import Cluster
 from marl.rollout import Rollout
 from marl.v1 import learner_pb2, learner_pb2_grpc, workflow_pb2, workflow_pb2_grpc
-from marl.workflows import policy_of_role
 from services.learner.grpo import good_rollouts, group_advantages
-from services.learner.policy import MultiAdapterPolicy
-from services.learner.update import grpo_step
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -82,22 +79,6 @@ def run_spec(model_dir: Path, data: Path, out: Path) -> dict:
             "val_path": str(data),
         },
     }
-
-
-def replay(model_dir: Path, raw: dict, rollouts: list[Rollout]) -> float:
-    spec = parse_spec(raw)
-    roles = policy_of_role(spec)
-    policy = MultiAdapterPolicy(
-        str(model_dir),
-        sorted(set(roles.values())),
-        spec.lora,
-        spec.optim,
-        spec.train.steps,
-        spec.model.dtype,
-        spec.seed,
-    )
-    result = grpo_step(policy, rollouts, [r.problem_id for r in rollouts], roles, spec)
-    return float(result.metrics["policy/shared/loss"])
 
 
 def worker_id(address: str) -> str:
@@ -169,8 +150,8 @@ def test_sandbox_killed_mid_step_leaves_its_episodes_out(
     # the learner's advantages: those of the good rollouts alone
     good = [rollouts[i] for i in keep]
     logged = row["policy/shared/loss"]
-    assert replay(tiny_model_dir, raw, rollouts) == pytest.approx(logged, rel=1e-4, abs=1e-7)
-    assert replay(tiny_model_dir, raw, good) == pytest.approx(logged, rel=1e-4, abs=1e-7)
+    assert replay_shared_loss(tiny_model_dir, raw, rollouts) == pytest.approx(logged, rel=1e-4, abs=1e-7)
+    assert replay_shared_loss(tiny_model_dir, raw, good) == pytest.approx(logged, rel=1e-4, abs=1e-7)
 
     # scored 0 instead, the failed ones would have shifted their groups' advantages
     as_zero = [
