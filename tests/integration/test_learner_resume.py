@@ -18,12 +18,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
-import yaml
+from learner_runs import demo_model_dir, rows, submit, wait_end
 
 from marl.launcher import Cluster, Process
-from marl.v1 import learner_pb2, learner_pb2_grpc
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -49,40 +47,6 @@ def resume_spec(model_dir: Path, out_dir: Path) -> dict:
         "sampling": {"temperature": 1.5, "max_tokens": 6},
         "data": {"train": "arithmetic", "val": "arithmetic"},
     }
-
-
-def stub(cluster: Cluster) -> learner_pb2_grpc.LearnerStub:
-    address = [p.address for p in cluster.processes if p.kind == "learner"][-1]
-    return learner_pb2_grpc.LearnerStub(grpc.insecure_channel(address))
-
-
-def submit(cluster: Cluster, spec: dict) -> str:
-    request = learner_pb2.SubmitRunRequest(spec_yaml=yaml.safe_dump(spec))
-    return str(stub(cluster).SubmitRun(request, timeout=60).run_id)
-
-
-def wait_end(cluster: Cluster, run_id: str, timeout_s: float = 600) -> learner_pb2.Run:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            run = stub(cluster).GetRun(learner_pb2.GetRunRequest(run_id=run_id), timeout=10)
-        except grpc.RpcError:
-            time.sleep(1)
-            continue
-        if run.state in ("SUCCEEDED", "FAILED", "CANCELLED"):
-            return run
-        time.sleep(1)
-    raise AssertionError(f"run {run_id} did not end in {timeout_s}s")
-
-
-def demo_model_dir() -> Path:
-    from marl.demo_model import demo_model_dir as shipped
-
-    return shipped()
-
-
-def rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 STALL_HOOK = textwrap.dedent(

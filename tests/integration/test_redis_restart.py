@@ -13,12 +13,12 @@ import json
 import time
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
 import redis
 import yaml
+from learner_runs import demo_model_dir, rows, voting_spec
 
 from marl import streams
 from marl.launcher import Cluster
@@ -30,36 +30,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 GROUP = 4
 PROBLEMS = 4
 STEPS = 6
-
-
-def demo_model_dir() -> Path:
-    from marl.demo_model import demo_model_dir as shipped
-
-    return shipped()
-
-
-def spec(out_dir: Path) -> dict:
-    return {
-        "name": "redis-restart",
-        "workflow": "voting",
-        "policy": "shared",
-        "out_dir": str(out_dir),
-        "model": {"path": str(demo_model_dir())},
-        "lora": {"rank": 4, "alpha": 8},
-        "optim": {"lr": 1e-2, "warmup_steps": 0},
-        "grpo": {"group_size": GROUP, "mini_batch_size": GROUP * PROBLEMS},
-        "train": {
-            "steps": STEPS,
-            "problems_per_step": PROBLEMS,
-            "val_interval": 1000,
-            "val_problems": 2,
-            "checkpoint_interval": 1000,
-            "rollouts_logged": GROUP * PROBLEMS,
-            "step_timeout_s": 300,
-        },
-        "sampling": {"temperature": 1.5, "max_tokens": 12},
-        "data": {"train": "arithmetic", "val": "arithmetic"},
-    }
 
 
 @pytest.fixture(scope="module")
@@ -84,13 +54,6 @@ def get_run(c: Cluster, run_id: str) -> learner_pb2.Run:
         )
 
 
-def logged_steps(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def test_redis_sigkilled_mid_run_loses_nothing_acknowledged(
     cluster: tuple[Cluster, PrivateRedis],
 ) -> None:
@@ -99,11 +62,11 @@ def test_redis_sigkilled_mid_run_loses_nothing_acknowledged(
     address = [p.address for p in c.processes if p.kind == "learner"][-1]
     with grpc.insecure_channel(address) as ch:
         run_id = learner_pb2_grpc.LearnerStub(ch).SubmitRun(
-            learner_pb2.SubmitRunRequest(spec_yaml=yaml.safe_dump(spec(out))), timeout=60
+            learner_pb2.SubmitRunRequest(spec_yaml=yaml.safe_dump(voting_spec("redis-restart", out, STEPS, GROUP, PROBLEMS))), timeout=60
         ).run_id
     # step 2 is logged: step 3's rollouts are under way
     deadline = time.monotonic() + 300
-    while len(logged_steps(out)) < 3:
+    while len(rows(out)) < 3:
         assert time.monotonic() < deadline, "the run never reached step 3"
         time.sleep(0.2)
     time.sleep(1.5)  # past one everysec fsync of what step 2 wrote
@@ -122,12 +85,12 @@ def test_redis_sigkilled_mid_run_loses_nothing_acknowledged(
         assert time.monotonic() < deadline, "the run did not end after the restart"
         time.sleep(0.5)
     assert run.state == "SUCCEEDED", run.error
-    rows = logged_steps(out)
+    logged_rows = rows(out)
     print(
-        f"redis down {restarted_in:.1f}s; steps {[round(x.get('time/step_s', 0), 1) for x in rows]}"
+        f"redis down {restarted_in:.1f}s; steps {[round(x.get('time/step_s', 0), 1) for x in logged_rows]}"
         f"; duplicates dropped {run.duplicate_rollouts}"
     )
-    assert [x["step"] for x in rows] == list(range(STEPS + 1))
+    assert [x["step"] for x in logged_rows] == list(range(STEPS + 1))
     for step in range(1, STEPS + 1):
         logged = [
             json.loads(line)

@@ -21,14 +21,13 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 import redis
-import yaml
+from learner_runs import demo_model_dir, rows, stub, submit, voting_spec, wait_end
 
 from marl import streams
 from marl.launcher import Cluster, Process
-from marl.v1 import learner_pb2, learner_pb2_grpc
+from marl.v1 import learner_pb2
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -36,60 +35,6 @@ KILLS = 20
 GROUP = 4
 PROBLEMS = 4
 WORKERS = 3
-
-
-def demo_model_dir() -> Path:
-    from marl.demo_model import demo_model_dir as shipped
-
-    return shipped()
-
-
-def stub(cluster: Cluster) -> learner_pb2_grpc.LearnerStub:
-    address = [p.address for p in cluster.processes if p.kind == "learner"][-1]
-    return learner_pb2_grpc.LearnerStub(grpc.insecure_channel(address))
-
-
-def submit(cluster: Cluster, spec: dict) -> str:
-    request = learner_pb2.SubmitRunRequest(spec_yaml=yaml.safe_dump(spec))
-    return str(stub(cluster).SubmitRun(request, timeout=60).run_id)
-
-
-def wait_end(cluster: Cluster, run_id: str, timeout_s: float = 600) -> learner_pb2.Run:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        run = stub(cluster).GetRun(learner_pb2.GetRunRequest(run_id=run_id), timeout=10)
-        if run.state in ("SUCCEEDED", "FAILED", "CANCELLED"):
-            return run
-        time.sleep(0.5)
-    raise AssertionError(f"run {run_id} did not end in {timeout_s}s")
-
-
-def rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def spec(out_dir: Path, steps: int) -> dict:
-    return {
-        "name": "kills",
-        "workflow": "voting",
-        "policy": "shared",
-        "out_dir": str(out_dir),
-        "model": {"path": str(demo_model_dir())},
-        "lora": {"rank": 4, "alpha": 8},
-        "optim": {"lr": 1e-2, "warmup_steps": 0},
-        "grpo": {"group_size": GROUP, "mini_batch_size": GROUP * PROBLEMS},
-        "train": {
-            "steps": steps,
-            "problems_per_step": PROBLEMS,
-            "val_interval": 1000,
-            "val_problems": 2,
-            "checkpoint_interval": 1000,
-            "rollouts_logged": GROUP * PROBLEMS,
-            "step_timeout_s": 300,
-        },
-        "sampling": {"temperature": 1.5, "max_tokens": 12},
-        "data": {"train": "arithmetic", "val": "arithmetic"},
-    }
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +107,7 @@ def test_twenty_sigkilled_workers_lose_and_double_count_nothing(cluster: Cluster
 
     plain = c.workdir / "plain"
     t0 = time.monotonic()
-    run = wait_end(c, submit(c, spec(plain, steps=3)))
+    run = wait_end(c, submit(c, voting_spec("kills", plain, 3, GROUP, PROBLEMS)))
     assert run.state == "SUCCEEDED", run.error
     undisturbed = step_seconds(plain)
     print(f"undisturbed: {time.monotonic() - t0:.0f}s, steps {[round(s, 1) for s in undisturbed]}")
@@ -170,7 +115,7 @@ def test_twenty_sigkilled_workers_lose_and_double_count_nothing(cluster: Cluster
     steps = 26
     out = c.workdir / "killed"
     t0 = time.monotonic()
-    run_id = submit(c, spec(out, steps=steps))
+    run_id = submit(c, voting_spec("kills", out, steps, GROUP, PROBLEMS))
     rng = random.Random(0)
     killed_in = 0
     """Steps logged when the last kill fell: the next waits for the next step's rollouts."""
