@@ -236,6 +236,11 @@ class VLLMEngine:
             gpu_memory_utilization=gpu_memory_utilization,
             enable_log_requests=False,
             disable_log_stats=True,
+            # vLLM 0.32's CPU runner cannot rewind a seeded request's generator
+            # when it discards the token sampled after a partial prefill ("CPU
+            # Generator does not use offset" kills the EngineCore), so on the CPU
+            # every prompt is prefilled whole.
+            **({"enable_chunked_prefill": False} if current_platform.is_cpu() else {}),
         )
         self._engine = _async_engine_class().from_engine_args(args)
         tokenizer = self._engine.get_tokenizer()

@@ -341,6 +341,28 @@ async def test_versions_pushed_while_requests_run(engine: Engine, tiny: TinyMode
     assert last.token_ids
 
 
+async def test_seeded_requests_beyond_one_step_of_prefill(engine: Engine, tiny: TinyModel) -> None:
+    """More seeded sampling requests at once than one engine step can prefill.
+
+    vLLM 0.32's CPU runner died ("CPU Generator does not use offset") when the
+    scheduler split a seeded request's prompt across steps; the same seed must
+    still give the same tokens, whichever requests it was batched with.
+    """
+    adapter = make_adapter(tiny, "run/seeded", 7)
+    await engine.load_adapter(adapter)
+    long_prompt = (tiny.prompts[0] * 30)[:200]
+    requests = [
+        GenerationRequest(long_prompt, adapter.key, 4, temperature=1.0, seed=i % 8)
+        for i in range(48)
+    ]
+    results = await generate_all(engine, requests)
+    assert all(r.token_ids and r.finish_reason in ("stop", "length") for r in results)
+    for i in range(8, 48):
+        assert results[i].token_ids == results[i % 8].token_ids, i
+    alone = await engine.generate(requests[3])
+    assert alone.token_ids == results[3].token_ids
+
+
 @pytest.mark.vllm
 async def test_vllm_base_requests_mixed_with_adapters_get_the_base_model(
     vllm_engine: Engine, tiny: TinyModel
