@@ -10,6 +10,7 @@ as `inference_http` and `sandbox_http`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -192,6 +193,15 @@ class Cluster:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.endpoints(), indent=2))
         os.replace(tmp, path)
+
+    def dump_stacks(self) -> None:
+        """Have every running service write its threads' and asyncio tasks' stacks to its
+        log (SIGUSR1, SIGUSR2): what a hung run was waiting on."""
+        for p in self.processes:
+            if p.proc.poll() is None:
+                for sig in (signal.SIGUSR1, signal.SIGUSR2):
+                    with contextlib.suppress(ProcessLookupError):
+                        p.proc.send_signal(sig)
 
     def stop(self, grace_s: float = 10.0) -> None:
         for p in self.processes:

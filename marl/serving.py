@@ -2,15 +2,19 @@
 
 A server starts NOT_SERVING, the service flips it to SERVING once its model or
 adapters are ready, and on SIGTERM/SIGINT it reports NOT_SERVING again and stops
-with a grace period so in-flight calls finish.
+with a grace period so in-flight calls finish. SIGUSR1 writes every thread's stack
+to stderr (from C, so it works while the event loop is stuck) and SIGUSR2 logs every
+asyncio task's stack: `kill -USR1 PID` shows where a hung service waits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import inspect
 import logging
 import signal
+import sys
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
@@ -156,6 +160,8 @@ class ServiceHost:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+        loop.add_signal_handler(signal.SIGUSR2, log_task_stacks)
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -170,6 +176,19 @@ class ServiceHost:
         log.info("stopping %s", self.address)
         await self.set_serving(False)
         await self.server.stop(grace)
+
+
+def log_task_stacks() -> None:
+    """Log the stack of every asyncio task of the running loop (SIGUSR2)."""
+    tasks = asyncio.all_tasks()
+    lines = []
+    for task in tasks:
+        lines.append(f"{task.get_name()}: {task.get_coro()!r}")
+        lines += [
+            f"  {f.f_code.co_filename}:{f.f_lineno} in {f.f_code.co_name}"
+            for f in task.get_stack(limit=30)
+        ]
+    log.warning("%d asyncio tasks:\n%s", len(tasks), "\n".join(lines))
 
 
 async def serve_until_stopped(

@@ -66,6 +66,10 @@ def connect(url: str, max_connections: int = 32) -> aioredis.Redis:
         retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), 20),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
         health_check_interval=30,
+        # a reply that never comes (a stalled server, a half-open connection) is an error
+        # to retry, not a caller waiting forever; every blocking read here waits 500 ms
+        socket_timeout=15,
+        socket_connect_timeout=10,
     )
     return aioredis.Redis(connection_pool=pool)
 

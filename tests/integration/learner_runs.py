@@ -71,7 +71,12 @@ def wait_end(cluster: Cluster, run_id: str, timeout_s: float = 600) -> learner_p
         if run.state in ("SUCCEEDED", "FAILED", "CANCELLED"):
             return run
         time.sleep(0.5)
-    raise AssertionError(f"run {run_id} did not end in {timeout_s}s")
+    cluster.dump_stacks()
+    time.sleep(2)
+    raise AssertionError(
+        f"run {run_id} did not end in {timeout_s}s; the services' stacks are in their logs: "
+        f"{cluster.workdir / 'logs'}"
+    )
 
 
 def rows(out: Path) -> list[dict[str, Any]]:

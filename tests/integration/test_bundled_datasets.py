@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -95,10 +96,18 @@ def runs(
         submitted[dataset] = (stub.SubmitRun(request, timeout=60).run_id, out)
     done = {}
     for dataset, (run_id, out) in submitted.items():
-        for _ in stub.WatchRun(
-            learner_pb2.WatchRunRequest(run_id=run_id, from_start=True), timeout=240
-        ):
-            pass
+        try:
+            for _ in stub.WatchRun(
+                learner_pb2.WatchRunRequest(run_id=run_id, from_start=True), timeout=240
+            ):
+                pass
+        except grpc.RpcError as err:
+            cluster.dump_stacks()
+            time.sleep(2)
+            raise AssertionError(
+                f"{dataset} run {run_id}: {err}; the services' stacks are in their logs: "
+                f"{cluster.workdir / 'logs'}"
+            ) from None
         done[dataset] = (stub.GetRun(learner_pb2.GetRunRequest(run_id=run_id), timeout=10), out)
     return done
 

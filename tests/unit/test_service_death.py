@@ -110,3 +110,27 @@ def test_a_grpc_error_from_a_dying_service_is_one_line_not_a_traceback(
     assert main(["demo"]) == 1
     err = capsys.readouterr().err
     assert "UNKNOWN: Stream removed" in err and "Traceback" not in err
+
+
+def test_dump_stacks_writes_threads_and_tasks_to_the_service_log(tmp_path: Path) -> None:
+    """What a hung run's services were waiting on: every thread (SIGUSR1, written from C)
+    and every asyncio task (SIGUSR2), in each service's own log."""
+    cluster = Cluster(tmp_path, "unused")
+    sandbox = cluster._spawn("sandbox", [])
+    try:
+        deadline = time.monotonic() + 60
+        while "\nlistening on" not in _read(sandbox.log_path) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        cluster.dump_stacks()
+        while "asyncio tasks" not in _read(sandbox.log_path) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        text = _read(sandbox.log_path)
+        assert "hread 0x" in text and "in run_forever" in text
+        assert "asyncio tasks" in text and "services/reward_sandbox/server.py" in text
+        assert sandbox.proc.poll() is None
+    finally:
+        cluster.stop()
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
