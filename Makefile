@@ -34,7 +34,7 @@ test-e2e: setup ## marl demo end to end, SP and IP: validation accuracy +20 poin
 test-workflows: setup ## every built-in workflow x SP/IP x math/code trains 2 steps, every service a process (slow)
 	$(BIN)/python -m pytest -q -m slow tests/integration/test_workflows_training.py
 
-test-learner-resume: setup ## SIGKILL the learner mid-step and mid-checkpoint-write: the run resumes under its id, next steps equal an uninterrupted run's (slow, ~1 min)
+test-learner-resume: setup ## SIGKILL the learner mid-step and mid-checkpoint-write, also under `marl up` + `marl submit`: the run resumes under its id, next steps equal an uninterrupted run's (slow, ~3 min)
 	$(BIN)/python -m pytest -q -m slow tests/integration/test_learner_resume.py
 
 .PHONY: test-chaos

@@ -178,6 +178,10 @@ def summarize(metrics_path: Path) -> dict[str, Any]:
     }
 
 
+MAX_RESTARTS = 5
+"""`marl up` restarts a service that dies, up to this many times in 10 minutes."""
+
+
 def run_up(workdir: Path, model: str | None, engine: str) -> int:
     from marl.launcher import Cluster
 
@@ -187,7 +191,7 @@ def run_up(workdir: Path, model: str | None, engine: str) -> int:
         from services.inference.factory import vllm_available
 
         engine = "vllm" if vllm_available() else "transformers"
-    cluster = Cluster(workdir, model_path, engine=engine)
+    cluster = Cluster(workdir, model_path, engine=engine, redis_aof=True)
     cluster.start()
     cluster.write_endpoints(workdir / "endpoints.json")
     print(
@@ -202,13 +206,27 @@ def run_up(workdir: Path, model: str | None, engine: str) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    restarts: dict[str, list[float]] = {}
     try:
         while not stopping:
-            dead = cluster.dead()
-            if dead:
-                for p in dead:
-                    print(f"marl up: {p.exit_description()}")
-                return 1
+            if cluster.restart_redis():
+                print("marl up: redis died; restarted it from its append-only file", flush=True)
+            for p in cluster.dead():
+                print(f"marl up: {p.exit_description()}", flush=True)
+                recent = [t for t in restarts.get(p.log_path.name, []) if time.time() - t < 600]
+                if len(recent) >= MAX_RESTARTS:
+                    print(f"marl up: {p.kind} died {MAX_RESTARTS + 1} times in 10 minutes; "
+                          "stopping (see its log)", flush=True)
+                    return 1
+                restarts[p.log_path.name] = [*recent, time.time()]
+                try:
+                    new = cluster.restart(p)
+                except RuntimeError as err:  # died again while starting: the next turn retries
+                    print(f"marl up: restarting the {p.kind} service failed: {err}", flush=True)
+                    continue
+                print(f"marl up: restarted the {p.kind} service at {new.address} "
+                      f"(pid {new.proc.pid})", flush=True)
+                cluster.write_endpoints(workdir / "endpoints.json")
             time.sleep(0.5)
     finally:
         cluster.stop()

@@ -37,6 +37,8 @@ class Process:
     log_path: Path
     http_address: str | None = None
     """HTTP front end (inference: OpenAI /v1; sandbox: SandboxFusion /run_code)."""
+    args: list[str] = field(default_factory=list)
+    """The `marl serve KIND` arguments after --port (and --http-port): a restart reuses them."""
 
     def exit_description(self) -> str | None:
         """None while it runs; else which service ended, how, and where its log is."""
@@ -72,16 +74,26 @@ class Cluster:
     )
     processes: list[Process] = field(default_factory=list)
     redis: PrivateRedis | None = None
+    redis_aof: bool = False
+    """The private Redis (when `redis_url` is not given) logs every write to an append-only
+    file (fsync every second): a Redis killed and restarted keeps what it acknowledged."""
 
-    def _spawn(self, kind: str, extra: list[str]) -> Process:
-        port = free_port()
-        http_port = free_port() if kind in HTTP_SERVICES else None
-        if http_port is not None:
-            extra = [*extra, "--http-port", str(http_port)]
+    def _spawn(
+        self,
+        kind: str,
+        args: list[str],
+        port: int | None = None,
+        http_port: int | None = None,
+        log_path: Path | None = None,
+    ) -> Process:
+        port = port or free_port()
+        if kind in HTTP_SERVICES:
+            http_port = http_port or free_port()
+        extra = args if http_port is None else [*args, "--http-port", str(http_port)]
         logs = self.workdir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         n = sum(p.kind == kind for p in self.processes)
-        log_path = logs / f"{kind}-{n}.log"
+        log_path = log_path or logs / f"{kind}-{n}.log"
         env = dict(os.environ)
         threads = str(self.threads.get(kind, 1))
         env.update(
@@ -106,14 +118,37 @@ class Cluster:
                 preexec_fn=die_with_parent,
             )
         http = None if http_port is None else f"127.0.0.1:{http_port}"
-        p = Process(kind, f"127.0.0.1:{port}", proc, log_path, http)
+        p = Process(kind, f"127.0.0.1:{port}", proc, log_path, http, list(args))
         self.processes.append(p)
         return p
+
+    def restart(self, dead: Process) -> Process:
+        """Start a service that exited again, on its ports and with its arguments (its
+        clients' addresses stay valid; a learner takes its runs over), logging to the same
+        file; returns once it is SERVING."""
+        index = self.processes.index(dead)
+        self.processes.remove(dead)
+        port = int(dead.address.rsplit(":", 1)[1])
+        http_port = int(dead.http_address.rsplit(":", 1)[1]) if dead.http_address else None
+        p = self._spawn(dead.kind, dead.args, port, http_port, dead.log_path)
+        self.processes.insert(index, self.processes.pop())
+        asyncio.run(self._wait([p], 300.0))
+        return p
+
+    def restart_redis(self) -> bool:
+        """Start the private Redis again if it died (on its port and workdir, so with AOF
+        it comes back with what it had); False when it is alive or not ours."""
+        if self.redis is None or self.redis.proc is None or self.redis.proc.poll() is None:
+            return False
+        self.redis.start()
+        return True
 
     def start(self, timeout_s: float = 300.0) -> dict[str, Any]:
         self.workdir.mkdir(parents=True, exist_ok=True)
         if self.redis_url is None:
-            self.redis = PrivateRedis(workdir=str(self.workdir / "redis")).start()
+            self.redis = PrivateRedis(
+                workdir=str(self.workdir / "redis"), aof=self.redis_aof
+            ).start()
             self.redis_url = self.redis.url
         redis_args = ["--redis", self.redis_url]
         for _ in range(self.sandbox_replicas):

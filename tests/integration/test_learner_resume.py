@@ -1,6 +1,7 @@
 """A learner killed with SIGKILL mid-step, or in the middle of writing a checkpoint: another
 learner takes the run over under the same run id from its last whole checkpoint, and the
-steps after it equal an uninterrupted run's.
+steps after it equal an uninterrupted run's. Both kills again end to end: `marl up` restarts
+the learner it lost, a run submitted with `marl submit` resumes, `marl status` reports it.
 
 Every service is a real process on a real Redis; sampling is seeded per turn (the seed
 derives from the run seed and the task, not the run id), so two runs of one spec see
@@ -13,6 +14,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import textwrap
 import time
 from collections.abc import Iterator
@@ -61,7 +64,7 @@ STALL_HOOK = textwrap.dedent(
         def stall_once_in_step_2(tensors, filename, metadata=None):
             write(tensors, filename, metadata=metadata)
             marker = os.environ["MARL_TEST_STALL_MARKER"]
-            if "/killed_in_write/" in filename and ".step_000002.tmp" in filename \\
+            if "killed_in_write/" in filename and ".step_000002.tmp" in filename \\
                     and not os.path.exists(marker):
                 open(marker, "w").close()
                 time.sleep(3600)
@@ -74,18 +77,25 @@ STALL_HOOK = textwrap.dedent(
 adapter file and touches a marker, so the test can SIGKILL it mid-write."""
 
 
+def stall_hook_env(work: Path) -> dict[str, str]:
+    """The environment under which learners started with it run STALL_HOOK."""
+    hook = work / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(STALL_HOOK)
+    return {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])),
+        "MARL_TEST_STALL_MARKER": str(work / "stalled"),
+    }
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, list[dict]]]:
     """One cluster for both kills, and the uninterrupted run they are compared with."""
     # the demo model ships warm-started: its rewards vary within a group, so losses do too
     model_dir = demo_model_dir()
     work = tmp_path_factory.mktemp("cluster")
-    hook = work / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(STALL_HOOK)
     saved = dict(os.environ)
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hook), saved.get("PYTHONPATH")]))
-    os.environ["MARL_TEST_STALL_MARKER"] = str(work / "stalled")
+    os.environ.update(stall_hook_env(work))
     try:
         with Cluster(work, str(model_dir), engine="transformers", sandbox_replicas=0) as c:
             plain = work / "plain"
@@ -169,3 +179,86 @@ def test_sigkill_during_a_checkpoint_write_resumes_from_the_last_whole_one(
     assert run.run_id == run_id
     assert not list(checkpoints.glob(".step_*.tmp"))
     assert_resumed_equals_uninterrupted(uninterrupted, killed)
+
+
+def marl(*args: str, env: dict[str, str] | None = None) -> str:
+    out = subprocess.run([sys.executable, "-m", "marl.cli", *args], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def test_marl_up_restarts_a_killed_learner_and_submitted_runs_resume(tmp_path: Path) -> None:
+    """`marl up`, `marl submit`: an uninterrupted run, then SIGKILL the learner mid-step in a
+    second run and mid-way through a checkpoint write in a third: `marl up` starts it again on
+    its port each time, and each run ends SUCCEEDED under its id with the first run's steps."""
+    env = {**os.environ, **stall_hook_env(tmp_path)}
+    up = subprocess.Popen([sys.executable, "-m", "marl.cli", "up", "--dir", str(tmp_path / "up")],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        endpoints_file = tmp_path / "up" / "endpoints.json"
+        deadline = time.monotonic() + 300
+        while not endpoints_file.exists():
+            assert up.poll() is None and time.monotonic() < deadline, up.stdout.read()  # type: ignore[union-attr]
+            time.sleep(0.5)
+        learner = json.loads(endpoints_file.read_text())["learner"]
+        spec_file = tmp_path / "spec.yaml"
+
+        def submit_cli(out: Path) -> str:
+            spec_file.write_text(json.dumps(resume_spec(demo_model_dir(), out)))
+            return marl("submit", str(spec_file), "--learner", learner, env=env).strip()
+
+        def kill_learner_pid() -> int:
+            pid = json.loads(endpoints_file.read_text())["pids"]["learner"][0]
+            os.kill(pid, signal.SIGKILL)
+            return int(pid)
+
+        def wait_succeeded(run_id: str, killed_pid: int) -> None:
+            deadline = time.monotonic() + 600
+            while True:
+                assert up.poll() is None, up.stdout.read()  # type: ignore[union-attr]
+                assert time.monotonic() < deadline, f"run {run_id} did not end"
+                try:
+                    run = json.loads(marl("status", run_id, "--json", "--learner", learner))
+                except AssertionError:  # the learner is being restarted
+                    time.sleep(1)
+                    continue
+                if run["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
+                    break
+                time.sleep(1)
+            assert run["state"] == "SUCCEEDED", run
+            assert run["run_id"] == run_id
+            deadline = time.monotonic() + 60  # endpoints.json is rewritten once it is SERVING
+            while json.loads(endpoints_file.read_text())["pids"]["learner"] == [killed_pid]:
+                assert time.monotonic() < deadline, "endpoints.json names the killed learner"
+                time.sleep(0.5)
+
+        plain = tmp_path / "plain"
+        run_id = submit_cli(plain)
+        wait_succeeded(run_id, -1)
+        uninterrupted = rows(plain)
+
+        mid_step = tmp_path / "mid_step"
+        run_id = submit_cli(mid_step)
+        deadline = time.monotonic() + 300
+        while len(rows(mid_step)) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        time.sleep(0.5)
+        wait_succeeded(run_id, kill_learner_pid())
+        assert_resumed_equals_uninterrupted(uninterrupted, mid_step)
+
+        in_write = tmp_path / "up_killed_in_write"
+        run_id = submit_cli(in_write)
+        deadline = time.monotonic() + 300
+        while not Path(env["MARL_TEST_STALL_MARKER"]).exists():
+            assert time.monotonic() < deadline, "the learner never reached step 2's checkpoint"
+            time.sleep(0.1)
+        wait_succeeded(run_id, kill_learner_pid())
+        assert_resumed_equals_uninterrupted(uninterrupted, in_write)
+    finally:
+        up.send_signal(signal.SIGTERM)
+        output = up.communicate(timeout=60)[0]
+    assert up.returncode == 0, output
+    assert output.count("marl up: restarted the learner service") == 2, output
+    assert "was killed by SIGKILL" in output
