@@ -224,7 +224,7 @@ def decode_batch(
     top_p = torch.tensor([r.top_p if 0 < r.top_p < 1 else 1.0 for r in requests])
     generators: list[torch.Generator | None] = []
     for r in requests:
-        generators.append(torch.Generator().manual_seed(r.seed) if r.seed else None)
+        generators.append(None if r.seed is None else torch.Generator().manual_seed(r.seed))
     stops = [set(eos_token_ids) | set(r.stop_token_ids) for r in requests]
     budget = torch.tensor([r.max_tokens for r in requests])
     out_tokens: list[list[int]] = [[] for _ in requests]
