@@ -82,6 +82,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             claim_idle_s=cfg.claim_idle_s,
             heartbeat_ttl_s=cfg.heartbeat_ttl_s,
             max_deliveries=cfg.max_deliveries,
+            drain_s=cfg.drain_s,
         )
     elif args.service == "learner":
         from services.learner import server as learner

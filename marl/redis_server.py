@@ -43,6 +43,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+class _PortTaken(RuntimeError):
+    pass
+
+
 class PrivateRedis:
     """A redis-server child process on a loopback port; no persistence unless `aof`.
 
@@ -54,6 +67,7 @@ class PrivateRedis:
 
     def __init__(self, port: int | None = None, workdir: str | None = None, aof: bool = False):
         self.aof = aof
+        self._fixed_port = port is not None
         self.port = port or free_port()
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="marl-redis-")
         self.workdir = workdir or self._tmp.name  # type: ignore[union-attr]
@@ -63,7 +77,19 @@ class PrivateRedis:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout: float = 10.0) -> PrivateRedis:
+    def start(self, timeout: float = 30.0) -> PrivateRedis:
+        """Start the server and wait until it answers. On a first start a port of our
+        choosing that another process took meanwhile is replaced by a fresh one (twice at
+        most); a restart keeps its port, which its clients know."""
+        may_move = not self._fixed_port and self.proc is None
+        for _ in range(2 if may_move else 0):
+            try:
+                return self._start(timeout)
+            except _PortTaken:
+                self.port = free_port()
+        return self._start(timeout)
+
+    def _start(self, timeout: float) -> PrivateRedis:
         os.makedirs(self.workdir, exist_ok=True)
         self.proc = subprocess.Popen(
             [
@@ -94,6 +120,8 @@ class PrivateRedis:
                 client.ping()
                 break
             except redis.ConnectionError:
+                if self.proc.poll() is not None and not port_is_free(self.port):
+                    raise _PortTaken(self.port) from None
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"redis-server did not start on port {self.port}") from None
                 time.sleep(0.05)

@@ -76,6 +76,10 @@ class WorkflowConfig(_RedisConfig):
     """A task untouched this long is claimed even from a live worker (one that hangs)."""
     max_deliveries: int = Field(default=5, ge=1, le=1000)
     """Deliveries of one task before it goes to the dead-letter stream."""
+    drain_s: float = Field(default=20.0, ge=0, le=3600)
+    """On SIGTERM the worker takes no new task and lets its episodes under way finish for
+    up to this long; what is left is handed back to the other workers at once. Keep it
+    below the pod's terminationGracePeriodSeconds."""
 
 
 class LearnerConfig(_RedisConfig):

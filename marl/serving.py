@@ -197,8 +197,11 @@ async def serve_until_stopped(
     background: list[Callable[[], Coroutine[Any, Any, None]]] | None = None,
     on_stop: Callable[[], Awaitable[None]] | None = None,
     grace: float = 5.0,
+    drain_s: float = 0.0,
 ) -> None:
-    """Start, run `ready` then report SERVING, run background loops, stop on signal."""
+    """Start, run `ready` then report SERVING, run background loops, stop on signal: in-flight
+    calls get `grace` seconds, background loops that end by themselves once `host.stopping`
+    (a worker finishing its episodes) get `drain_s` in all, then the rest are cancelled."""
     await host.start()
     print(f"listening on {host.address}", flush=True)
     if ready is not None:
@@ -210,6 +213,8 @@ async def serve_until_stopped(
         t.add_done_callback(_stop_on_crash(host))
     try:
         await host.wait_for_stop(grace)
+        if drain_s > 0 and tasks:
+            await asyncio.wait(tasks, timeout=drain_s)
     finally:
         for t in tasks:
             t.cancel()

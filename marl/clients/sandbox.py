@@ -21,7 +21,8 @@ A test is one of three dicts:
 deadline: `timeout` seconds, or by default the tests' time limits plus a
 margin. A malformed test raises ValueError here; server-side errors raise
 grpc.RpcError (INVALID_ARGUMENT names the field, RESOURCE_EXHAUSTED means the
-server is full: retry later).
+server is full: retry later); a server stopping or restarting is waited for and the
+call retried within its deadline (DEADLINE_EXCEEDED when none came back).
 """
 
 from __future__ import annotations
@@ -35,8 +36,26 @@ from marl.v1 import sandbox_pb2, sandbox_pb2_grpc
 
 _DEFAULT_TEST_SECONDS = 5.0
 _MARGIN_SECONDS = 15.0
+_RETRY = {
+    "methodConfig": [{
+        "name": [{"service": "marl.v1.Sandbox"}],
+        "waitForReady": True,
+        "retryPolicy": {
+            "maxAttempts": 5,
+            "initialBackoff": "0.5s",
+            "maxBackoff": "4s",
+            "backoffMultiplier": 2,
+            "retryableStatusCodes": ["UNAVAILABLE"],
+        },
+    }]
+}
+"""Running tests on code has no side effects, so a call that found the server stopping
+(UNAVAILABLE) is sent again with jittered backoff, and a call made while no server
+answers (one restarting) waits for it: both within the call's deadline."""
 _OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.max_send_message_length", 64 << 20)]
+            ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.enable_retries", 1),
+            ("grpc.service_config", json.dumps(_RETRY))]
 _LIMIT_FIELDS = ("timeout_seconds", "memory_bytes", "output_bytes")
 
 

@@ -126,6 +126,7 @@ async def _serve(
     claim_idle_s: float = 120.0,
     heartbeat_ttl_s: float = 5.0,
     max_deliveries: int = 5,
+    drain_s: float = 20.0,
 ) -> None:
     name = workflow_pb2.DESCRIPTOR.services_by_name["Workflow"].full_name
     server = ServiceHost([name], host, port)
@@ -154,6 +155,8 @@ async def _serve(
             claim_idle_s=claim_idle_s,
             heartbeat_ttl_s=heartbeat_ttl_s,
             max_deliveries=max_deliveries,
+            stopping=lambda: server.stopping,
+            drain_s=drain_s,
         )
 
     async def on_stop() -> None:
@@ -162,7 +165,9 @@ async def _serve(
         await runner.close()
         await r.aclose()
 
-    await serve_until_stopped(server, ready=ready, background=[loop], on_stop=on_stop)
+    await serve_until_stopped(
+        server, ready=ready, background=[loop], on_stop=on_stop, drain_s=drain_s + 1.0
+    )
 
 
 def run(
@@ -175,11 +180,12 @@ def run(
     claim_idle_s: float = 120.0,
     heartbeat_ttl_s: float = 5.0,
     max_deliveries: int = 5,
+    drain_s: float = 20.0,
 ) -> None:
     configure_logging("workflow")
     asyncio.run(
         _serve(
             port, host, redis_url, sandbox, concurrency, http_port,
-            claim_idle_s, heartbeat_ttl_s, max_deliveries,
+            claim_idle_s, heartbeat_ttl_s, max_deliveries, drain_s,
         )
     )

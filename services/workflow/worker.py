@@ -21,6 +21,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -260,7 +261,12 @@ async def work_loop(
     claim_idle_s: float = 120.0,
     heartbeat_ttl_s: float = 5.0,
     max_deliveries: int = 5,
+    stopping: Callable[[], bool] = lambda: False,
+    drain_s: float = 20.0,
 ) -> None:
+    """Run tasks from the stream until cancelled, or until `stopping()`: then take no new
+    task, let the episodes under way finish for up to `drain_s` (their rollouts are sent),
+    and hand back what is left at once (another worker claims it without waiting)."""
     r = runner.redis
     worker_id = runner.worker_id
     running: set[asyncio.Task[None]] = set()
@@ -315,7 +321,7 @@ async def work_loop(
     backoff = 0.1
     try:
         await streams.ensure_group(r, streams.TASKS, streams.WORKERS_GROUP)
-        while True:
+        while not stopping():
             if _cancelling():  # a cancel that redis-py swallowed mid-command (seen with 8.1)
                 raise asyncio.CancelledError
             free = min(concurrency - len(running), 64)
@@ -341,6 +347,10 @@ async def work_loop(
                 t = asyncio.create_task(handle(entry))
                 running.add(t)
                 t.add_done_callback(running.discard)
+        if running:
+            log.info("stopping: draining %d episodes (up to %.0fs)", len(running), drain_s)
+            _, left = await asyncio.wait(running, timeout=drain_s)
+            log.info("drained; %d episodes handed back", len(left))
     finally:
         beating.cancel()
         for t in list(running):
