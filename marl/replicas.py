@@ -18,11 +18,13 @@ new replicas out of service.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 HEARTBEAT_S = 2.0
 MAX_AGE_S = 10.0
@@ -46,8 +48,11 @@ async def announce(r: aioredis.Redis, kind: str, replica_id: str, info: dict[str
     )
 
 
-async def withdraw(r: aioredis.Redis, kind: str, replica_id: str) -> None:
-    await r.delete(replica_key(kind, replica_id))
+async def withdraw(r: aioredis.Redis, kind: str, replica_id: str, timeout_s: float = 2.0) -> None:
+    """Remove the replica's key at once; where Redis does not answer within `timeout_s`,
+    leave it to expire by itself (a stopping replica must not wait out a Redis outage)."""
+    with contextlib.suppress(TimeoutError, RedisError, OSError):
+        await asyncio.wait_for(r.delete(replica_key(kind, replica_id)), timeout_s)
 
 
 async def heartbeat(r: aioredis.Redis, kind: str, replica_id: str, info: dict[str, Any]) -> None:

@@ -131,3 +131,18 @@ def test_inference_worker_and_learner_sigterm_mid_run(tmp_path: Path) -> None:
         assert sum("drained; 0 episodes handed back" in text for text in logs) == 1
     finally:
         cluster.stop()
+
+
+def test_inference_stops_promptly_when_redis_is_gone(tmp_path: Path) -> None:
+    """Its registration key expires by itself: a dead Redis does not hold SIGTERM up."""
+    cluster = Cluster(tmp_path, str(demo_model_dir()), workflow_replicas=0, learner=False,
+                      sandbox_replicas=0)
+    cluster.start()
+    try:
+        assert cluster.redis is not None
+        cluster.redis.kill()
+        started = time.monotonic()
+        assert sigterm(cluster.processes[0]) == 0
+        assert time.monotonic() - started < 10.0
+    finally:
+        cluster.stop()
