@@ -110,12 +110,11 @@ class Cluster:
         cmd = [sys.executable, "-m", "marl.cli", "serve", kind, "--port", str(port), *extra]
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
-                cmd,
+                die_with_parent(cmd),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
-                preexec_fn=die_with_parent,
             )
         http = None if http_port is None else f"127.0.0.1:{http_port}"
         p = Process(kind, f"127.0.0.1:{port}", proc, log_path, http, list(args))

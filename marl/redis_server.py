@@ -6,6 +6,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,16 +26,28 @@ def redis_server_binary() -> str:
     return str(path)
 
 
-def die_with_parent() -> None:
-    """Child side of fork: get SIGTERM if the launching process dies (Linux prctl)."""
-    import ctypes
-    import signal
+_DIE_WITH_PARENT = """
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG, kept across exec
+except OSError:
+    pass
+if os.getppid() != int(sys.argv[1]):  # the launcher died before prctl
+    sys.exit(1)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
 
-    pr_set_pdeathsig = 1
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-    except OSError:
-        pass
+
+def die_with_parent(cmd: list[str]) -> list[str]:
+    """`cmd`, run so that it gets SIGTERM when this process dies (Linux only).
+
+    A small Python program sets the death signal, then execs `cmd`. This is not done in a
+    `preexec_fn`: that makes subprocess fork() and run Python in the child before exec,
+    and in a process whose gRPC threads are busy (a launcher watching its services)
+    gRPC's fork handlers then abort the child ("epoll_wait error: Bad file descriptor").
+    Without a preexec_fn the child is started with vfork, which runs no fork handlers.
+    """
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
 
 
 def free_port() -> int:
@@ -92,7 +105,7 @@ class PrivateRedis:
     def _start(self, timeout: float) -> PrivateRedis:
         os.makedirs(self.workdir, exist_ok=True)
         self.proc = subprocess.Popen(
-            [
+            die_with_parent([
                 redis_server_binary(),
                 "--port",
                 str(self.port),
@@ -108,10 +121,9 @@ class PrivateRedis:
                 self.workdir,
                 "--loglevel",
                 "warning",
-            ],
+            ]),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            preexec_fn=die_with_parent,
         )
         client = redis.Redis.from_url(self.url)
         deadline = time.monotonic() + timeout

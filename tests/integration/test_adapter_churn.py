@@ -5,7 +5,8 @@ Shown: every response is served by the version it asked for, no request fails, t
 replica keeps only the newest `retention` versions (one retired while requests still
 hold it stays until they finish: counted and printed, timing decides how often), and
 its memory returns to its level once the versions are unloaded: 30 leaked versions
-would add about 45 MiB, the tolerance is 8 MiB.
+would add about 45 MiB, the tolerance is 16 MiB (the heap's own drift reached 9 MiB in
+a full suite on 2 cores with one kept busy).
 
 Clients only ask for versions the pusher guarantees are still loaded when the request
 arrives, as the learner does by pushing version t+1 only after step t's requests: before
@@ -41,7 +42,7 @@ WARMUP, VERSIONS = 20, 30
 """The allocator grows over the first ~20 versions, then holds: measured 12:45 UTC, +9.5 MiB
 over versions 5-25 but +10.7 over 5-85, and -1.3 / -2.1 MiB over 30 versions after 20."""
 CLIENTS = 6
-LEAK_TOLERANCE_KIB = 8 * 1024  # 30 versions held on to would add 45 MB (1.5 MB each)
+LEAK_TOLERANCE_KIB = 16 * 1024  # 30 versions held on to would add 45 MB (1.5 MB each)
 
 
 def lora_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:

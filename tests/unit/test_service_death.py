@@ -134,3 +134,34 @@ def test_dump_stacks_writes_threads_and_tasks_to_the_service_log(tmp_path: Path)
 
 def _read(path: Path) -> str:
     return path.read_text() if path.exists() else ""
+
+
+def test_a_child_started_by_die_with_parent_dies_with_it() -> None:
+    """The launcher's children (services, Redis) get SIGTERM when it is SIGKILLed; started
+    without a preexec_fn (see `die_with_parent`)."""
+    code = (
+        "import subprocess, time\n"
+        "from marl.redis_server import die_with_parent\n"
+        "child = subprocess.Popen(die_with_parent(['sleep', '60']))\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    deadline = time.monotonic() + 10
+    while "sleep" not in Path(f"/proc/{child}/cmdline").read_text():  # exec'd
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    parent.kill()
+    parent.wait()
+    while Path(f"/proc/{child}").exists() and _state(child) != "Z":
+        assert time.monotonic() < deadline, "the child outlived its parent"
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
