@@ -20,20 +20,28 @@ A test is one of three dicts:
 (per test, wall clock), `memory_bytes` and `output_bytes`. Every call has a
 deadline: `timeout` seconds, or by default the tests' time limits plus a
 margin. A malformed test raises ValueError here; server-side errors raise
-grpc.RpcError (INVALID_ARGUMENT names the field, RESOURCE_EXHAUSTED means the
-server is full: retry later); a server stopping or restarting is waited for and the
-call retried within its deadline (DEADLINE_EXCEEDED when none came back).
+grpc.RpcError (INVALID_ARGUMENT names the field). A full server (RESOURCE_EXHAUSTED)
+is asked again with backoff for up to `busy_wait_s` (120 s); a server stopping or
+restarting is waited for and the call retried within its deadline (DEADLINE_EXCEEDED
+when none came back).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
+import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import grpc
 
 from marl import auth
 from marl.v1 import sandbox_pb2, sandbox_pb2_grpc
 
+BUSY_WAIT_S = 120.0
+"""How long a call keeps asking a full sandbox (RESOURCE_EXHAUSTED) before it gives up."""
 _DEFAULT_TEST_SECONDS = 5.0
 _MARGIN_SECONDS = 15.0
 _RETRY = {
@@ -139,10 +147,24 @@ class SandboxClient:
 
     def execute(self, code: str, tests: list[dict[str, Any]],
                 limits: dict[str, Any] | None = None,
-                timeout: float | None = None) -> ExecuteResult:
+                timeout: float | None = None,
+                busy_wait_s: float = BUSY_WAIT_S) -> ExecuteResult:
+        """Run `tests` on `code`; a server that is full (RESOURCE_EXHAUSTED) is asked again
+        with jittered backoff for up to `busy_wait_s` seconds before its error is raised."""
         request = build_request(code, tests, limits)
-        resp = self.stub.Execute(request, timeout=timeout or default_deadline(request))
-        return to_result(resp)
+        give_up = time.monotonic() + busy_wait_s
+        backoff = 0.1
+        while True:
+            try:
+                resp = self.stub.Execute(request, timeout=timeout or default_deadline(request))
+                return to_result(resp)
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # type: ignore[attr-defined]
+                    raise
+                if time.monotonic() + backoff > give_up:
+                    raise
+            time.sleep(backoff * (0.5 + random.random()))
+            backoff = min(backoff * 2, 2.0)
 
     def info(self, timeout: float = 10.0) -> dict[str, Any]:
         return _info(self.stub.Info(sandbox_pb2.InfoRequest(), timeout=timeout))
@@ -167,10 +189,26 @@ class AsyncSandboxClient:
 
     async def execute(self, code: str, tests: list[dict[str, Any]],
                       limits: dict[str, Any] | None = None,
-                      timeout: float | None = None) -> ExecuteResult:
+                      timeout: float | None = None,
+                      busy_wait_s: float = BUSY_WAIT_S) -> ExecuteResult:
+        """Run `tests` on `code`; a server that is full (RESOURCE_EXHAUSTED) is asked again
+        with jittered backoff for up to `busy_wait_s` seconds before its error is raised."""
         request = build_request(code, tests, limits)
-        resp = await self.stub.Execute(request, timeout=timeout or default_deadline(request))
-        return to_result(resp)
+        give_up = time.monotonic() + busy_wait_s
+        backoff = 0.1
+        while True:
+            try:
+                resp = await self.stub.Execute(
+                    request, timeout=timeout or default_deadline(request)
+                )
+                return to_result(resp)
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                if time.monotonic() + backoff > give_up:
+                    raise
+            await asyncio.sleep(backoff * (0.5 + random.random()))
+            backoff = min(backoff * 2, 2.0)
 
     async def info(self, timeout: float = 10.0) -> dict[str, Any]:
         return _info(await self.stub.Info(sandbox_pb2.InfoRequest(), timeout=timeout))

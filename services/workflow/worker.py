@@ -48,10 +48,13 @@ UNREACHABLE = (
 
 
 def could_not_run(err: BaseException) -> bool:
-    """Whether `err` means the episode could not run (not that marl has a bug)."""
+    """Whether `err` means the episode could not run (not that marl has a bug): a service
+    that did not answer, or a sandbox still full after the client's `busy_wait_s`."""
     if isinstance(err, EpisodeError | SandboxFailure | SpecError):
         return True
-    return isinstance(err, grpc.aio.AioRpcError) and err.code() in UNREACHABLE
+    return isinstance(err, grpc.aio.AioRpcError) and (
+        err.code() in UNREACHABLE or err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    )
 
 
 class Stats:

@@ -273,7 +273,7 @@ def test_overload_is_429_and_shared_with_grpc(server: Server) -> None:
         with pytest.raises(Exception, match="429"):
             run(server, "print('one too many')")
         with SandboxClient(server.grpc_address) as c, pytest.raises(grpc.RpcError) as err:
-            c.execute("print(1)", [{"stdin": "", "expected_stdout": "1"}])
+            c.execute("print(1)", [{"stdin": "", "expected_stdout": "1"}], busy_wait_s=0)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         first = busy.result(timeout=30)
     assert first.run_result is not None and first.run_result.stdout == "done\n"

@@ -111,12 +111,35 @@ def test_overload_is_refused_fast(small: SandboxServer) -> None:
     with SandboxClient(small.address) as c:
         start = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
-            c.execute("print(1)", [{"stdin": "", "expected_stdout": "1"}])
+            c.execute("print(1)", [{"stdin": "", "expected_stdout": "1"}], busy_wait_s=0)
         took = time.monotonic() - start
     first.join()
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert took < 1.0
     assert not errors
+    assert small.leftovers() == ([], [])
+
+
+def test_client_waits_out_a_full_server(small: SandboxServer) -> None:
+    """By default the client asks a full server again until a slot frees."""
+    occupied = threading.Event()
+
+    def occupy() -> None:
+        with SandboxClient(small.address) as c:
+            occupied.set()
+            c.execute(SLEEPER, SLEEP_TEST, limits={"timeout_seconds": 2})
+
+    first = threading.Thread(target=occupy)
+    first.start()
+    occupied.wait()
+    time.sleep(0.5)
+    with SandboxClient(small.address) as c:
+        start = time.monotonic()
+        result = c.execute("print(1)", [{"stdin": "", "expected_stdout": "1"}])
+        took = time.monotonic() - start
+    first.join()
+    assert result.verdicts == ["PASSED"]
+    assert took > 0.5  # it waited for the sleeper's slot
     assert small.leftovers() == ([], [])
 
 
