@@ -228,14 +228,17 @@ class Cluster:
         tmp.write_text(json.dumps(self.endpoints(), indent=2))
         os.replace(tmp, path)
 
-    def dump_stacks(self) -> None:
+    def dump_stacks(self, settle_s: float = 2.0) -> Path:
         """Have every running service write its threads' and asyncio tasks' stacks to its
-        log (SIGUSR1, SIGUSR2): what a hung run was waiting on."""
+        log (SIGUSR1, SIGUSR2): what a hung run was waiting on. Returns the logs directory
+        once they had `settle_s` to write."""
         for p in self.processes:
             if p.proc.poll() is None:
                 for sig in (signal.SIGUSR1, signal.SIGUSR2):
                     with contextlib.suppress(ProcessLookupError):
                         p.proc.send_signal(sig)
+        time.sleep(settle_s)
+        return self.workdir / "logs"
 
     def stop(self, grace_s: float = 10.0) -> None:
         for p in self.processes:

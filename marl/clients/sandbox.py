@@ -32,6 +32,7 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,17 @@ _OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
             ("grpc.enable_retries", 1),
             ("grpc.service_config", json.dumps(_RETRY))]
 _LIMIT_FIELDS = ("timeout_seconds", "memory_bytes", "output_bytes")
+
+
+def _busy_delays(busy_wait_s: float) -> Iterator[float | None]:
+    """Pauses before asking a full server again (jittered, doubling to 2 s) while they fit
+    in `busy_wait_s`, then None: give up."""
+    give_up = time.monotonic() + busy_wait_s
+    backoff = 0.1
+    while time.monotonic() + backoff <= give_up:
+        yield backoff * (0.5 + random.random())
+        backoff = min(backoff * 2, 2.0)
+    yield None
 
 
 @dataclass
@@ -152,19 +164,16 @@ class SandboxClient:
         """Run `tests` on `code`; a server that is full (RESOURCE_EXHAUSTED) is asked again
         with jittered backoff for up to `busy_wait_s` seconds before its error is raised."""
         request = build_request(code, tests, limits)
-        give_up = time.monotonic() + busy_wait_s
-        backoff = 0.1
-        while True:
+        for delay in _busy_delays(busy_wait_s):
             try:
                 resp = self.stub.Execute(request, timeout=timeout or default_deadline(request))
                 return to_result(resp)
             except grpc.RpcError as err:
-                if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # type: ignore[attr-defined]
+                code_ = err.code()  # type: ignore[attr-defined]
+                if code_ != grpc.StatusCode.RESOURCE_EXHAUSTED or delay is None:
                     raise
-                if time.monotonic() + backoff > give_up:
-                    raise
-            time.sleep(backoff * (0.5 + random.random()))
-            backoff = min(backoff * 2, 2.0)
+            time.sleep(delay)
+        raise AssertionError("unreachable: the last delay is None")
 
     def info(self, timeout: float = 10.0) -> dict[str, Any]:
         return _info(self.stub.Info(sandbox_pb2.InfoRequest(), timeout=timeout))
@@ -194,21 +203,17 @@ class AsyncSandboxClient:
         """Run `tests` on `code`; a server that is full (RESOURCE_EXHAUSTED) is asked again
         with jittered backoff for up to `busy_wait_s` seconds before its error is raised."""
         request = build_request(code, tests, limits)
-        give_up = time.monotonic() + busy_wait_s
-        backoff = 0.1
-        while True:
+        for delay in _busy_delays(busy_wait_s):
             try:
                 resp = await self.stub.Execute(
                     request, timeout=timeout or default_deadline(request)
                 )
                 return to_result(resp)
             except grpc.aio.AioRpcError as err:
-                if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or delay is None:
                     raise
-                if time.monotonic() + backoff > give_up:
-                    raise
-            await asyncio.sleep(backoff * (0.5 + random.random()))
-            backoff = min(backoff * 2, 2.0)
+            await asyncio.sleep(delay)
+        raise AssertionError("unreachable: the last delay is None")
 
     async def info(self, timeout: float = 10.0) -> dict[str, Any]:
         return _info(await self.stub.Info(sandbox_pb2.InfoRequest(), timeout=timeout))

@@ -4,14 +4,16 @@
 from __future__ import annotations
 
 import json
+import signal
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import grpc
 import yaml
 
-from marl.launcher import Cluster
+from marl.launcher import Cluster, Process
 from marl.v1 import learner_pb2, learner_pb2_grpc
 
 
@@ -71,11 +73,9 @@ def wait_end(cluster: Cluster, run_id: str, timeout_s: float = 600) -> learner_p
         if run.state in ("SUCCEEDED", "FAILED", "CANCELLED"):
             return run
         time.sleep(0.5)
-    cluster.dump_stacks()
-    time.sleep(2)
+    logs = cluster.dump_stacks()
     raise AssertionError(
-        f"run {run_id} did not end in {timeout_s}s; the services' stacks are in their logs: "
-        f"{cluster.workdir / 'logs'}"
+        f"run {run_id} did not end in {timeout_s}s; the services' stacks are in their logs: {logs}"
     )
 
 
@@ -85,3 +85,21 @@ def rows(out: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def sigterm(p: Process) -> int:
+    """SIGTERM a service and wait for its exit code."""
+    p.proc.send_signal(signal.SIGTERM)
+    return p.proc.wait(timeout=60)
+
+
+def busy_worker(cluster: Cluster) -> Process:
+    """A worker running episodes now (its Prometheus gauge)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        for worker in (p for p in cluster.processes if p.kind == "workflow"):
+            url = f"http://{worker.http_address}/metrics"
+            for line in urllib.request.urlopen(url, timeout=5).read().decode().splitlines():
+                if line.startswith("marl_inflight_episodes ") and float(line.split()[1]) > 0:
+                    return worker
+    raise AssertionError("no worker ran an episode")

@@ -1,5 +1,5 @@
 """A test-only workflow whose code reward varies with what the model samples, for
-tests/integration/test_sandbox_lost_mid_step.py.
+tests/integration/test_sandbox_lost_mid_step.py and test_load.py.
 
 A tiny model never writes a passing program, so every code reward would be 0 and
 every advantage 0: leaving failed rollouts out would change nothing a test could
@@ -9,6 +9,9 @@ and the rewards of a group differ as the sampled replies do.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 from marl.data.problem import Problem
 from marl.workflows import single
@@ -21,3 +24,20 @@ async def run(episode: Episode, problem: Problem) -> str:
 
 
 PARITY = Workflow(name="parity", roles=("generator",), run=run, caps=single.caps)
+
+PARITY_REF = "tests.integration.parity_workflow:PARITY"
+"""How a run spec names it (`workflow:`)."""
+
+
+def write_problems(path: Path, n: int = 40) -> Path:
+    rows = [
+        {
+            "problem": f"Problem {i}: print 0.",
+            "tests": json.dumps([{"type": "stdin_stdout", "input": "", "output": "0\n"}]),
+            "starter_code": "",
+            "metadata": "{}",
+        }
+        for i in range(n)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -102,11 +101,9 @@ def runs(
             ):
                 pass
         except grpc.RpcError as err:
-            cluster.dump_stacks()
-            time.sleep(2)
+            logs = cluster.dump_stacks()
             raise AssertionError(
-                f"{dataset} run {run_id}: {err}; the services' stacks are in their logs: "
-                f"{cluster.workdir / 'logs'}"
+                f"{dataset} run {run_id}: {err}; the services' stacks are in their logs: {logs}"
             ) from None
         done[dataset] = (stub.GetRun(learner_pb2.GetRunRequest(run_id=run_id), timeout=10), out)
     return done

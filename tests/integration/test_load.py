@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
-from test_sandbox_lost_mid_step import PARITY, write_problems
+from parity_workflow import PARITY_REF, write_problems
 
 from marl.launcher import Cluster
 from marl.v1 import learner_pb2, learner_pb2_grpc
@@ -37,7 +37,7 @@ def rss_kb(pid: int) -> int:
 def spec(model_dir: Path, data: Path, out: Path) -> dict:
     return {
         "name": "load",
-        "workflow": PARITY,
+        "workflow": PARITY_REF,
         "policy": "shared",
         "out_dir": str(out),
         "model": {"path": str(model_dir)},

@@ -26,6 +26,7 @@ import grpc
 import pytest
 import yaml
 from grpo_replay import replay_shared_loss
+from parity_workflow import PARITY_REF, write_problems
 
 from marl.launcher import Cluster
 from marl.rollout import Rollout
@@ -35,27 +36,12 @@ from services.learner.grpo import good_rollouts, group_advantages
 pytestmark = pytest.mark.timeout(600)
 
 PROBLEMS, GROUP = 6, 4
-PARITY = "tests.integration.parity_workflow:PARITY"
-
-
-def write_problems(path: Path, n: int = 40) -> Path:
-    rows = [
-        {
-            "problem": f"Problem {i}: print 0.",
-            "tests": json.dumps([{"type": "stdin_stdout", "input": "", "output": "0\n"}]),
-            "starter_code": "",
-            "metadata": "{}",
-        }
-        for i in range(n)
-    ]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def run_spec(model_dir: Path, data: Path, out: Path) -> dict:
     return {
         "name": "it-sandbox-lost",
-        "workflow": PARITY,
+        "workflow": PARITY_REF,
         "policy": "shared",
         "seed": 5,
         "out_dir": str(out),

@@ -15,35 +15,17 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-from learner_runs import demo_model_dir, rows, submit, voting_spec, wait_end
+from learner_runs import busy_worker, demo_model_dir, rows, sigterm, submit, voting_spec, wait_end
 
 from marl.clients.sandbox import AsyncSandboxClient
-from marl.launcher import Cluster, Process
+from marl.launcher import Cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 JOB = "import time\ntime.sleep(0.3)\nprint(int(input()) * 2)\n"
-
-
-def sigterm(p: Process) -> int:
-    p.proc.send_signal(signal.SIGTERM)
-    return p.proc.wait(timeout=60)
-
-
-def busy_worker(cluster: Cluster) -> Process:
-    """A worker running episodes now (its Prometheus gauge), so SIGTERM finds some to drain."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        for worker in (p for p in cluster.processes if p.kind == "workflow"):
-            url = f"http://{worker.http_address}/metrics"
-            for line in urllib.request.urlopen(url, timeout=5).read().decode().splitlines():
-                if line.startswith("marl_inflight_episodes ") and float(line.split()[1]) > 0:
-                    return worker
-    raise AssertionError("no worker ran an episode")
 
 
 def test_sandbox_sigterm_and_restart_under_load(tmp_path: Path) -> None:

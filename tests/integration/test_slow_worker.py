@@ -13,8 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from learner_runs import demo_model_dir, rows, submit, voting_spec, wait_end
-from test_sigterm_drain import busy_worker
+from learner_runs import busy_worker, demo_model_dir, rows, submit, voting_spec, wait_end
 
 from marl.launcher import Cluster
 
