@@ -21,6 +21,7 @@ import grpc
 import redis.asyncio as aioredis
 
 from marl import adapter_io, replicas, streams
+from marl.heap import release_free_heap
 from marl.http_server import HttpServer
 from marl.prometheus_metrics import ADAPTER_VERSIONS
 from marl.serving import ServiceHost, configure_logging, serve_until_stopped
@@ -193,6 +194,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 except ValueError as err:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
                 await self.registry.added(LoadedVersion(ref.name, ref.version, int_id, m.sha256))
+                # the payload, the state dict and any version retired just now are freed
+                await asyncio.to_thread(release_free_heap)
         log.info("loaded %s@%d in %.3fs", ref.name, ref.version, time.monotonic() - started)
         return inference_pb2.PushAdapterResponse(
             ref=ref, loaded=True, load_seconds=time.monotonic() - started

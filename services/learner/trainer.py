@@ -26,6 +26,7 @@ from marl.config import RunSpec, dump_spec
 from marl.data import load_problems
 from marl.diagnostics.alarms import AlarmWatch
 from marl.diagnostics.signatures import parallel_roles, role_signatures
+from marl.heap import release_free_heap
 from marl.model_id import base_model_id
 from marl.workflows import policy_of_role
 from services.learner.adapter_sync import AdapterSync
@@ -208,6 +209,7 @@ class RunExecutor:
                 }
             )
             await self.log(done, record, policy, checkpointer)
+            release_free_heap()
 
     async def check_cancel(self) -> None:
         if await self.store.cancel_requested(self.run_id):
