@@ -189,7 +189,10 @@ class RewardSpec(_Spec):
     """Time limit for one equivalence check."""
 
 
-AlarmKind = Literal["gradient_amplification", "sp_role_capture", "entropy_collapse", "accuracy_cliff"]
+AlarmKind = Literal[
+    "gradient_amplification", "sp_role_capture", "entropy_collapse", "accuracy_cliff",
+    "sampler_mismatch",
+]
 GuardAction = Literal["warn", "stop", "rollback"]
 
 
@@ -221,6 +224,10 @@ class AlarmSpec(_Spec):
     values (a plain Voting-SP demo run's terse aggregator sharpens to 0.40x)."""
     cliff_drop: float = Field(0.1, gt=0, le=1)
     """accuracy_cliff: validation accuracy falls this far (absolute) below its best so far."""
+    logprob_gap_max: float = Field(0.1, gt=0)
+    """sampler_mismatch: an adapter's mean |log-prob| gap between what inference reported
+    when sampling and the learner's recompute of the same tokens reaches this (nats per
+    token; the transformers engine is ~2e-7 off)."""
 
     @model_validator(mode="before")
     @classmethod

@@ -13,7 +13,13 @@ accuracy hides role drift until a late cliff, so each alarm reads one role's own
   evaluator starts writing code fences;
 - `entropy_collapse` (§4.2, Fig. 5): a role's token entropy falls below
   `(1 - entropy_drop)` times its first values;
-- `accuracy_cliff`: validation accuracy falls `cliff_drop` below its best so far.
+- `accuracy_cliff`: validation accuracy falls `cliff_drop` below its best so far;
+- `sampler_mismatch` (not the paper's; names an adapter, not a role): the mean gap between
+  the log-probs inference reported when sampling and the learner's recompute of the same
+  tokens, `policy/<adapter>/logprob_gap`, reaches `logprob_gap_max`. The learner then
+  trains on tokens another policy sampled, as when an adapter push silently failed and
+  inference still serves an old version. A single step fires it: the gap is a mean over
+  every token the adapter served that step, not a noisy series.
 
 Training-side signals (χ², perplexity, entropy) are logged every step and are noisy
 step to step, so they compare the mean of their last `window` values with the mean of
@@ -45,9 +51,10 @@ EPS = 1e-9
 @dataclass(frozen=True)
 class Alarm:
     mechanism: str
-    """gradient_amplification | sp_role_capture | entropy_collapse | accuracy_cliff."""
+    """gradient_amplification | sp_role_capture | entropy_collapse | accuracy_cliff |
+    sampler_mismatch."""
     role: str
-    """The drifting role; `all` for validation accuracy."""
+    """The drifting role; `all` for validation accuracy; the adapter for sampler_mismatch."""
     step: int
     evidence: str
     """The numbers that crossed the threshold, in words."""
@@ -214,6 +221,26 @@ def _cliff(records: Sequence[Record], spec: AlarmSpec) -> Iterator[tuple[str, Al
     yield "accuracy_cliff", Alarm("accuracy_cliff", "all", step, evidence) if fire else None
 
 
+def _sampler_mismatch(
+    records: Sequence[Record], spec: AlarmSpec
+) -> Iterator[tuple[str, Alarm | None]]:
+    last = records[-1]
+    step = int(last["step"])
+    for key, gap in sorted(last.items()):
+        if not (key.startswith("policy/") and key.endswith("/logprob_gap")) or gap is None:
+            continue
+        adapter = key.split("/")[1]
+        kl = last.get(f"policy/{adapter}/logprob_kl")
+        evidence = f"sampling and learner log-probs differ by {gap:.3f} per token" + (
+            "" if kl is None else f" (KL estimate {kl:.4f})"
+        )
+        fire = gap >= spec.logprob_gap_max
+        yield (
+            f"sampler_mismatch/{adapter}",
+            Alarm("sampler_mismatch", adapter, step, evidence) if fire else None,
+        )
+
+
 def check(
     records: Sequence[Record],
     spec: AlarmSpec,
@@ -233,6 +260,7 @@ def check(
         _amplification(records, spec, parallel),
         _entropy(records, spec),
         _cliff(records, spec),
+        _sampler_mismatch(records, spec),
     ]
     if shared:
         checks += [

@@ -12,7 +12,18 @@
   puts on that adapter (under SP each role is back-propagated apart, so the roles' parts
   sum to the mini-batch's gradient);
 - `grad_share`: the role's grad_norm over the sum of every role's grad_norm this step: who
-  drives the update, the `sp_role_capture` evidence under SP.
+  drives the update, the `sp_role_capture` evidence under SP;
+- `logprob_gap`: mean |log π_old - log q| over the role's tokens, q being the log-prob
+  inference reported when it sampled the token.
+
+`policy/<adapter>/...`, the same sampler/learner divergence per adapter:
+- `logprob_gap`: mean |log π_old - log q| over every token the adapter served;
+- `logprob_kl`: an estimate of KL(q || π_old) from those tokens, which q sampled:
+  the mean of exp(d) - 1 - d with d = log π_old - log q (unbiased and never negative).
+With the learner training the version that served the step (the synchronous loop), both
+measure the engines' disagreement alone: ~0 between the transformers engine and the learner,
+small for a lower-precision engine, and growing with every step when inference silently
+serves something else (a failed adapter sync). The `sampler_mismatch` alarm reads the gap.
 The sample costs two forwards over at most SAMPLE_TOKENS_PER_ROLE sequences per role.
 """
 
@@ -46,10 +57,18 @@ class RoleSums:
 
 
 @dataclass
+class GapSums:
+    tokens: float = 0.0
+    gap: float = 0.0
+    kl: float = 0.0
+
+
+@dataclass
 class RoleSignals:
     """Accumulates one step's per-role sums; `metrics()` turns them into means."""
 
     roles: dict[str, RoleSums] = field(default_factory=lambda: defaultdict(RoleSums))
+    policies: dict[str, GapSums] = field(default_factory=lambda: defaultdict(GapSums))
 
     def add_old(self, s: Sequence, old: torch.Tensor) -> None:
         """π_old's log-probs of one sequence's completion: perplexity and the gap to what
@@ -58,8 +77,13 @@ class RoleSignals:
         n = len(old)
         r.tokens += n
         r.nll_old -= float(old.sum())
-        sampled = torch.tensor(s.sample_logprobs[:n], dtype=old.dtype)
-        r.logprob_gap += float((old - sampled).abs().sum())
+        d = old - torch.tensor(s.sample_logprobs[:n], dtype=old.dtype)
+        gap = float(d.abs().sum())
+        r.logprob_gap += gap
+        p = self.policies[s.policy]
+        p.tokens += n
+        p.gap += gap
+        p.kl += float((torch.expm1(d) - d).sum())
 
     def add_update(self, role: str, tokens: int, clipped: int, entropy: float | None) -> None:
         r = self.roles[role]
@@ -85,6 +109,9 @@ class RoleSignals:
             if r.sampled:
                 out[pre + "chi2"] = r.chi2 / r.sampled
                 out[pre + "kl_base"] = r.kl_base / r.sampled
+        for policy, p in sorted(self.policies.items()):
+            out[f"policy/{policy}/logprob_gap"] = p.gap / max(p.tokens, 1)
+            out[f"policy/{policy}/logprob_kl"] = p.kl / max(p.tokens, 1)
         return out
 
 

@@ -84,6 +84,10 @@ def test_two_steps_end_to_end(
     policies = ["shared"] if policy == "shared" else list(roles)
     for p in policies:
         assert rows[1][f"policy/{p}/grad_norm"] > 0
+        # inference sampled with the very version the learner trained: the engines agree
+        for row in rows[1:]:
+            assert row[f"policy/{p}/logprob_gap"] < 1e-3, row[f"policy/{p}/logprob_gap"]
+    assert not [a for r in rows for a in r.get("alarms", []) if "sampler_mismatch" in str(a)]
 
     # every turn names the adapter version that served it: version t at step t
     for step in (1, 2):

@@ -177,3 +177,20 @@ def test_gradient_amplification_names_only_parallel_roles_when_told() -> None:
     assert [a.role for a in scan(flipped, SPEC, shared=False, parallel=("generator",))] == [
         "generator"
     ]
+
+
+def test_sampler_mismatch_names_the_adapter_at_onset() -> None:
+    # adapter "generator" stops following the learner from step 3 (a failed push: inference
+    # keeps serving an older version, the gap grows); "aggregator" stays in sync
+    recs = records(
+        policy__generator__logprob_gap=[1e-6, 1e-6, 0.04, 0.12, 0.25, 0.31],
+        policy__generator__logprob_kl=[0.0, 0.0, 0.001, 0.011, 0.052, 0.08],
+        policy__aggregator__logprob_gap=[1e-6] * 6,
+    )
+    assert [str(a) for a in scan(recs, SPEC, shared=False)] == [
+        "sampler_mismatch[generator]@4: sampling and learner log-probs differ by 0.120 per "
+        "token (KL estimate 0.0110)"
+    ]
+    assert check(recs, SPEC, shared=False)["sampler_mismatch/aggregator"] is None
+    loose = AlarmSpec(logprob_gap_max=0.3)
+    assert [a.step for a in scan(recs, loose, shared=False)] == [6]

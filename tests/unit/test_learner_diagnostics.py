@@ -53,6 +53,25 @@ def test_perplexity_from_old_logprobs_by_hand() -> None:
     assert m["role/generator/logprob_gap"] == pytest.approx(1.5 * LN(2))
 
 
+def test_sampler_learner_gap_per_adapter_by_hand() -> None:
+    # the sampler q drew token 0 (q = 3/4) three times and token 1 (q = 1/4) once, where
+    # the learner's π_old gives (1/2, 1/2): exactly q's proportions, so the mean of
+    # exp(d) - 1 - d is KL(q || π_old) itself
+    sig = RoleSignals()
+    q = [LN(0.75)] * 3 + [LN(0.25)]
+    sig.add_old(Sequence("a", "generator", [1, 1, 0, 0, 0, 1], 2, 1.0, q),
+                torch.tensor([LN(0.5)] * 4))
+    # adapter b: inference and learner agree to the bit
+    sig.add_old(Sequence("b", "aggregator", [1, 0], 1, 1.0, [LN(0.3)]), torch.tensor([LN(0.3)]))
+    m = sig.metrics()
+    kl = 0.75 * LN(0.75 / 0.5) + 0.25 * LN(0.25 / 0.5)
+    assert m["policy/a/logprob_kl"] == pytest.approx(kl)
+    assert m["policy/a/logprob_gap"] == pytest.approx((3 * LN(1.5) + LN(2)) / 4)
+    assert m["policy/b/logprob_gap"] == 0.0
+    assert m["policy/b/logprob_kl"] == 0.0
+    assert m["role/generator/logprob_gap"] == m["policy/a/logprob_gap"]
+
+
 def test_chi2_and_kl_to_base_by_hand() -> None:
     # targets: token 0 (p = 3/4) and token 1 (p = 1/4); π_old gave both probability 1/2
     seqs = [seq("generator", [0, 1]), seq("aggregator", [1])]
