@@ -106,6 +106,9 @@ class GRPOSpec(_Spec):
     them: less memory per token of the budget, about a third more compute."""
     normalize_std: bool = True
     """Divide group-relative advantages by the group's std (GRPO); False = Dr. GRPO."""
+    importance_cap: float = Field(2.0, ge=1)
+    """Off-policy steps only (`train.max_staleness` >= 1): each token's behaviour
+    correction π_old/π_sampler is truncated at this (services/learner/update.py)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -136,6 +139,16 @@ class TrainSpec(_Spec):
     """A step whose rollouts do not all arrive in time fails the run."""
     rollouts_logged: int = Field(8, ge=0)
     """Whole rollouts (every role's turn) written per step to `rollouts/step_N.jsonl`."""
+    max_staleness: int = Field(0, ge=0)
+    """K: the learner keeps the next K steps' tasks queued while it trains, so workers
+    generate for steps t+1..t+K during step t's update. A rollout with a turn more than K
+    versions behind its adapter's version at training time is dropped (counted in
+    `train/stale_dropped`). 0 is the paper's synchronous loop. Inference replicas must
+    keep K+1 versions of each adapter (their `retention` setting, 2 by default)."""
+    staleness_scope: Literal["episode", "turn"] = "episode"
+    """With max_staleness >= 1: `episode` serves every turn of an episode with the
+    versions current when its task was queued; `turn` serves each turn with the newest
+    version the replica holds (at least the task's)."""
 
 
 class SamplingSpec(_Spec):

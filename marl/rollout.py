@@ -46,6 +46,9 @@ class Task:
     """`model.chat_template`: render prompts with the tokenizer's chat template."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     """`model.chat_template_kwargs`, passed to the chat template (e.g. enable_thinking)."""
+    staleness_scope: str = "episode"
+    """`train.staleness_scope`: `turn` asks each turn for the newest adapter version a
+    replica holds (at least `adapters`'), `episode` for exactly `adapters`."""
 
     @property
     def id(self) -> str:
@@ -90,6 +93,7 @@ class Task:
             seed=spec.seed,
             chat_template=spec.model.chat_template,
             chat_template_kwargs=dict(spec.model.chat_template_kwargs),
+            staleness_scope=spec.train.staleness_scope if kind == "train" else "episode",
         )
 
     @classmethod

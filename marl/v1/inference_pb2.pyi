@@ -22,16 +22,18 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt_token_ids", "adapter", "sampling", "request_id")
+    __slots__ = ("prompt_token_ids", "adapter", "sampling", "request_id", "newest_adapter")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     adapter: _common_pb2.AdapterRef
     sampling: SamplingParams
     request_id: str
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    newest_adapter: bool
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., adapter: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., newest_adapter: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "served_by", "request_id")

@@ -77,8 +77,17 @@ class AdapterRegistry:
                 old.retired = True
             await self._collect()
 
-    def acquire(self, name: str, version: int) -> LoadedVersion:
+    def acquire(self, name: str, version: int, newest: bool = False) -> LoadedVersion:
+        """Hold `name@version` for a request (`newest`: the newest version held that is
+        `version` or later) until `release`."""
         v = self._versions.get(adapter_key(name, version))
+        if newest:
+            v = max(
+                (x for x in self._versions.values()
+                 if x.name == name and x.version >= version and not x.retired),
+                key=lambda x: x.version,
+                default=None,
+            )
         if v is None or v.retired:
             loaded = sorted(x.version for x in self._versions.values() if x.name == name)
             raise AdapterNotLoaded(

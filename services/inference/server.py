@@ -111,7 +111,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         # bounded by the context: a longer budget ends there (finish_reason "length")
         generation.max_tokens = min(generation.max_tokens, room(generation, self.limits))
         try:
-            version = self.registry.acquire(request.adapter.name, request.adapter.version)
+            version = self.registry.acquire(
+                request.adapter.name, request.adapter.version, newest=request.newest_adapter
+            )
         except AdapterNotLoaded as err:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         generation.adapter_key = version.key

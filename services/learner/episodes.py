@@ -7,6 +7,10 @@ counted once; the run's record counts the duplicates dropped and the tasks that
 were dead-lettered. A step adds its tasks only while fewer than
 `max_queued_tasks` wait in the tasks stream (undelivered or unacknowledged), so
 a lagging fleet of workers slows producers down instead of growing the queue.
+
+Submitting and gathering are apart (`submit`, `gather`), so the learner can keep later
+steps' tasks queued while it trains (`train.max_staleness`); rollouts are kept by task
+until their own step gathers them.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -31,6 +36,14 @@ from services.learner.runs import run_key
 log = logging.getLogger(__name__)
 
 LEARNER_GROUP = "learner"
+
+
+@dataclass
+class Pending:
+    """One submission's tasks and the stream entries of those added so far."""
+
+    tasks: list[Task]
+    ids: list[str] = field(default_factory=list)
 
 
 class Episodes:
@@ -53,6 +66,12 @@ class Episodes:
         self.check_cancel = check_cancel
         self.stream = streams.rollouts_stream(run_id)
         self.max_queued_tasks = max_queued_tasks
+        self.queue: list[tuple[Task, Pending]] = []
+        """Submitted tasks not yet in the tasks stream, in submission order."""
+        self.expected: dict[str, Task] = {}
+        """Every submitted task not yet gathered, by id."""
+        self.arrived: dict[str, Rollout] = {}
+        """Rollouts of `expected` tasks read so far."""
 
     async def open(self, fresh: bool) -> None:
         """Create the streams' groups; `fresh` drops rollouts a previous learner of this run
@@ -67,51 +86,62 @@ class Episodes:
             self.spec, self.run_id, problem, step, kind, sample, self.adapters()  # type: ignore[arg-type]
         )
 
-    async def run(self, problems: list[Problem], step: int, kind: str) -> list[Rollout]:
-        """Every problem group_size times (train) or once (val); the rollouts in task order."""
+    def submit(self, problems: list[Problem], step: int, kind: str) -> Pending:
+        """Queue every problem group_size times (train) or once (val) with the adapter
+        versions current now; the tasks reach the stream as it has room, while any
+        earlier submission is gathered."""
         n = self.spec.grpo.group_size if kind == "train" else 1
-        tasks = [self.make_task(p, step, kind, s) for p in problems for s in range(n)]
-        ids: list[str] = []
-        try:
-            got = await self.collect({t.id: t for t in tasks}, list(tasks), ids)
-        finally:
-            # every one of these has its rollout (or this run is over): safe to delete
-            if ids:
-                await self.r.xdel(streams.TASKS, *ids)
-        return [got[t.id] for t in tasks]
+        pending = Pending([self.make_task(p, step, kind, s) for p in problems for s in range(n)])
+        for t in pending.tasks:
+            self.expected[t.id] = t
+            self.queue.append((t, pending))
+        return pending
 
-    async def add_tasks(self, queue: list[Task], ids: list[str]) -> None:
-        """Move tasks from `queue` to the tasks stream while the stream has room."""
-        if not queue:
+    async def gather(self, pending: Pending) -> list[Rollout]:
+        """The rollouts of a submission, in task order. Rollouts of later submissions that
+        arrive meanwhile are kept for their own gather."""
+        try:
+            await self.collect({t.id for t in pending.tasks})
+            return [self.arrived.pop(t.id) for t in pending.tasks]
+        finally:
+            self.queue[:] = [q for q in self.queue if q[1] is not pending]
+            for t in pending.tasks:
+                self.expected.pop(t.id, None)
+                self.arrived.pop(t.id, None)
+            # every one of these has its rollout (or this run is over): safe to delete
+            if pending.ids:
+                await self.r.xdel(streams.TASKS, *pending.ids)
+
+    async def run(self, problems: list[Problem], step: int, kind: str) -> list[Rollout]:
+        """Submit and gather at once: the rollouts in task order."""
+        return await self.gather(self.submit(problems, step, kind))
+
+    async def add_tasks(self) -> None:
+        """Move queued tasks to the tasks stream while the stream has room."""
+        if not self.queue:
             return
         room = self.max_queued_tasks - await streams.lag(
             self.r, streams.TASKS, streams.WORKERS_GROUP
         )
-        batch, queue[:] = queue[: max(room, 0)], queue[max(room, 0) :]
+        batch, self.queue[:] = self.queue[: max(room, 0)], self.queue[max(room, 0) :]
         if not batch:
             return
         async with self.r.pipeline(transaction=False) as pipe:
-            for t in batch:
+            for t, _ in batch:
                 pipe.xadd(streams.TASKS, {"json": json.dumps(t.to_dict())})
-            ids.extend(await pipe.execute())
+            added = await pipe.execute()
+        for (_, pending), entry_id in zip(batch, added, strict=True):
+            pending.ids.append(entry_id)
 
-    async def collect(
-        self,
-        expected: dict[str, Task],
-        queue: list[Task] | None = None,
-        ids: list[str] | None = None,
-    ) -> dict[str, Rollout]:
-        """The rollouts of `expected` (task id -> task), adding the tasks of `queue` as the
-        tasks stream has room (their entry ids go to `ids`); a rollout served by another
-        adapter version than its task names (left over from a learner that died) is
+    async def collect(self, wanted: set[str]) -> None:
+        """Read rollouts until every task id of `wanted` has one in `arrived`, adding queued
+        tasks as the stream has room. A rollout of no submitted task, or served by another
+        adapter version than its task names (left over from a learner that died), is
         dropped."""
-        got: dict[str, Rollout] = {}
         deadline = time.monotonic() + self.spec.train.step_timeout_s
-        queue = [] if queue is None else queue
-        ids = [] if ids is None else ids
-        while len(got) < len(expected):
+        while missing := len(wanted - self.arrived.keys()):
             try:
-                await self.add_tasks(queue, ids)
+                await self.add_tasks()
                 entries = await streams.read_group(
                     self.r, self.stream, LEARNER_GROUP, self.consumer, count=1024, block_ms=500
                 )
@@ -125,14 +155,14 @@ class Episodes:
                 continue
             for e in entries:
                 rollout = Rollout.from_dict(e.data)
-                task = expected.get(rollout.task_id)
-                if task is None or not _current(rollout, task):
+                task = self.expected.get(rollout.task_id)
+                if task is None or not _current(rollout, task, self.spec.train.staleness_scope):
                     continue
-                if rollout.task_id in got:
+                if rollout.task_id in self.arrived:
                     log.info("dropped a second rollout of task %s", rollout.task_id)
                     await self.r.hincrby(run_key(self.run_id), "duplicate_rollouts", 1)
                     continue
-                got[rollout.task_id] = rollout
+                self.arrived[rollout.task_id] = rollout
                 if (rollout.error or "").startswith(streams.DEAD_LETTERED):
                     await self.r.hincrby(run_key(self.run_id), "dead_lettered", 1)
             if entries:
@@ -142,16 +172,18 @@ class Episodes:
                 await self.check_cancel()
             if time.monotonic() > deadline:
                 raise RunFailed(
-                    f"only {len(got)}/{len(expected)} rollouts arrived within "
+                    f"only {len(wanted) - missing}/{len(wanted)} rollouts arrived within "
                     f"train.step_timeout_s={self.spec.train.step_timeout_s:.0f}s; "
                     "are workflow workers running?"
                 )
-        return got
 
 
-def _current(rollout: Rollout, task: Task) -> bool:
+def _current(rollout: Rollout, task: Task, scope: str) -> bool:
+    """Whether every turn was served by the version its task named (`episode` scope) or by
+    that version or a newer one (`turn` scope: each turn takes the newest)."""
     return all(
         t.adapter.version == task.adapters[t.role].version
+        or (scope == "turn" and t.adapter.version > task.adapters[t.role].version)
         for t in rollout.turns
         if t.role in task.adapters
     )

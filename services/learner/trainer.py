@@ -31,7 +31,7 @@ from marl.model_id import base_model_id
 from marl.workflows import policy_of_role
 from services.learner.adapter_sync import AdapterSync
 from services.learner.checkpoint import Checkpointer
-from services.learner.episodes import Episodes
+from services.learner.episodes import Episodes, Pending
 from services.learner.errors import ReplicaUnreachable, RunCancelled, RunFailed
 from services.learner.guard import Guard, GuardStopped
 from services.learner.metrics import (
@@ -44,6 +44,7 @@ from services.learner.metrics import (
 )
 from services.learner.runs import RunStore
 from services.learner.sampler import DataSampler
+from services.learner.staleness import drop_stale
 from services.learner.validator import Validator
 
 if TYPE_CHECKING:
@@ -169,15 +170,23 @@ class RunExecutor:
         await self.adapters.push(policy)
         if start == 0:
             await self.log(0, await validator.run(0))
+        ahead: dict[int, tuple[Pending, int]] = {}
+        """Submitted steps not yet trained -> their tasks and the data position before them."""
         for step in range(start, spec.train.steps):
             await self.check_cancel()
             t0 = time.monotonic()
-            rollouts = await self.episodes.run(
-                sampler.next(spec.train.problems_per_step), step, "train"
-            )
+            # this step's tasks, and the next max_staleness steps' with today's versions
+            for s in range(step, min(step + spec.train.max_staleness + 1, spec.train.steps)):
+                if s not in ahead:
+                    position = sampler.position
+                    problems = sampler.next(spec.train.problems_per_step)
+                    ahead[s] = (self.episodes.submit(problems, s, "train"), position)
+            rollouts = await self.episodes.gather(ahead.pop(step)[0])
             t1 = time.monotonic()
+            current = {ref.name: ref.version for ref in self.adapters.refs().values()}
+            trained, staleness = drop_stale(rollouts, current, spec.train.max_staleness)
             result = await asyncio.to_thread(
-                grpo_step, policy, rollouts, [r.problem_id for r in rollouts], self.roles, spec
+                grpo_step, policy, trained, [r.problem_id for r in trained], self.roles, spec
             )
             t2 = time.monotonic()
             done = step + 1
@@ -189,13 +198,15 @@ class RunExecutor:
                 **rollout_metrics(rollouts),
                 **role_signatures(rollouts, spec.workflow),  # what the drift alarms read
                 **result.metrics,
+                **staleness,
             }
             if validator.due(done):
                 record.update(await validator.run(done))
             accuracy = record.get("val/accuracy")
             if checkpointer.due(done, accuracy):
                 state = {
-                    "data_position": sampler.position,
+                    # the steps submitted ahead are drawn again on resume
+                    "data_position": ahead[done][1] if done in ahead else sampler.position,
                     "versions": self.adapters.versions,
                     "rollbacks": self.guard.rollbacks,
                 }

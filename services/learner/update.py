@@ -9,6 +9,17 @@ the policy before the step's first update: the first mini-batch's own forward
 gives it for the others; every later mini-batch is off-policy, so ratios,
 clipping and clip fractions are real. The per-role signals live in
 diagnostics.py; this module only computes the update and feeds them.
+
+Off-policy steps (`train.max_staleness` >= 1) were sampled by an older version μ of
+each adapter. The loss is AReaL's decoupled PPO objective: the trust region is around
+π_old, the learner's recompute with the version it trains now (the proximal policy),
+and each token is reweighted by π_old/μ, which corrects for the tokens having been drawn
+from μ. The weight is truncated at `grpo.importance_cap` (truncated importance sampling)
+so one token μ found unlikely cannot dominate a mini-batch. π_old rather than μ anchors
+the clip because μ may be several updates old: clipping around it would freeze every
+token the learner has already moved past. At max_staleness 0, μ and π_old are the same
+version (they differ by engine rounding alone, `policy/<adapter>/logprob_gap`), and the
+loss is left exactly the on-policy one.
 """
 
 from __future__ import annotations
@@ -131,6 +142,33 @@ def _old_logprobs(
             old[i] = part.clone()
 
 
+def behaviour_weights(
+    old: torch.Tensor, sample_logprobs: list[float], cap: float
+) -> torch.Tensor:
+    """π_old/μ per token, truncated at `cap`: μ's log-probs are what inference reported."""
+    mu = torch.tensor(sample_logprobs[: len(old)], dtype=old.dtype)
+    return torch.exp(old - mu).clamp(max=cap)
+
+
+@dataclass
+class ImportanceStats:
+    tokens: int = 0
+    total: float = 0.0
+    truncated: int = 0
+
+    def add(self, weights: torch.Tensor, cap: float) -> None:
+        self.tokens += len(weights)
+        self.total += float(weights.sum())
+        self.truncated += int((weights >= cap).sum())
+
+    def metrics(self) -> dict[str, float]:
+        n = max(self.tokens, 1)
+        return {
+            "train/importance_weight_mean": self.total / n,
+            "train/importance_truncated_fraction": self.truncated / n,
+        }
+
+
 def _grads(policy: MultiAdapterPolicy, p: str) -> list[torch.Tensor]:
     return [
         x.grad.detach().clone() if x.grad is not None else torch.zeros_like(x)
@@ -164,6 +202,8 @@ def grpo_step(
     rng = random.Random(spec.seed * 1_000_003 + policy.updates)
     plan = plan_mini_batches(seqs, g.mini_batch_size, g.epochs, rng)
     signals = diagnostics.RoleSignals()
+    off_policy = spec.train.max_staleness > 0
+    importance = ImportanceStats()
     old: list[torch.Tensor | None] = [None] * len(seqs)
     diag_s = 0.0
     budget = g.max_tokens_per_micro_batch
@@ -197,7 +237,12 @@ def grpo_step(
                     if o is None:  # the first mini-batch: π_old is this very forward
                         o = old[i] = part.detach().clone()
                     olds.append(o)
-                    ws.append(torch.full((n,), weight_of[i]))
+                    w = torch.full((n,), weight_of[i])
+                    if off_policy:
+                        iw = behaviour_weights(o, seqs[i].sample_logprobs, g.importance_cap)
+                        importance.add(iw, g.importance_cap)
+                        w = w * iw
+                    ws.append(w)
                     advs.append(torch.full((n,), seqs[i].advantage))
                 loss, ls = clipped_loss(
                     logp,
@@ -256,4 +301,6 @@ def grpo_step(
         m[f"policy/{p}/clip_low_fraction"] = sum(s.clipped_low for s in sts) / tokens
         m[f"policy/{p}/clip_high_fraction"] = sum(s.clipped_high for s in sts) / tokens
     m["time/diagnostics_s"] = diag_s
+    if off_policy:
+        m.update(importance.metrics())
     return result

@@ -123,6 +123,7 @@ class Episode:
                 seed=turn_seed(self.task, role, slot, nth),
             ),
             request_id=f"{self.task.id}:{role}:{slot}:{uuid.uuid4().hex[:6]}",
+            newest_adapter=self.task.staleness_scope == "turn",
         )
         last_error: grpc.aio.AioRpcError | None = None
         if not self.stubs:
