@@ -1,0 +1,207 @@
+"""End-to-end step throughput: the engine alone, marl synchronous, marl one step ahead.
+
+On the shipped demo model, with the same problems, sampling and group size, for the
+Voting and Single workflows:
+
+(a) engine alone: every turn prompt of (b)'s steps, each step's as one batch, generated
+    by an in-process engine with (b)'s final adapter loaded; no workflow order, no
+    learner, no Redis: the ceiling on rollout tokens/s;
+(b) marl synchronous (`train.max_staleness: 0`), every service its own process;
+(c) marl one step ahead (`train.max_staleness: 1`): workers generate step t+1 while the
+    learner trains step t.
+
+Per marl run: median step time over the steps after the first two (warm-up), steps/s,
+rollout tokens/s while the learner waited for rollouts (the generation rate of a
+synchronous run; an overlapped run waits less than it generates), rollout tokens per
+second of the whole run, and the share of step time the
+learner spent waiting for rollouts (generation and reward, which the workers compute
+with it), training, pushing adapters, and the rest (queueing tasks, logging). Then the
+ratios: (b)'s rollout tokens/s over (a)'s, and (c)'s step throughput over (b)'s.
+Prints a table, then one JSON object as the very last line.
+
+    python bench/e2e.py [--steps 12] [--problems 16] [--group 8] [--workflows voting,single]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import yaml
+from safetensors.torch import load_file
+
+from marl.demo_model import demo_model_dir
+from marl.launcher import Cluster
+from marl.v1 import learner_pb2, learner_pb2_grpc
+from services.inference.engine import AdapterWeights, GenerationRequest
+
+WARMUP_STEPS = 2
+
+
+def spec(workflow: str, out: Path, args: argparse.Namespace, staleness: int) -> dict[str, Any]:
+    return {
+        "name": f"e2e-{workflow}-k{staleness}",
+        "workflow": workflow,
+        "policy": "shared",
+        "seed": 0,
+        "out_dir": str(out),
+        "model": {"path": str(demo_model_dir())},
+        "lora": {"rank": args.rank, "alpha": 2 * args.rank},
+        "optim": {"lr": 2e-3, "warmup_steps": 0},
+        "grpo": {"group_size": args.group},
+        "train": {
+            "steps": args.steps,
+            "problems_per_step": args.problems,
+            "val_interval": 100_000,
+            "val_problems": 1,
+            "checkpoint_interval": args.steps,
+            "rollouts_logged": args.problems * args.group,
+            "max_staleness": staleness,
+        },
+        "sampling": {"temperature": 1.0, "max_tokens": args.max_tokens},
+        "data": {"train": "arithmetic", "val": "arithmetic"},
+    }
+
+
+def run_marl(cluster: Cluster, body: dict[str, Any]) -> None:
+    stub = learner_pb2_grpc.LearnerStub(grpc.insecure_channel(cluster.endpoints()["learner"]))
+    request = learner_pb2.SubmitRunRequest(spec_yaml=yaml.safe_dump(body))
+    run_id = stub.SubmitRun(request, timeout=60).run_id
+    while True:
+        run = stub.GetRun(learner_pb2.GetRunRequest(run_id=run_id), timeout=30)
+        if run.state in ("SUCCEEDED", "FAILED", "CANCELLED"):
+            break
+        time.sleep(0.5)
+    if run.state != "SUCCEEDED":
+        raise SystemExit(f"run {run_id} ended {run.state}: {run.error}")
+
+
+def turns_of(out: Path, step: int) -> list[dict[str, Any]]:
+    path = out / "rollouts" / f"step_{step:06d}.jsonl"
+    return [t for line in path.read_text().splitlines() for t in json.loads(line)["turns"]]
+
+
+def figures_of(out: Path) -> dict[str, float]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["step"] > WARMUP_STEPS]
+    tokens = [sum(len(t["completion_ids"]) for t in turns_of(out, r["step"])) for r in steps]
+    total = sum(r["time/step_s"] for r in steps)
+    waited = sum(r["time/rollout_s"] for r in steps)
+    trained = sum(r["time/update_s"] for r in steps)
+    pushed = sum(r["time/push_s"] for r in steps)
+    return {
+        "step_s": statistics.median(r["time/step_s"] for r in steps),
+        "steps_per_s": len(steps) / total,
+        "rollout_tok_s": sum(tokens) / max(waited, 1e-9),
+        "tok_s": sum(tokens) / total,
+        "tok_per_step": statistics.mean(tokens),
+        "share_rollout_wait": waited / total,
+        "share_update": trained / total,
+        "share_push": pushed / total,
+        "share_other": 1 - (waited + trained + pushed) / total,
+        "reward": statistics.mean(r["train/reward_mean"] for r in steps),
+    }
+
+
+async def engine_alone(out: Path, args: argparse.Namespace) -> float:
+    """Tokens/s of each of the run's steps' turn prompts as one batch, median over steps."""
+    from services.inference.factory import make_engine
+
+    engine = await asyncio.to_thread(
+        make_engine, args.engine, str(demo_model_dir()), "float32", args.rank
+    )
+    adapter = out / "checkpoints" / f"step_{args.steps:06d}" / "adapters" / "shared"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    await engine.load_adapter(AdapterWeights(
+        "bench/final@0", 1, config["r"], float(config["lora_alpha"]),
+        sorted(config["target_modules"]), load_file(str(adapter / "adapter_model.safetensors")),
+    ))
+    rates = []
+    for step in range(1, args.steps + 1):
+        requests = [
+            GenerationRequest(t["prompt_ids"], "bench/final@0", args.max_tokens, temperature=1.0)
+            for t in turns_of(out, step)
+        ]
+        start = time.perf_counter()
+        results = await asyncio.gather(*(engine.generate(r) for r in requests))
+        elapsed = time.perf_counter() - start
+        if step > WARMUP_STEPS:
+            rates.append(sum(len(r.token_ids) for r in results) / elapsed)
+    await engine.close()
+    return statistics.median(rates)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--problems", type=int, default=16)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--engine", default="transformers", choices=["transformers", "vllm"])
+    p.add_argument("--workflows", default="voting,single")
+    args = p.parse_args()
+    if args.steps <= WARMUP_STEPS:
+        p.error(f"--steps must be over the {WARMUP_STEPS} warm-up steps")
+    return args
+
+
+def print_table(figures: dict[str, Any]) -> None:
+    print(f"\ne2e bench: engine={figures['engine']}, {figures['problems']} problems x group "
+          f"{figures['group']}, <= {figures['max_tokens']} tokens per turn, steps after the "
+          f"first {WARMUP_STEPS} of {figures['steps']}")
+    head = ("workflow", "run", "step s", "steps/s", "tok/s waited", "tok/s", "wait", "train",
+            "push", "other", "reward")
+    print("{:<9} {:<10} {:>7} {:>8} {:>13} {:>7} {:>6} {:>6} {:>6} {:>6} {:>7}".format(*head))
+    for wf in figures["workflows"]:
+        row = figures[wf]
+        print(f"{wf:<9} {'engine':<10} {'':>7} {'':>8} {row['engine_tok_s']:>13.0f}")
+        for run in ("sync", "k1"):
+            f = row[run]
+            print(f"{wf:<9} {run:<10} {f['step_s']:>7.3f} {f['steps_per_s']:>8.3f} "
+                  f"{f['rollout_tok_s']:>13.0f} {f['tok_s']:>7.0f} {f['share_rollout_wait']:>6.2f} "
+                  f"{f['share_update']:>6.2f} {f['share_push']:>6.2f} {f['share_other']:>6.2f} "
+                  f"{f['reward']:>7.3f}")
+        print(f"{wf:<9} sync rollout tok/s / engine alone: {row['sync_vs_engine']:.2f}x; "
+              f"K=1 / sync steps/s: {row['k1_vs_sync']:.2f}x")
+
+
+def main() -> None:
+    args = parse_args()
+    workflows = args.workflows.split(",")
+    figures: dict[str, Any] = {
+        "engine": args.engine, "steps": args.steps, "problems": args.problems,
+        "group": args.group, "max_tokens": args.max_tokens, "rank": args.rank,
+        "workers": args.workers, "workflows": workflows,
+    }
+    with tempfile.TemporaryDirectory(prefix="marl-e2e-") as tmp:
+        root = Path(tmp)
+        cluster = Cluster(root / "cluster", str(demo_model_dir()), engine=args.engine,
+                          sandbox_replicas=0, workflow_replicas=args.workers,
+                          max_lora_rank=args.rank)
+        with cluster:
+            for wf in workflows:
+                for run, k in (("sync", 0), ("k1", 1)):
+                    run_marl(cluster, spec(wf, root / f"{wf}-{run}", args, k))
+        for wf in workflows:
+            row: dict[str, Any] = {run: figures_of(root / f"{wf}-{run}") for run in ("sync", "k1")}
+            row["engine_tok_s"] = asyncio.run(engine_alone(root / f"{wf}-sync", args))
+            row["sync_vs_engine"] = row["sync"]["rollout_tok_s"] / row["engine_tok_s"]
+            row["k1_vs_sync"] = row["k1"]["steps_per_s"] / row["sync"]["steps_per_s"]
+            figures[wf] = row
+    print_table(figures)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
