@@ -29,3 +29,8 @@ def test_demo_trains_on_the_vllm_engine(tmp_path: Path) -> None:
     ]
     # the third update's rollouts were served by version 2 of the shared adapter
     assert turns and all(t["adapter"]["version"] == 2 for t in turns), turns[0]["adapter"]
+    # vLLM sampled with the version the learner trained: the engines disagree only by rounding
+    gaps = [r["policy/shared/logprob_gap"] for r in rows[1:]]
+    print(f"\nvLLM vs learner log-prob gap per step: {gaps}")
+    assert all(g < 0.1 for g in gaps), gaps
+    assert not [a for r in rows for a in r.get("alarms", []) if "sampler_mismatch" in a]
