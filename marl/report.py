@@ -66,11 +66,19 @@ def _roles(records: list[dict[str, Any]], prefix: str, suffix: str) -> list[str]
 
 
 def _mark_alarms(ax: Any, alarms: list[Alarm]) -> None:
-    for a in alarms:
+    """A dashed line per alarm, its label one row lower than any label close to its left,
+    so alarms a few steps apart stay readable."""
+    low, high = ax.get_xlim()
+    near = 0.15 * (high - low)
+    placed: list[tuple[int, int]] = []
+    for a in sorted(alarms, key=lambda a: a.step):
+        taken = {row for step, row in placed if a.step - step < near}
+        row = min(r for r in range(len(placed) + 1) if r not in taken)
+        placed.append((a.step, row))
         ax.axvline(a.step, color="crimson", linestyle="--", linewidth=1, alpha=0.7)
         ax.annotate(
             f"{a.mechanism}\n[{a.role}]",
-            (a.step, 1.0),
+            (a.step, 1.0 - 0.09 * row),
             xycoords=("data", "axes fraction"),
             fontsize=6,
             color="crimson",
