@@ -52,7 +52,8 @@ def run(cluster: Cluster, tmp_path: Path, name: str, problems: int = 4,
 def test_one_step_ahead_trains_turns_at_most_one_version_old(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    out, run_id = run(cluster, tmp_path, "k1", max_staleness=1)
+    out, run_id = run(cluster, tmp_path, "k1", max_staleness=1, checkpoint_interval=1,
+                      checkpoints_kept=STEPS)
     records = [r for r in rows(out) if r["step"] > 0]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for r in records:
@@ -67,6 +68,11 @@ def test_one_step_ahead_trains_turns_at_most_one_version_old(
                     for t in r["turns"]}
         assert versions == {step - 2}, (step, versions)
     assert {t["adapter"]["version"] for r in logged_rollouts(out, 1) for t in r["turns"]} == {0}
+    # each checkpoint's data position is where its next step's problems start, though the
+    # learner had drawn that step's problems already: a resumed run queues them again
+    for step in range(1, STEPS + 1):
+        state = json.loads((out / "checkpoints" / f"step_{step:06d}" / "state.json").read_text())
+        assert state["data_position"] == 4 * step, (step, state)
 
 
 def test_synchronous_run_is_on_policy(cluster: Cluster, tmp_path: Path) -> None:
