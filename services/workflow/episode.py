@@ -4,10 +4,16 @@ Workflows (`marl/workflows/`) only call `turn(role, slot, messages)`; this
 renders the messages, checks the prompt against its cap, picks the role's
 adapter version, derives the turn's sampling seed, and records every turn's
 token ids, sampling log-probs, finish reason and serving adapter version.
+
+Turns are recorded in the order they started, not the order they finished: parallel
+slots (Voting's generators) finish in whatever order the engine gets to them, and the
+learner's mini-batch shuffle is seeded over the sequences in rollout order, so a
+finishing order in the record would make the same rollouts train differently.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import uuid
 from collections.abc import Awaitable, Callable
@@ -51,6 +57,10 @@ class Episode:
         self.tokenizer = tokenizer
         self.stubs = stubs
         self.turns: list[Turn] = []
+        """Every finished turn, in the order the turns started."""
+        self._turn_starts: list[int] = []
+        """The start number of each of `turns`."""
+        self._started_turns = 0
         self._caps = caps
         self._facts: dict[str, float] = {}
         self._oracle = oracle
@@ -92,6 +102,12 @@ class Episode:
         return list(self.tokenizer.encode(str(text), add_special_tokens=False))
 
     async def turn(self, role: str, slot: int, messages: list[dict[str, str]]) -> str:
+        return (await self.run_turn(role, slot, messages)).text
+
+    async def run_turn(self, role: str, slot: int, messages: list[dict[str, str]]) -> Turn:
+        """One role turn through inference; its record, also kept in `turns`."""
+        start = self._started_turns
+        self._started_turns += 1
         ref = self.task.adapters.get(role)
         if ref is None:
             raise ValueError(
@@ -147,16 +163,17 @@ class Episode:
         self._next += 1
         completion = list(resp.token_ids)
         text = self.tokenizer.decode(completion, skip_special_tokens=True)
-        self.turns.append(
-            Turn(
-                role=role,
-                slot=slot,
-                prompt_ids=prompt_ids,
-                completion_ids=completion,
-                logprobs=list(resp.logprobs),
-                finish_reason=resp.finish_reason,
-                adapter=AdapterRef(resp.served_by.name, resp.served_by.version),
-                text=text,
-            )
+        record = Turn(
+            role=role,
+            slot=slot,
+            prompt_ids=prompt_ids,
+            completion_ids=completion,
+            logprobs=list(resp.logprobs),
+            finish_reason=resp.finish_reason,
+            adapter=AdapterRef(resp.served_by.name, resp.served_by.version),
+            text=str(text),
         )
-        return str(text)
+        at = bisect.bisect(self._turn_starts, start)
+        self._turn_starts.insert(at, start)
+        self.turns.insert(at, record)
+        return record

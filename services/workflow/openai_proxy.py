@@ -119,18 +119,14 @@ class EpisodeProxy:
         if sampling.stop:
             raise oa.bad("stop", "not supported inside an episode: the run's sampling applies")
         role, slot = role_and_slot(req.model, list(episode.task.adapters))
-        # `turn` appends its Turn and returns without yielding to the loop, so the
-        # last turn right after it returns is this call's, even with parallel calls.
         try:
-            await episode.turn(role, slot, req.messages)
+            turn = await episode.run_turn(role, slot, req.messages)
         except Exception as err:  # re-raised by raise_failure, where the worker judges it
             if getattr(episode, _FAILURE_ATTR, None) is None:
                 setattr(episode, _FAILURE_ATTR, err)
             raise oa.OpenAIError(503, f"this turn could not run, so the episode has failed: "
                                       f"{type(err).__name__}: {err}", kind="server_error",
                                  retry=False) from None
-        turn = episode.turns[-1]
-        assert turn.role == role and turn.slot == slot
         generated = oa.Generated(turn.text, list(turn.completion_ids), list(turn.logprobs),
                                  turn.finish_reason)
         return oa.chat_body(req.model, [generated], list(turn.prompt_ids), sampling,

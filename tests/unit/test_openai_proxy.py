@@ -44,17 +44,20 @@ class StandInEpisode:
     calls: list[tuple[str, int, list[dict[str, str]]]] = field(default_factory=list)
 
     async def turn(self, role: str, slot: int, messages: list[dict[str, str]]) -> str:
+        return (await self.run_turn(role, slot, messages)).text
+
+    async def run_turn(self, role: str, slot: int, messages: list[dict[str, str]]) -> Turn:
         self.calls.append((role, slot, messages))
         if messages[-1]["content"] == "too long":
             raise EpisodeError("the drafter prompt is over the prompt cap")
         await asyncio.sleep(0.01 * (3 - slot))  # parallel calls finish out of order
         text = f"{role}{slot}"
         ref = self.task.adapters[role]
-        self.turns.append(Turn(role=role, slot=slot, prompt_ids=[1, 2, slot],
-                               completion_ids=[ord(c) for c in text],
-                               logprobs=[-0.5] * len(text), finish_reason="stop",
-                               adapter=ref, text=text))
-        return text
+        record = Turn(role=role, slot=slot, prompt_ids=[1, 2, slot],
+                      completion_ids=[ord(c) for c in text], logprobs=[-0.5] * len(text),
+                      finish_reason="stop", adapter=ref, text=text)
+        self.turns.append(record)
+        return record
 
 
 def episode() -> StandInEpisode:

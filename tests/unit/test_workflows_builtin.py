@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from workflows_scripted import CODE, MATH, ScriptedEngine, make_task, run_episode
 
 from marl.config import WorkflowCaps
+from marl.v1 import inference_pb2
 from marl.workflows import prompts
 from marl.workflows.eval_opt import verdict
 
@@ -155,3 +158,26 @@ def test_new_prompts_keep_the_task_answer_format() -> None:
                          prompts.worker(problem, "p"), prompts.synthesizer(problem, ["x"])):
             assert messages[0]["content"].endswith(fmt)
         assert "\\boxed{Correct}" in prompts.evaluator(problem, "a")[0]["content"]
+
+
+class ReverseFinishing(ScriptedEngine):
+    """Slot 0 answers last: parallel generators finish in the reverse of their start order."""
+
+    async def Generate(  # noqa: N802
+        self, request: inference_pb2.GenerateRequest, timeout: float | None = None
+    ) -> inference_pb2.GenerateResponse:
+        slot = int(request.request_id.rsplit(":", 3)[2])
+        await asyncio.sleep(0.03 * (3 - slot))
+        return await super().Generate(request, timeout)
+
+
+async def test_turns_are_recorded_in_start_order_whatever_order_they_finish() -> None:
+    engine = ReverseFinishing(lambda role, slot, prompt: f"\\boxed{{{slot}}}")
+    episode, _ = await run_episode(make_task("voting"), engine)
+    # slot 2 got its answer first, slot 0 last
+    assert [s.slot for s in sorted(engine.seen, key=lambda s: s.ended)][:3] == [2, 1, 0]
+    # the record follows the start order, so equal rollouts train equally (the learner's
+    # mini-batch shuffle is seeded over sequences in rollout order)
+    assert [(t.role, t.slot) for t in episode.turns] == [
+        ("generator", 0), ("generator", 1), ("generator", 2), ("aggregator", 0)
+    ]
