@@ -36,9 +36,9 @@ from typing import Any
 
 import grpc
 import yaml
-from safetensors.torch import load_file
 
 from marl.demo_model import demo_model_dir
+from marl.episode_cli import load_checkpoint
 from marl.launcher import Cluster
 from marl.v1 import learner_pb2, learner_pb2_grpc
 from services.inference.engine import AdapterWeights, GenerationRequest
@@ -118,11 +118,9 @@ async def engine_alone(out: Path, args: argparse.Namespace) -> float:
     engine = await asyncio.to_thread(
         make_engine, args.engine, str(demo_model_dir()), "float32", args.rank
     )
-    adapter = out / "checkpoints" / f"step_{args.steps:06d}" / "adapters" / "shared"
-    config = json.loads((adapter / "adapter_config.json").read_text())
+    final = load_checkpoint(str(out), ["shared"])["shared"]
     await engine.load_adapter(AdapterWeights(
-        "bench/final@0", 1, config["r"], float(config["lora_alpha"]),
-        sorted(config["target_modules"]), load_file(str(adapter / "adapter_model.safetensors")),
+        "bench/final@0", 1, final.rank, final.alpha, final.target_modules, final.state
     ))
     rates = []
     for step in range(1, args.steps + 1):
