@@ -23,8 +23,8 @@ def turn_lags(rollout: Rollout, current: dict[str, int]) -> list[int]:
 def drop_stale(
     rollouts: list[Rollout], current: dict[str, int], max_staleness: int
 ) -> tuple[list[Rollout], dict[str, float]]:
-    """The rollouts with every one older than `max_staleness` versions turned into an
-    error, and the step's staleness metrics."""
+    """The rollouts, each one with a turn more than `max_staleness` versions behind
+    turned into an error, and the step's staleness metrics."""
     out: list[Rollout] = []
     lags: list[int] = []
     dropped = 0
