@@ -151,6 +151,17 @@ class TrainSpec(_Spec):
     version the replica holds (at least the task's)."""
 
 
+class LearnerSpec(_Spec):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the learner trains: `auto` takes CUDA when torch sees a GPU. With
+    `model.dtype: bfloat16` the base weights are bf16 while LoRA weights and optimizer
+    state stay fp32."""
+    world_size: int = Field(1, ge=1, le=64)
+    """Learner processes on this machine. Above 1, each holds an FSDP2 shard of the frozen
+    decoder layers with their LoRA weights (gloo on CPU, NCCL on GPU, one GPU per
+    process), and each step's sequences are split between them by tokens."""
+
+
 class SamplingSpec(_Spec):
     temperature: float = Field(0.7, ge=0)
     """Rollout temperature."""
@@ -203,7 +214,10 @@ class RewardSpec(_Spec):
 
 
 AlarmKind = Literal[
-    "gradient_amplification", "sp_role_capture", "entropy_collapse", "accuracy_cliff",
+    "gradient_amplification",
+    "sp_role_capture",
+    "entropy_collapse",
+    "accuracy_cliff",
     "sampler_mismatch",
 ]
 GuardAction = Literal["warn", "stop", "rollback"]
@@ -309,6 +323,7 @@ class RunSpec(_Spec):
     optim: OptimSpec = OptimSpec()
     grpo: GRPOSpec = GRPOSpec()
     train: TrainSpec = TrainSpec()
+    learner: LearnerSpec = LearnerSpec()
     sampling: SamplingSpec = SamplingSpec()
     caps: WorkflowCaps = WorkflowCaps()
     data: DataSpec = DataSpec()
@@ -370,9 +385,12 @@ def parse_spec(data: dict[str, Any]) -> RunSpec:
         spec = RunSpec.model_validate(data)
     except ValidationError as err:
         raise SpecError(_format_validation_error(err)) from None
-    for field, value in (("model.path", spec.model.path), ("out_dir", spec.out_dir),
-                         ("data.train_path", spec.data.train_path),
-                         ("data.val_path", spec.data.val_path)):
+    for field, value in (
+        ("model.path", spec.model.path),
+        ("out_dir", spec.out_dir),
+        ("data.train_path", spec.data.train_path),
+        ("data.val_path", spec.data.val_path),
+    ):
         if value is not None:
             check_path(value, field, SpecError)
     return spec

@@ -17,6 +17,7 @@ import json
 import os
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,36 +25,66 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.learner.policy import MultiAdapterPolicy
+from services.learner.ranks import PolicyHandle
 
 
 def adapter_dir(ckpt: Path, policy: str) -> Path:
     return ckpt / "adapters" / policy
 
 
-def save(out_dir: Path, step: int, policy: MultiAdapterPolicy, state: dict[str, Any]) -> Path:
+@dataclass
+class Snapshot:
+    """A policy's whole trainable state, on the CPU, whatever its world size: each
+    adapter's weights, its LoRA config, AdamW and scheduler states, and the RNG."""
+
+    adapters: dict[str, dict[str, torch.Tensor]]
+    configs: dict[str, Any]
+    optimizers: dict[str, dict[str, Any]]
+    schedulers: dict[str, dict[str, Any]]
+    updates: int
+    rng: dict[str, Any]
+
+
+def snapshot(policy: MultiAdapterPolicy) -> Snapshot:
+    """Collective over the policy's ranks: call it through `PolicyHandle.call`."""
+    return Snapshot(
+        {p: policy.state_dict(p) for p in policy.policies},
+        {p: policy.model.peft_config[p] for p in policy.policies},
+        {p: policy.optimizer_state(p) for p in policy.policies},
+        {p: policy.schedulers[p].state_dict() for p in policy.policies},
+        policy.updates,
+        {"torch": torch.get_rng_state(), "python": random.getstate()},
+    )
+
+
+def restore_snapshot(policy: MultiAdapterPolicy, snap: Snapshot) -> None:
+    for p in policy.policies:
+        policy.load_state_dict(p, snap.adapters[p])
+        policy.load_optimizer_state(p, snap.optimizers[p])
+        policy.schedulers[p].load_state_dict(snap.schedulers[p])
+    torch.set_rng_state(snap.rng["torch"])
+    random.setstate(snap.rng["python"])
+    policy.updates = snap.updates
+
+
+def save(out_dir: Path, step: int, policy: PolicyHandle, state: dict[str, Any]) -> Path:
+    snap = policy.call(snapshot)
     root = out_dir / "checkpoints"
     final = root / f"step_{step:06d}"
     tmp = root / f".step_{step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for p in policy.policies:
+    for p, weights in snap.adapters.items():
         folder = adapter_dir(tmp, p)
         folder.mkdir(parents=True)
-        save_file(
-            policy.state_dict(p),
-            str(folder / "adapter_model.safetensors"),
-            metadata={"format": "pt"},
-        )
-        policy.model.peft_config[p].save_pretrained(str(folder))
+        save_file(weights, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+        snap.configs[p].save_pretrained(str(folder))
         torch.save(
-            {
-                "optimizer": policy.optimizers[p].state_dict(),
-                "scheduler": policy.schedulers[p].state_dict(),
-            },
+            {"optimizer": snap.optimizers[p], "scheduler": snap.schedulers[p]},
             tmp / f"optimizer_{p}.pt",
         )
-    torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps({**state, "step": step, "updates": policy.updates}))
+    torch.save(snap.rng, tmp / "rng.pt")
+    (tmp / "state.json").write_text(json.dumps({**state, "step": step, "updates": snap.updates}))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     _point(root, "latest", final.name)
@@ -66,23 +97,20 @@ def _point(root: Path, name: str, target: str) -> None:
     os.replace(tmp, root / name)
 
 
-def load(ckpt: Path, policy: MultiAdapterPolicy) -> dict[str, Any]:
-    for p in policy.policies:
-        policy.load_state_dict(
-            p, load_file(str(adapter_dir(ckpt, p) / "adapter_model.safetensors"))
-        )
-        states = torch.load(ckpt / f"optimizer_{p}.pt", weights_only=False)
-        policy.optimizers[p].load_state_dict(states["optimizer"])
-        policy.schedulers[p].load_state_dict(states["scheduler"])
-    rng = torch.load(ckpt / "rng.pt", weights_only=False)
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
+def load(ckpt: Path, policy: PolicyHandle) -> dict[str, Any]:
     state: dict[str, Any] = json.loads((ckpt / "state.json").read_text())
-    policy.updates = int(state["updates"])
+    adapters, optimizers, schedulers = {}, {}, {}
+    for p in policy.policies:
+        adapters[p] = load_file(str(adapter_dir(ckpt, p) / "adapter_model.safetensors"))
+        states = torch.load(ckpt / f"optimizer_{p}.pt", weights_only=False)
+        optimizers[p], schedulers[p] = states["optimizer"], states["scheduler"]
+    rng = torch.load(ckpt / "rng.pt", weights_only=False)
+    snap = Snapshot(adapters, {}, optimizers, schedulers, int(state["updates"]), rng)
+    policy.call(restore_snapshot, snap)
     return state
 
 
-def load_latest(out_dir: Path, policy: MultiAdapterPolicy) -> dict[str, Any] | None:
+def load_latest(out_dir: Path, policy: PolicyHandle) -> dict[str, Any] | None:
     latest = out_dir / "checkpoints" / "latest"
     if not latest.exists():
         return None
@@ -122,7 +150,7 @@ class Checkpointer:
     def save(
         self,
         step: int,
-        policy: MultiAdapterPolicy,
+        policy: PolicyHandle,
         state: dict[str, Any],
         val_accuracy: float | None,
     ) -> Path:
@@ -147,5 +175,5 @@ class Checkpointer:
         for tmp in self.root.glob(".step_*.tmp"):
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def restore(self, policy: MultiAdapterPolicy) -> dict[str, Any] | None:
+    def restore(self, policy: PolicyHandle) -> dict[str, Any] | None:
         return load_latest(self.out_dir, policy)

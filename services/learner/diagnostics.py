@@ -77,7 +77,7 @@ class RoleSignals:
         n = len(old)
         r.tokens += n
         r.nll_old -= float(old.sum())
-        d = old - torch.tensor(s.sample_logprobs[:n], dtype=old.dtype)
+        d = old - torch.tensor(s.sample_logprobs[:n], dtype=old.dtype, device=old.device)
         gap = float(d.abs().sum())
         r.logprob_gap += gap
         p = self.policies[s.policy]
@@ -165,14 +165,15 @@ def sampled_drift(
             base = policy.features(b.input_ids, b.attention_mask, base=True)[rows, cols]
             logp_all = torch.log_softmax(policy.head(feats).float() / t, -1)
             logq_all = torch.log_softmax(policy.head(base).float() / t, -1)
-            new_all = logp_all.gather(-1, b.input_ids[rows, cols + 1][:, None]).squeeze(-1)
+            targets = b.input_ids[rows, cols + 1].to(logp_all.device)
+            new_all = logp_all.gather(-1, targets[:, None]).squeeze(-1)
             sizes = [len(picked[i]) for i in chunk]
             parts = zip(
                 new_all.split(sizes), logp_all.split(sizes), logq_all.split(sizes), strict=True
             )
             for i, (new, logp, logq) in zip(chunk, parts, strict=True):
                 s = seqs[i]
-                pos = torch.tensor(picked[i], dtype=torch.long)
+                pos = torch.tensor(picked[i], dtype=torch.long, device=new.device)
                 ratio = torch.exp(new - old[i][pos])
                 kl = (logp.exp() * (logp - logq)).sum(-1)
                 r = signals.roles[s.role]

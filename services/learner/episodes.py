@@ -83,7 +83,13 @@ class Episodes:
 
     def make_task(self, problem: Problem, step: int, kind: str, sample: int) -> Task:
         return Task.for_spec(
-            self.spec, self.run_id, problem, step, kind, sample, self.adapters()  # type: ignore[arg-type]
+            self.spec,
+            self.run_id,
+            problem,
+            step,
+            kind,  # type: ignore[arg-type]
+            sample,
+            self.adapters(),
         )
 
     def submit(self, problems: list[Problem], step: int, kind: str) -> Pending:

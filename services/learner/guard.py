@@ -21,6 +21,7 @@ from services.learner.errors import RunFailed
 
 if TYPE_CHECKING:
     from services.learner.policy import MultiAdapterPolicy
+    from services.learner.ranks import PolicyHandle
 
 
 class GuardStopped(RunFailed):
@@ -60,7 +61,7 @@ class Guard:
                 return Action("rollback", alarm, f"guard.on_alarm.{alarm.mechanism}=rollback")
         return None
 
-    def roll_back(self, policy: MultiAdapterPolicy, checkpointer: Checkpointer) -> str | None:
+    def roll_back(self, policy: PolicyHandle, checkpointer: Checkpointer) -> str | None:
         """Load the best checkpoint and lower every learning rate; what was done, in words,
         or None when the run has no checkpoint yet."""
         source = checkpointer.root / "best"
@@ -72,17 +73,26 @@ class Guard:
         state = checkpoint.load(source, policy)
         self.rollbacks += 1
         factor = self.spec.guard.rollback_lr_factor**self.rollbacks
-        for name in policy.policies:
-            target = self.spec.optim.policy_lr.get(name, self.spec.optim.lr) * factor
-            scheduler = policy.schedulers[name]
-            scheduler.base_lrs = [target for _ in scheduler.base_lrs]
-            groups = policy.optimizers[name].param_groups
-            for group, scale in zip(groups, scheduler.lr_lambdas, strict=True):
-                group["lr"] = target * scale(scheduler.last_epoch)
-            scheduler._last_lr = [group["lr"] for group in groups]  # type: ignore[attr-defined]
+        targets = {
+            name: self.spec.optim.policy_lr.get(name, self.spec.optim.lr) * factor
+            for name in policy.policies
+        }
+        policy.call(set_learning_rates, targets)
         accuracy = state.get("val_accuracy")
         at = "" if accuracy is None else f" (validation accuracy {accuracy:.3f})"
         return (
             f"adapters back to step {state['step']}{at}, learning rate x{factor:g} "
             f"(rollback {self.rollbacks} of {self.spec.guard.max_rollbacks})"
         )
+
+
+def set_learning_rates(policy: MultiAdapterPolicy, targets: dict[str, float]) -> None:
+    """Each adapter's peak learning rate becomes its target; the schedule goes on from
+    where it is."""
+    for name, target in targets.items():
+        scheduler = policy.schedulers[name]
+        scheduler.base_lrs = [target for _ in scheduler.base_lrs]
+        groups = policy.optimizers[name].param_groups
+        for group, scale in zip(groups, scheduler.lr_lambdas, strict=True):
+            group["lr"] = target * scale(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in groups]  # type: ignore[attr-defined]

@@ -12,7 +12,7 @@ import math
 import warnings
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from peft import (
@@ -26,10 +26,12 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from marl.config import LoraSpec, OptimSpec
+from services.learner import fsdp
 
 LOGIT_CHUNK_BYTES = 128 * 2**20
 """fp32 logits per log-prob chunk (about 220 positions at Qwen3's 152k vocabulary)."""
 
+R = TypeVar("R")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -82,10 +84,16 @@ class MultiAdapterPolicy:
         total_steps: int,
         dtype: str = "float32",
         seed: int = 0,
+        device: str = "cpu",
     ):
+        """`device`: where the model trains. When this process is one rank of an
+        initialised torch.distributed group of more than one, the decoder layers are
+        sharded over it (fsdp.shard) and every method here is collective: each rank must
+        call it, in the same order."""
         return_freed_memory()
         torch.manual_seed(seed)
         self.policies = list(policies)
+        self.device = torch.device(device)
         tok = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
         base = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype])
@@ -100,6 +108,13 @@ class MultiAdapterPolicy:
         self.model: PeftModel = get_peft_model(base, config, adapter_name=self.policies[0])
         for name in self.policies[1:]:
             self.model.add_adapter(name, config)
+        for name, param in self.model.named_parameters():
+            if "lora_" in name:  # PEFT upcasts a new adapter only for its first one
+                param.data = param.data.float()
+        self.model.to(self.device)
+        self.rank, self.world_size = fsdp.rank_and_size()
+        if self.world_size > 1:
+            fsdp.shard(self.model)
         self.optim = optim
         self.total_steps = total_steps
         self.optimizers = {
@@ -124,6 +139,11 @@ class MultiAdapterPolicy:
         self._checkpointing = False
         self._split = self._split_check()
 
+    def call(self, fn: Callable[..., R], *args: Any) -> R:
+        """`fn(self, *args)`: the policy is its own handle when it lives in this process
+        (ranks.PolicyHandle)."""
+        return fn(self, *args)
+
     def parameters(self, policy: str) -> list[torch.nn.Parameter]:
         tag = f".{policy}."
         params = [p for n, p in self.model.named_parameters() if "lora_" in n and tag in n]
@@ -140,16 +160,41 @@ class MultiAdapterPolicy:
         return sorted(config.target_modules)
 
     def state_dict(self, policy: str) -> dict[str, torch.Tensor]:
+        """The adapter's whole weights on the CPU (gathered from every rank's shard)."""
         return {
-            k: v.detach().clone()
+            k: fsdp.full(v.detach()).cpu().clone()
             for k, v in get_peft_model_state_dict(self.model, adapter_name=policy).items()
         }
 
     def load_state_dict(self, policy: str, state: dict[str, torch.Tensor]) -> None:
-        set_peft_model_state_dict(self.model, state, adapter_name=policy)
+        current = get_peft_model_state_dict(self.model, adapter_name=policy)
+        placed = {k: fsdp.like(current[k], v) if k in current else v for k, v in state.items()}
+        set_peft_model_state_dict(self.model, placed, adapter_name=policy)
+
+    def optimizer_state(self, policy: str) -> dict[str, Any]:
+        """The adapter's AdamW state, whole and on the CPU: the same on every world size."""
+        state = self.optimizers[policy].state_dict()
+        return {
+            "state": {
+                i: {k: fsdp.full(v).cpu() for k, v in per_param.items()}
+                for i, per_param in state["state"].items()
+            },
+            "param_groups": state["param_groups"],
+        }
+
+    def load_optimizer_state(self, policy: str, state: dict[str, Any]) -> None:
+        params = self.parameters(policy)
+        placed = {
+            i: {k: v if k == "step" else fsdp.like(params[int(i)], v) for k, v in per_param.items()}
+            for i, per_param in state["state"].items()
+        }
+        self.optimizers[policy].load_state_dict({**state, "state": placed})
 
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+        out = self.model(
+            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device)
+        )
+        return out.logits[:, :-1]  # type: ignore[no-any-return]
 
     def _split_check(self) -> bool:
         """Whether the causal LM's logits are exactly its output embeddings applied to its
@@ -162,7 +207,9 @@ class MultiAdapterPolicy:
             return False
         if decoder is None or head is None:
             return False
-        ids = torch.tensor([[self.pad_id, 1, 2, 3]]) % int(base.config.vocab_size)
+        ids = torch.tensor([[self.pad_id, 1, 2, 3]], device=self.device) % int(
+            base.config.vocab_size
+        )
         mask = torch.ones_like(ids)
         with torch.no_grad():
             want = base(input_ids=ids, attention_mask=mask).logits
@@ -179,10 +226,13 @@ class MultiAdapterPolicy:
         if base:
             with self.model.disable_adapter():
                 return self.features(input_ids, attention_mask)
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         if not self._split:
             return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
         causal: Any = self.model.get_base_model()
-        out = causal.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        out = causal.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+        )
         return out.last_hidden_state  # type: ignore[no-any-return]
 
     def head(self, features: torch.Tensor) -> torch.Tensor:
@@ -211,6 +261,7 @@ class MultiAdapterPolicy:
         (activation checkpointing), so no more than one chunk's vocabulary-wide tensors is
         ever alive, whatever N is. The same math as log_softmax(logits / T) over all N."""
         t = temperature if temperature > 0 else 1.0
+        targets = targets.to(features.device)
         step = self.chunk_tokens()
         grad = torch.is_grad_enabled() and features.requires_grad
         logps, ents = [], []

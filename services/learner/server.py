@@ -65,7 +65,8 @@ def validate_spec(spec_yaml: str) -> RunSpec:
         raise SpecError(
             f"field `lora.target_modules`: {', '.join(shorten(m, 60) for m in missing[:5])} "
             f"name no layer of {shorten(spec.model.path)}; use layer names such as q_proj, "
-            "v_proj, or `all-linear`")
+            "v_proj, or `all-linear`"
+        )
     for split in ("train", "val"):
         if not load_problems(spec.data, split, spec.seed):  # type: ignore[arg-type]
             raise SpecError(f"field `data.{split}`: the dataset has no problems")
@@ -85,8 +86,10 @@ def out_dir_problem(out_dir: str) -> None:
     while not ancestor.exists():
         ancestor = ancestor.parent
     if not ancestor.is_dir():
-        raise SpecError(f"field `out_dir`: {shorten(str(ancestor))} is a file, so "
-                        f"{shorten(out_dir)} cannot be created; name a directory")
+        raise SpecError(
+            f"field `out_dir`: {shorten(str(ancestor))} is a file, so "
+            f"{shorten(out_dir)} cannot be created; name a directory"
+        )
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise SpecError(f"field `out_dir`: the learner cannot write in {shorten(str(ancestor))}")
 
@@ -252,7 +255,14 @@ async def run_loop(
             out_dir = Path(record["out_dir"])
             sinks = extra_sinks(spec, out_dir, run_id)  # TensorBoard, W&B (`logging`)
             executor = RunExecutor(
-                run_id, spec, out_dir, r, store, learner_id, takeover, extra_sinks=sinks,
+                run_id,
+                spec,
+                out_dir,
+                r,
+                store,
+                learner_id,
+                takeover,
+                extra_sinks=sinks,
                 max_queued_tasks=max_queued_tasks,
             )
             await executor.execute()

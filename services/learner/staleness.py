@@ -16,8 +16,11 @@ from marl.rollout import Rollout
 
 def turn_lags(rollout: Rollout, current: dict[str, int]) -> list[int]:
     """How many versions behind `current` (adapter name -> version) each turn's adapter is."""
-    return [current[t.adapter.name] - t.adapter.version for t in rollout.turns
-            if t.adapter.name in current]
+    return [
+        current[t.adapter.name] - t.adapter.version
+        for t in rollout.turns
+        if t.adapter.name in current
+    ]
 
 
 def drop_stale(
@@ -38,8 +41,9 @@ def drop_stale(
         if worst > max_staleness:
             dropped += 1
             r = dataclasses.replace(
-                r, error=f"stale: a turn {worst} versions behind (train.max_staleness="
-                         f"{max_staleness})"
+                r,
+                error=f"stale: a turn {worst} versions behind (train.max_staleness="
+                f"{max_staleness})",
             )
         out.append(r)
     metrics = {

@@ -48,7 +48,8 @@ from services.learner.staleness import drop_stale
 from services.learner.validator import Validator
 
 if TYPE_CHECKING:
-    from services.learner.policy import MultiAdapterPolicy
+    from marl.data.problem import Problem
+    from services.learner.ranks import PolicyHandle
 
 __all__ = [
     "DataSampler",
@@ -122,8 +123,7 @@ class RunExecutor:
                 await sink.close()
 
     async def train(self) -> None:
-        from services.learner.policy import MultiAdapterPolicy
-        from services.learner.update import grpo_step
+        from services.learner.ranks import close_policy, open_policy
 
         spec = self.spec
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -137,16 +137,18 @@ class RunExecutor:
                 "lower it or use a larger data set"
             )
         await self.episodes.open(fresh=self.takeover > 0)
-        policy = await asyncio.to_thread(
-            MultiAdapterPolicy,
-            spec.model.path,
-            sorted(set(self.roles.values())),
-            spec.lora,
-            spec.optim,
-            spec.train.steps,
-            spec.model.dtype,
-            spec.seed,
-        )
+        policy = await asyncio.to_thread(open_policy, spec, sorted(set(self.roles.values())))
+        try:
+            await self.train_with(policy, train, val)
+        finally:
+            await asyncio.to_thread(close_policy, policy)
+
+    async def train_with(
+        self, policy: PolicyHandle, train: list[Problem], val: list[Problem]
+    ) -> None:
+        from services.learner.update import grpo_step
+
+        spec = self.spec
         sampler = DataSampler(train, spec.seed)
         validator = Validator(val, spec.train.val_interval, spec.train.steps, self.episodes)
         checkpointer = Checkpointer(
@@ -186,7 +188,12 @@ class RunExecutor:
             current = {ref.name: ref.version for ref in self.adapters.refs().values()}
             trained, staleness = drop_stale(rollouts, current, spec.train.max_staleness)
             result = await asyncio.to_thread(
-                grpo_step, policy, trained, [r.problem_id for r in trained], self.roles, spec
+                policy.call,
+                grpo_step,
+                trained,
+                [r.problem_id for r in trained],
+                self.roles,
+                spec,
             )
             t2 = time.monotonic()
             done = step + 1
@@ -237,7 +244,7 @@ class RunExecutor:
         self,
         step: int,
         record: dict[str, Any],
-        policy: MultiAdapterPolicy | None = None,
+        policy: PolicyHandle | None = None,
         checkpointer: Checkpointer | None = None,
     ) -> None:
         full = {"step": step, **record}

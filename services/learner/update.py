@@ -33,8 +33,9 @@ import torch
 
 from marl.config import RunSpec
 from marl.rollout import Rollout
-from services.learner import diagnostics
+from services.learner import diagnostics, fsdp
 from services.learner.grpo import (
+    LossStats,
     clipped_loss,
     good_rollouts,
     group_advantages,
@@ -126,6 +127,38 @@ def completion_logprobs(
     return logp, ent, [len(s.tokens) - s.n_prompt for s in chunk]
 
 
+def _ranked(
+    seqs: list[Sequence], chunks: list[list[int]], rank: int, size: int
+) -> list[tuple[list[int], bool]]:
+    """This rank's part of `chunks` as (chunk, real) pairs, as many on every rank. With
+    FSDP every forward gathers each layer's shards from all ranks, so the ranks must run
+    the same number of them: a rank short of work repeats a chunk with `real` False (its
+    loss weighted 0). Chunks are split by padded tokens, role by role, so at every
+    position of the list all ranks back-propagate the same role."""
+    if size == 1:
+        return [(c, True) for c in chunks]
+    out: list[tuple[list[int], bool]] = []
+    for role in dict.fromkeys(seqs[c[0]].role for c in chunks):
+        of_role = [c for c in chunks if seqs[c[0]].role == role]
+        loads = [len(c) * max(len(seqs[i].tokens) for i in c) for c in of_role]
+        parts = [fsdp.share(loads, r, size) for r in range(size)]
+        mine = [(of_role[k], True) for k in parts[rank]]
+        filler = min(of_role, key=lambda c: loads[of_role.index(c)])
+        out += mine + [(filler, False)] * (max(map(len, parts)) - len(mine))
+    return out
+
+
+def _merge_old(old: list[torch.Tensor | None], device: torch.device) -> None:
+    """Every rank's π_old log-probs into every rank's `old` (collective)."""
+    if fsdp.rank_and_size()[1] == 1:
+        return
+    mine = {i: o.cpu() for i, o in enumerate(old) if o is not None}
+    for part in fsdp.gather(mine):
+        for i, o in part.items():
+            if old[i] is None:
+                old[i] = o.to(device)
+
+
 @torch.no_grad()
 def _old_logprobs(
     policy: MultiAdapterPolicy,
@@ -136,17 +169,18 @@ def _old_logprobs(
     max_tokens: int,
     old: list[torch.Tensor | None],
 ) -> None:
-    for chunk in _micro_batches(seqs, idx, micro, max_tokens):
+    chunks = _micro_batches(seqs, idx, micro, max_tokens)
+    for chunk, real in _ranked(seqs, chunks, policy.rank, policy.world_size):
         logp, _, lengths = completion_logprobs(policy, [seqs[i] for i in chunk], temperature)
-        for i, part in zip(chunk, logp.split(lengths), strict=True):
-            old[i] = part.clone()
+        if real:
+            for i, part in zip(chunk, logp.split(lengths), strict=True):
+                old[i] = part.clone()
+    _merge_old(old, policy.device)
 
 
-def behaviour_weights(
-    old: torch.Tensor, sample_logprobs: list[float], cap: float
-) -> torch.Tensor:
+def behaviour_weights(old: torch.Tensor, sample_logprobs: list[float], cap: float) -> torch.Tensor:
     """π_old/μ per token, truncated at `cap`: μ's log-probs are what inference reported."""
-    mu = torch.tensor(sample_logprobs[: len(old)], dtype=old.dtype)
+    mu = torch.tensor(sample_logprobs[: len(old)], dtype=old.dtype, device=old.device)
     return torch.exp(old - mu).clamp(max=cap)
 
 
@@ -170,8 +204,11 @@ class ImportanceStats:
 
 
 def _grads(policy: MultiAdapterPolicy, p: str) -> list[torch.Tensor]:
+    """The adapter's accumulated gradient, whole (gathered from every rank's shard)."""
     return [
-        x.grad.detach().clone() if x.grad is not None else torch.zeros_like(x)
+        fsdp.full(x.grad.detach()).clone()
+        if x.grad is not None
+        else torch.zeros((), device=policy.device)
         for x in policy.parameters(p)
     ]
 
@@ -220,8 +257,14 @@ def grpo_step(
             weight_of = dict(zip(mb, token_weights(lengths, g.loss_agg), strict=True))
             st = MiniBatchStats(p, k, len(mb), 0.0, 0.0)
             before: list[torch.Tensor] | None = None
-            chunks = _micro_batches(seqs, mb, g.micro_batch_sequences, budget)
-            for c, chunk in enumerate(chunks):
+            chunks = _ranked(
+                seqs,
+                _micro_batches(seqs, mb, g.micro_batch_sequences, budget),
+                policy.rank,
+                policy.world_size,
+            )
+            updates: list[tuple[str, LossStats, float | None]] = []
+            for c, (chunk, real) in enumerate(chunks):
                 role = seqs[chunk[0]].role
                 t0 = time.perf_counter()
                 if k == 0 and before is None:
@@ -237,13 +280,14 @@ def grpo_step(
                     if o is None:  # the first mini-batch: π_old is this very forward
                         o = old[i] = part.detach().clone()
                     olds.append(o)
-                    w = torch.full((n,), weight_of[i])
+                    w = torch.full((n,), weight_of[i] if real else 0.0, device=logp.device)
                     if off_policy:
                         iw = behaviour_weights(o, seqs[i].sample_logprobs, g.importance_cap)
-                        importance.add(iw, g.importance_cap)
+                        if real:
+                            importance.add(iw, g.importance_cap)
                         w = w * iw
                     ws.append(w)
-                    advs.append(torch.full((n,), seqs[i].advantage))
+                    advs.append(torch.full((n,), seqs[i].advantage, device=logp.device))
                 loss, ls = clipped_loss(
                     logp,
                     torch.cat(olds),
@@ -254,16 +298,10 @@ def grpo_step(
                     torch.cat(ws),
                 )
                 loss.backward()
-                st.loss += ls.loss
-                st.tokens += ls.tokens
-                st.clipped_low += ls.clipped_low
-                st.clipped_high += ls.clipped_high
-                st.ratio_min = min(st.ratio_min, ls.ratio_min)
-                st.ratio_max = max(st.ratio_max, ls.ratio_max)
+                if real:
+                    updates.append((role, ls, float(ent.sum()) if ent is not None else None))
                 t0 = time.perf_counter()
-                entropy = float(ent.sum()) if ent is not None else None
-                signals.add_update(role, ls.tokens, ls.clipped_low + ls.clipped_high, entropy)
-                last_of_role = c + 1 == len(chunks) or seqs[chunks[c + 1][0]].role != role
+                last_of_role = c + 1 == len(chunks) or seqs[chunks[c + 1][0][0]].role != role
                 if before is not None and last_of_role:
                     # this role's part of the first mini-batch's gradient, read apart
                     after = _grads(policy, p)
@@ -273,6 +311,17 @@ def grpo_step(
                     signals.add_grad(role, sq**0.5)
                     before = None
                 diag_s += time.perf_counter() - t0
+            for part in fsdp.gather(updates):
+                for role, ls, entropy in part:
+                    st.loss += ls.loss
+                    st.tokens += ls.tokens
+                    st.clipped_low += ls.clipped_low
+                    st.clipped_high += ls.clipped_high
+                    st.ratio_min = min(st.ratio_min, ls.ratio_min)
+                    st.ratio_max = max(st.ratio_max, ls.ratio_max)
+                    signals.add_update(role, ls.tokens, ls.clipped_low + ls.clipped_high, entropy)
+            if k == 0:
+                _merge_old(old, policy.device)
             st.grad_norm = policy.step(p)
             result.mini_batches.append(st)
     policy.model.eval()
@@ -302,5 +351,9 @@ def grpo_step(
         m[f"policy/{p}/clip_high_fraction"] = sum(s.clipped_high for s in sts) / tokens
     m["time/diagnostics_s"] = diag_s
     if off_policy:
+        for part in fsdp.gather(importance)[1:]:
+            importance.tokens += part.tokens
+            importance.total += part.total
+            importance.truncated += part.truncated
         m.update(importance.metrics())
     return result

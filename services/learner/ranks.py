@@ -1,0 +1,292 @@
+"""The learner's policy held by `learner.world_size` processes, driven from the server.
+
+With one process the policy lives in the learner server itself and
+`MultiAdapterPolicy.call(fn, ...)` is `fn(policy, ...)`. With more, the server
+spawns one process per rank; they form a torch.distributed group (gloo on the
+CPU, NCCL with one GPU per rank) and each builds the same policy, its decoder
+layers sharded over the group (fsdp.py). `RankedPolicy.call(fn, ...)` sends the
+same call to every rank over its pipe, so all ranks run every collective in the
+same order, and returns rank 0's result. The server keeps the Runs API,
+checkpoints' files and adapter pushes; the ranks hold weights and optimizer
+state. A rank that fails or dies fails the call with its rank, pid and exit, and
+the other ranks are stopped (they may be waiting for it in a collective).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+from marl.config import LoraSpec, OptimSpec, RunSpec
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R")
+START_TIMEOUT_S = 1800.0
+
+
+class RankFailed(RuntimeError):
+    """A learner rank raised, or its process died."""
+
+
+class PolicyHandle(Protocol):
+    """What the step loop needs of the policy, wherever its ranks run."""
+
+    policies: list[str]
+
+    def call(self, fn: Callable[..., R], *args: Any) -> R: ...
+
+    def state_dict(self, policy: str) -> dict[str, torch.Tensor]: ...
+
+    def target_modules(self, policy: str) -> list[str]: ...
+
+
+@dataclass(frozen=True)
+class PolicyArgs:
+    """Everything a rank needs to build its copy of the policy."""
+
+    model_path: str
+    policies: list[str]
+    lora: LoraSpec
+    optim: OptimSpec
+    total_steps: int
+    dtype: str
+    seed: int
+    device: str
+
+    @classmethod
+    def of(cls, spec: RunSpec, policies: list[str]) -> PolicyArgs:
+        return cls(
+            spec.model.path,
+            policies,
+            spec.lora,
+            spec.optim,
+            spec.train.steps,
+            spec.model.dtype,
+            spec.seed,
+            spec.learner.device,
+        )
+
+
+def resolve_device(name: str, rank: int = 0) -> str:
+    """`learner.device` for one rank: `auto` is CUDA when torch sees a GPU; rank r of a
+    group takes GPU r."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "learner.device=cuda but torch sees no GPU (torch.cuda.is_available() is "
+                "False); use learner.device=cpu or auto"
+            )
+        if rank >= torch.cuda.device_count():
+            raise ValueError(
+                f"learner.world_size asks for GPU {rank}, but this machine has "
+                f"{torch.cuda.device_count()}; lower learner.world_size"
+            )
+        return f"cuda:{rank}"
+    return "cpu"
+
+
+def open_policy(spec: RunSpec, policies: list[str]) -> PolicyHandle:
+    """The run's policy: in this process for `learner.world_size` 1, else in its ranks."""
+    from services.learner.policy import MultiAdapterPolicy
+
+    args = PolicyArgs.of(spec, policies)
+    if spec.learner.world_size == 1:
+        return MultiAdapterPolicy(
+            args.model_path,
+            args.policies,
+            args.lora,
+            args.optim,
+            args.total_steps,
+            args.dtype,
+            args.seed,
+            resolve_device(args.device),
+        )
+    return RankedPolicy.start(args, spec.learner.world_size)
+
+
+def close_policy(policy: PolicyHandle) -> None:
+    if isinstance(policy, RankedPolicy):
+        policy.close()
+
+
+def _state_dict(policy: Any, name: str) -> dict[str, torch.Tensor]:
+    return policy.state_dict(name)  # type: ignore[no-any-return]
+
+
+def _target_modules(policy: Any, name: str) -> list[str]:
+    return policy.target_modules(name)  # type: ignore[no-any-return]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(rank: int, size: int, port: int, args: PolicyArgs, conn: Connection) -> None:
+    import torch.distributed as dist
+
+    from services.learner.policy import MultiAdapterPolicy
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when ranks stop
+    try:
+        device = resolve_device(args.device, rank)
+        if device.startswith("cuda"):
+            torch.cuda.set_device(device)
+        dist.init_process_group(
+            "nccl" if device.startswith("cuda") else "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=size,
+        )
+        policy = MultiAdapterPolicy(
+            args.model_path,
+            args.policies,
+            args.lora,
+            args.optim,
+            args.total_steps,
+            args.dtype,
+            args.seed,
+            device,
+        )
+    except BaseException as e:  # noqa: BLE001 - reported to the server, which fails the run
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        return
+    conn.send(("ok", None))
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            break
+        if message is None:
+            break
+        fn, fargs = message
+        try:
+            out = fn(policy, *fargs)
+            conn.send(("ok", out if rank == 0 else None))
+        except BaseException as e:  # noqa: BLE001
+            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+
+
+class RankedPolicy:
+    def __init__(self, policies: list[str], procs: list[Any], conns: list[Connection]):
+        self.policies = policies
+        self.procs = procs
+        self.conns = conns
+        self._targets: dict[str, list[str]] = {}
+
+    @classmethod
+    def start(cls, args: PolicyArgs, size: int) -> RankedPolicy:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        procs, conns = [], []
+        for rank in range(size):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(
+                target=_rank_main,
+                args=(rank, size, port, args, theirs),
+                name=f"marl-learner-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            theirs.close()
+            procs.append(proc)
+            conns.append(ours)
+        ranks = cls(list(args.policies), procs, conns)
+        try:
+            ranks._collect(START_TIMEOUT_S)
+        except BaseException:
+            ranks.close(kill=True)
+            raise
+        log.info("learner ranks up: %s", ", ".join(str(p.pid) for p in procs))
+        return ranks
+
+    def call(self, fn: Callable[..., R], *args: Any) -> R:
+        """`fn(policy, *args)` on every rank; rank 0's result. `fn` must be importable by
+        name (a module-level function) and `args` picklable."""
+        for conn in self.conns:
+            conn.send((fn, args))
+        return self._collect(None)  # type: ignore[no-any-return]
+
+    def state_dict(self, policy: str) -> dict[str, torch.Tensor]:
+        return self.call(_state_dict, policy)
+
+    def target_modules(self, policy: str) -> list[str]:
+        if policy not in self._targets:
+            self._targets[policy] = self.call(_target_modules, policy)
+        return self._targets[policy]
+
+    def _collect(self, timeout: float | None) -> Any:
+        """Every rank's answer to the last call; rank 0's result. The first failure
+        stops all ranks: the others may be blocked in a collective with the failed one."""
+        results: dict[int, Any] = {}
+        waiting = dict(enumerate(self.conns))
+        while waiting:
+            sentinels = {self.procs[r].sentinel: r for r in waiting}
+            ready = wait([*waiting.values(), *sentinels], timeout)
+            if not ready:
+                self.close(kill=True)
+                raise RankFailed(f"learner ranks did not answer within {timeout:.0f} s")
+            for item in ready:
+                if item in sentinels:
+                    rank = sentinels[item]
+                    if self.conns[rank].poll():
+                        continue  # its answer is waiting; read it first
+                    why = self._exit(rank)
+                    self.close(kill=True)
+                    raise RankFailed(why)
+                rank = next(r for r, c in waiting.items() if c is item)
+                try:
+                    status, value = self.conns[rank].recv()
+                except EOFError:
+                    why = self._exit(rank)
+                    self.close(kill=True)
+                    raise RankFailed(why) from None
+                del waiting[rank]
+                if status == "error":
+                    self.close(kill=True)
+                    raise RankFailed(f"learner rank {rank} failed: {value}")
+                results[rank] = value
+        return results.get(0)
+
+    def _exit(self, rank: int) -> str:
+        proc = self.procs[rank]
+        proc.join(5)
+        code = proc.exitcode
+        if code is not None and code < 0:
+            how = f"was killed by {signal.Signals(-code).name}"
+            if -code == signal.SIGKILL:
+                how += " (out of memory? check the kernel log)"
+        else:
+            how = f"exited with code {code}"
+        return f"learner rank {rank} (pid {proc.pid}) {how}"
+
+    def close(self, kill: bool = False) -> None:
+        """Stop every rank: asked to when `kill` is False, else at once (after a failure,
+        when the others may be blocked in a collective that will never complete)."""
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except (OSError, ValueError):
+                pass
+        for proc in self.procs:
+            proc.join(0 if kill else 10)
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.join(5)
+        for conn in self.conns:
+            conn.close()
