@@ -58,6 +58,31 @@ class InferenceConfig(_RedisConfig):
     """Largest adapter rank this replica accepts (vLLM sizes its LoRA buffers by it)."""
     http_port: int | None = Field(default=None, ge=0, le=65535)
     """Port of the HTTP (OpenAI-compatible) front end; none when unset."""
+    max_loras: int = Field(default=4, ge=1, le=256)
+    """vLLM: adapters that can share one batch; at least a run's adapter count (one under
+    Shared-Policy, one per role type under Isolated-Policy) times the runs served at once."""
+    max_model_len: int | None = Field(default=None, ge=16)
+    """vLLM: longest prompt plus response a request may have (default: the model's)."""
+    max_num_seqs: int = Field(default=256, ge=1, le=65_536)
+    """vLLM: sequences decoded together in one batch."""
+    gpu_memory_utilization: float = Field(default=0.8, gt=0, le=0.99)
+    """vLLM: share of the GPU's memory vLLM takes for weights, activations and KV cache.
+    On a GPU the learner shares, leave the learner what it needs (e.g. 0.4)."""
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64)
+    """vLLM: GPUs one replica spans."""
+    enforce_eager: bool = False
+    """vLLM: run without CUDA graphs (less memory and a faster start, slower decoding)."""
+
+    def vllm_options(self) -> dict[str, Any]:
+        """The settings only the vLLM engine reads, as its keyword arguments."""
+        return {
+            "max_loras": self.max_loras,
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.max_num_seqs,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "enforce_eager": self.enforce_eager,
+        }
 
 
 class WorkflowConfig(_RedisConfig):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from services.inference.engine import Engine
 
@@ -16,8 +16,13 @@ def vllm_available() -> bool:
 
 
 def make_engine(
-    name: EngineName, model_path: str, dtype: str = "float32", max_lora_rank: int = 64
+    name: EngineName,
+    model_path: str,
+    dtype: str = "float32",
+    max_lora_rank: int = 64,
+    vllm_options: dict[str, Any] | None = None,
 ) -> Engine:
+    """`vllm_options`: InferenceConfig.vllm_options(), read by the vLLM engine only."""
     if name == "auto":
         name = "vllm" if vllm_available() else "transformers"
     if name == "vllm":
@@ -28,7 +33,9 @@ def make_engine(
             )
         from services.inference.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_path, dtype=dtype, max_lora_rank=max_lora_rank)
+        return VLLMEngine(
+            model_path, dtype=dtype, max_lora_rank=max_lora_rank, **(vllm_options or {})
+        )
     from services.inference.transformers_engine import TransformersEngine
 
     return TransformersEngine(model_path, dtype=dtype, max_lora_rank=max(max_lora_rank, 256))

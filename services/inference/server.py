@@ -306,6 +306,7 @@ async def _serve(
     retention: int,
     max_lora_rank: int,
     http_port: int | None = None,
+    vllm_options: dict[str, Any] | None = None,
 ) -> None:
     service_name = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
     server = ServiceHost([service_name], host, port)
@@ -330,7 +331,9 @@ async def _serve(
         info["http_address"] = http.address
 
     async def ready() -> None:
-        engine = await asyncio.to_thread(make_engine, engine_name, model_path, dtype, max_lora_rank)
+        engine = await asyncio.to_thread(
+            make_engine, engine_name, model_path, dtype, max_lora_rank, vllm_options
+        )
         if openai is not None:
             await openai.load_tokenizer()
         service.attach(engine, AdapterRegistry(engine.unload_adapter, retention=retention))
@@ -370,10 +373,22 @@ def run(
     retention: int = 2,
     max_lora_rank: int = 64,
     http_port: int | None = None,
+    vllm_options: dict[str, Any] | None = None,
 ) -> None:
+    """`vllm_options`: InferenceConfig.vllm_options() (GPU memory share, tensor
+    parallelism, eager mode, LoRA slots...), ignored by the transformers engine."""
     configure_logging("inference")
     asyncio.run(
         _serve(
-            port, host, model_path, engine, dtype, redis_url, retention, max_lora_rank, http_port
+            port,
+            host,
+            model_path,
+            engine,
+            dtype,
+            redis_url,
+            retention,
+            max_lora_rank,
+            http_port,
+            vllm_options,
         )
     )

@@ -203,6 +203,8 @@ class VLLMEngine:
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
         gpu_memory_utilization: float = 0.8,
+        tensor_parallel_size: int = 1,
+        enforce_eager: bool = False,
         seed: int = 0,
     ):
         """Start the engine; blocks until vLLM is ready (20-40 s on CPU).
@@ -234,6 +236,8 @@ class VLLMEngine:
             # defaults (top_k, repetition penalty) must not apply to rollouts.
             generation_config="vllm",
             gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=enforce_eager,
             enable_log_requests=False,
             disable_log_stats=True,
             # vLLM 0.32's CPU runner cannot rewind a seeded request's generator

@@ -28,6 +28,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from marl.config import LoraSpec, OptimSpec, RunSpec
+from services.learner.errors import RunFailed
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ R = TypeVar("R")
 START_TIMEOUT_S = 1800.0
 
 
-class RankFailed(RuntimeError):
+class RankFailed(RunFailed):
     """A learner rank raised, or its process died."""
 
 
@@ -163,7 +164,8 @@ def _rank_main(rank: int, size: int, port: int, args: PolicyArgs, conn: Connecti
             device,
         )
     except BaseException as e:  # noqa: BLE001 - reported to the server, which fails the run
-        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        traceback.print_exc()  # to the learner's log; the run's error gets one line
+        conn.send(("error", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ok", None))
     while True:
@@ -178,7 +180,8 @@ def _rank_main(rank: int, size: int, port: int, args: PolicyArgs, conn: Connecti
             out = fn(policy, *fargs)
             conn.send(("ok", out if rank == 0 else None))
         except BaseException as e:  # noqa: BLE001
-            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            traceback.print_exc()  # to the learner's log; the run's error gets one line
+            conn.send(("error", f"{type(e).__name__}: {e}"))
     dist.destroy_process_group()
 
 
@@ -259,7 +262,10 @@ class RankedPolicy:
                 del waiting[rank]
                 if status == "error":
                     self.close(kill=True)
-                    raise RankFailed(f"learner rank {rank} failed: {value}")
+                    raise RankFailed(
+                        f"learner rank {rank} failed: {value} (its traceback is in the "
+                        "learner's log)"
+                    )
                 results[rank] = value
         return results.get(0)
 

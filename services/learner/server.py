@@ -67,10 +67,29 @@ def validate_spec(spec_yaml: str) -> RunSpec:
             f"name no layer of {shorten(spec.model.path)}; use layer names such as q_proj, "
             "v_proj, or `all-linear`"
         )
+    device_problem(spec)
     for split in ("train", "val"):
         if not load_problems(spec.data, split, spec.seed):  # type: ignore[arg-type]
             raise SpecError(f"field `data.{split}`: the dataset has no problems")
     return spec
+
+
+def device_problem(spec: RunSpec) -> None:
+    """`learner.device` and `learner.world_size` against what this learner's torch sees."""
+    import torch
+
+    device, size = spec.learner.device, spec.learner.world_size
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "cuda" and gpus == 0:
+        raise SpecError(
+            "field `learner.device`: cuda, but the learner's torch sees no GPU; "
+            "use cpu or auto"
+        )
+    if gpus and device != "cpu" and size > gpus:
+        raise SpecError(
+            f"field `learner.world_size`: {size} ranks need a GPU each, this learner has "
+            f"{gpus}; lower it or set learner.device=cpu"
+        )
 
 
 MAX_SEED = (1 << 32) - 1

@@ -207,3 +207,30 @@ def test_submit_rejects_bad_spec_with_field_named(
         assert proc.returncode == 2
         assert field in proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_two_learner_ranks_train_as_one(
+    cluster: Cluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """learner.world_size 2 (FSDP2 over gloo) in a real run: the same rollouts (same seed)
+    train to the same losses and step-1 adapters as one learner process."""
+    runs = {}
+    for world_size in (1, 2):
+        spec = small_spec(tiny_model_dir, tmp_path / f"ws{world_size}", "isolated")
+        spec["name"] = f"it-ws{world_size}"
+        spec["learner"] = {"world_size": world_size}
+        run = run_to_end(cluster, spec)
+        assert run.state == "SUCCEEDED", run.error
+        runs[world_size] = [
+            json.loads(line)
+            for line in (tmp_path / f"ws{world_size}" / "metrics.jsonl").read_text().splitlines()
+        ]
+    one, two = runs[1], runs[2]
+    assert [r["step"] for r in two] == [0, 1, 2]
+    for key in ("policy/generator/loss", "policy/aggregator/loss", "role/generator/entropy"):
+        assert two[1][key] == pytest.approx(one[1][key], rel=1e-4, abs=1e-6), key
+    for p in ("generator", "aggregator"):
+        path = Path("checkpoints/step_000001/adapters") / p / "adapter_model.safetensors"
+        a, b = load_file(str(tmp_path / "ws1" / path)), load_file(str(tmp_path / "ws2" / path))
+        for k in a:
+            assert float((a[k] - b[k]).abs().max()) < 1e-5, k

@@ -93,3 +93,32 @@ def test_a_failing_rank_fails_the_call_and_stops_the_others(model_dir: Path) -> 
     with pytest.raises(RankFailed, match="learner rank 1 failed: ValueError: rank one cannot"):
         two.call(fail_on_rank_one)
     assert not any(p.is_alive() for p in two.procs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_a_cuda_learner_without_a_gpu_is_refused_naming_the_field() -> None:
+    from marl.config import SpecError, parse_spec
+    from services.learner.server import device_problem
+
+    with pytest.raises(SpecError, match="field `learner.device`: cuda, but"):
+        device_problem(parse_spec({"learner": {"device": "cuda"}}))
+    device_problem(parse_spec({"learner": {"device": "auto", "world_size": 4}}))
+
+
+def test_bf16_base_keeps_fp32_adapters_and_optimizer_state(model_dir: Path) -> None:
+    """`model.dtype: bfloat16`: the frozen base in bf16, every adapter's LoRA weights (and
+    so AdamW's moments) in fp32, and a step trains them."""
+    from services.learner.policy import MultiAdapterPolicy
+
+    s = spec(mini_batch_size=8)
+    policy = MultiAdapterPolicy(
+        str(model_dir), ["aggregator", "generator"], s.lora, s.optim, 10, "bfloat16"
+    )
+    lora = {p.dtype for n, p in policy.model.named_parameters() if "lora_" in n}
+    base = {p.dtype for n, p in policy.model.named_parameters() if "lora_" not in n}
+    assert lora == {torch.float32} and base == {torch.bfloat16}
+    rollouts = voting_batch()
+    result = grpo_step(policy, rollouts, [r.problem_id for r in rollouts], ROLES["isolated"], s)
+    assert result.metrics["policy/generator/grad_norm"] > 0
+    moments = policy.optimizer_state("generator")["state"]
+    assert moments and {m["exp_avg"].dtype for m in moments.values()} == {torch.float32}
