@@ -1,0 +1,217 @@
+"""Single-agent GRPO: marl's Single workflow against TRL's `GRPOTrainer`, same setup.
+
+Both train the shipped demo model with a LoRA (rank `--rank`, alpha 2x) on the same
+arithmetic problems, prompts (the generator's chat messages, through the tokenizer's
+chat template) and reward (`marl.rewards.math.score`, format penalty included): `--problems`
+problems a step, `--group` samples each, at most `--max-tokens` new tokens, temperature
+1.0, one optimizer step per training step (the whole group batch is one mini-batch),
+AdamW at a constant learning rate, PPO clip 0.2/0.28, no KL, group-normalised advantages,
+sequence-mean token-mean loss, for `--steps` steps.
+
+- TRL: `GRPOTrainer` in this process (transformers generation, peft LoRA), on the CPU;
+- marl: every service its own process (learner, one inference replica on the
+  transformers engine, `--workers` workflow workers, a private Redis), as `marl demo`.
+
+Printed: the median step time of each after `--warmup` steps, their ratio marl/TRL
+(the project's goal is 0.5, the issue's bound 1.0), and both reward curves, so that
+neither wins by learning less. Needs TRL (`pip install trl==1.16.0`; it installs beside
+marl's pins). Prints a table, then one JSON object as the very last line.
+
+    python bench/vs_trl.py [--steps 12] [--problems 16] [--group 8] [--max-tokens 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from e2e import run_marl
+
+from marl.config import DataSpec
+from marl.data import load_problems
+from marl.demo_model import demo_model_dir
+from marl.launcher import Cluster
+from marl.rewards.math import score
+from marl.workflows import prompts
+
+LR = 2e-3
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the median")
+    p.add_argument("--problems", type=int, default=16, help="problems per step")
+    p.add_argument("--group", type=int, default=8, help="samples per problem")
+    p.add_argument("--max-tokens", type=int, default=8, help="response cap")
+    p.add_argument("--rank", type=int, default=16, help="LoRA rank")
+    p.add_argument("--workers", type=int, default=1, help="marl workflow workers")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def run_trl(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    try:
+        from datasets import Dataset
+        from peft import LoraConfig
+        from transformers import TrainerCallback
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError as err:
+        raise SystemExit(f"bench/vs_trl.py needs TRL: pip install trl==1.16.0 ({err})") from None
+
+    problems = load_problems(DataSpec(train="arithmetic", val="arithmetic"), "train", args.seed)
+    rows = [{"prompt": prompts.generator(p), "answer": p.answer} for p in problems]
+
+    def reward(completions: list[Any], answer: list[str], **_: Any) -> list[float]:
+        return [score(c[0]["content"], a) for c, a in zip(completions, answer, strict=True)]
+
+    ends: list[float] = []
+    rewards: list[float] = []
+
+    class Clock(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, *a: Any, **k: Any) -> None:
+            ends.append(time.perf_counter())
+
+        def on_log(self, *a: Any, logs: dict[str, float] | None = None, **k: Any) -> None:
+            if logs and "reward" in logs:
+                rewards.append(float(logs["reward"]))
+
+    batch = args.problems * args.group
+    config = GRPOConfig(
+        output_dir=str(out),
+        max_steps=args.steps,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        num_generations=args.group,
+        generation_batch_size=batch,
+        max_completion_length=args.max_tokens,
+        temperature=1.0,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        loss_type="grpo",
+        scale_rewards="group",
+        num_iterations=1,
+        use_cpu=True,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        seed=args.seed,
+        disable_dropout=True,
+    )
+    trainer = GRPOTrainer(
+        model=str(demo_model_dir()),
+        reward_funcs=reward,
+        args=config,
+        train_dataset=Dataset.from_list(rows),
+        peft_config=LoraConfig(
+            r=args.rank, lora_alpha=2 * args.rank, target_modules="all-linear", lora_dropout=0.0
+        ),
+        callbacks=[Clock()],
+    )
+    start = time.perf_counter()
+    trainer.train()
+    steps = [b - a for a, b in zip([start, *ends[:-1]], ends, strict=True)]
+    return {"step_s": steps, "reward": rewards}
+
+
+def run_marl_single(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    out = root / "marl-run"
+    spec = {
+        "name": "vs-trl",
+        "workflow": "single",
+        "policy": "shared",
+        "seed": args.seed,
+        "engine": "transformers",
+        "out_dir": str(out),
+        "model": {"path": str(demo_model_dir())},
+        "lora": {"rank": args.rank, "alpha": 2 * args.rank},
+        "optim": {"lr": LR, "warmup_steps": 0, "schedule": "constant"},
+        "grpo": {
+            "group_size": args.group,
+            "mini_batch_size": args.problems * args.group,
+            "loss_agg": "seq_mean_token_mean",
+        },
+        "train": {
+            "steps": args.steps,
+            "problems_per_step": args.problems,
+            "val_interval": 100_000,
+            "val_problems": 1,
+            "checkpoint_interval": args.steps,
+        },
+        "sampling": {"temperature": 1.0, "max_tokens": args.max_tokens},
+        "data": {"train": "arithmetic", "val": "arithmetic"},
+    }
+    cluster = Cluster(
+        root / "cluster",
+        str(demo_model_dir()),
+        engine="transformers",
+        sandbox_replicas=0,
+        workflow_replicas=args.workers,
+        max_lora_rank=args.rank,
+    )
+    with cluster:
+        run_marl(cluster, spec)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["step"] >= 1]
+    return {
+        "step_s": [r["time/step_s"] for r in steps],
+        "reward": [r["train/reward_mean"] for r in steps],
+        "rollout_s": [r["time/rollout_s"] for r in steps],
+        "update_s": [r["time/update_s"] for r in steps],
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    with tempfile.TemporaryDirectory(prefix="marl-vs-trl-") as tmp:
+        root = Path(tmp)
+        trl = run_trl(args, root / "trl")
+        marl = run_marl_single(args, root)
+    w = args.warmup
+    figures: dict[str, Any] = {
+        "steps": args.steps,
+        "problems": args.problems,
+        "group": args.group,
+        "max_tokens": args.max_tokens,
+        "rank": args.rank,
+        "trl_step_s": statistics.median(trl["step_s"][w:]),
+        "marl_step_s": statistics.median(marl["step_s"][w:]),
+        "marl_rollout_s": statistics.median(marl["rollout_s"][w:]),
+        "marl_update_s": statistics.median(marl["update_s"][w:]),
+        "trl_reward": trl["reward"],
+        "marl_reward": marl["reward"],
+    }
+    figures["marl_over_trl"] = figures["marl_step_s"] / figures["trl_step_s"]
+    print(
+        f"single-agent GRPO, demo model, {args.problems} problems x {args.group}, "
+        f"<= {args.max_tokens} tokens, LoRA rank {args.rank}, {args.steps} steps "
+        f"(median over steps after {w})"
+    )
+    print(f"{'':24}{'step s':>10}")
+    print(f"{'TRL GRPOTrainer':24}{figures['trl_step_s']:>10.3f}")
+    print(
+        f"{'marl Single':24}{figures['marl_step_s']:>10.3f}   (rollout "
+        f"{figures['marl_rollout_s']:.3f} s, update {figures['marl_update_s']:.3f} s)"
+    )
+    print(f"marl/TRL step time: {figures['marl_over_trl']:.2f} (goal <= 1.0; project goal 0.5)")
+    for name in ("trl", "marl"):
+        curve = " ".join(f"{r:+.2f}" for r in figures[f"{name}_reward"])
+        print(f"{name:>4} reward by step: {curve}")
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
