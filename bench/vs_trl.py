@@ -68,7 +68,7 @@ def run_trl(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     problems = load_problems(DataSpec(train="arithmetic", val="arithmetic"), "train", args.seed)
     rows = [{"prompt": prompts.generator(p), "answer": p.answer} for p in problems]
 
-    def reward(completions: list[Any], answer: list[str], **_: Any) -> list[float]:
+    def reward(completions: list[Any], answer: list[str], **_: Any) -> list[float | None]:
         return [score(c[0]["content"], a) for c, a in zip(completions, answer, strict=True)]
 
     ends: list[float] = []
