@@ -138,6 +138,8 @@ def qwen3_shape_bench(args: argparse.Namespace) -> None:
         }
         if args.max_tokens_per_micro_batch:
             raw["grpo"]["max_tokens_per_micro_batch"] = args.max_tokens_per_micro_batch
+        if args.activation_checkpointing:
+            raw["grpo"]["activation_checkpointing"] = True
         spec = parse_spec(raw)
         policy = MultiAdapterPolicy(tmp, ["shared"], spec.lora, spec.optim, 10, seed=args.seed)
     problem = arithmetic.split(args.seed)[0][0]
@@ -180,7 +182,7 @@ def qwen3_shape_bench(args: argparse.Namespace) -> None:
         "response_tokens_per_s": round(response / step_s, 2),
         "peak_rss_gib": round(peak, 3), "rss_after_load_gib": round(rss_before, 3),
         "max_tokens_per_micro_batch": g_spec.max_tokens_per_micro_batch,
-        "threads": args.threads,
+        "threads": args.threads, "activation_checkpointing": args.activation_checkpointing,
     }))
 
 
@@ -198,6 +200,8 @@ def main() -> None:
                     help="qwen3-0.6b-shape: sampled tokens per rollout")
     ap.add_argument("--max-tokens-per-micro-batch", type=int, default=None,
                     help="qwen3-0.6b-shape: grpo.max_tokens_per_micro_batch (default: spec's)")
+    ap.add_argument("--activation-checkpointing", action="store_true",
+                    help="qwen3-0.6b-shape: grpo.activation_checkpointing")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.model == "qwen3-0.6b-shape":

@@ -162,13 +162,24 @@ class TransformersEngine:
                 if self._inbox.qsize() == seen:
                     break
                 seen = self._inbox.qsize()
-            await self._run(self._decode_until_idle, loop)
+            try:
+                await self._run(self._decode_until_idle, loop)
+            except Exception:  # a fault outside any one request's: keep serving the rest
+                log.exception("decode loop failed")
 
     @torch.no_grad()
     def _decode_until_idle(self, loop: asyncio.AbstractEventLoop) -> None:
         """Decode until no row is left: arrivals join before each step (while no adapter
         load or unload is waiting for this thread), finished rows are answered at once."""
         batch = RunningBatch(self.pad_token_id, self.eos_token_ids)
+        try:
+            self._decode(batch, loop)
+        except BaseException as err:
+            for row in batch.fail_all():
+                self._answer(loop, row.owner, error=err)
+            raise
+
+    def _decode(self, batch: RunningBatch, loop: asyncio.AbstractEventLoop) -> None:
         while True:
             if not self._exclusive and batch.joinable():
                 arrivals: list[_Pending] = []
