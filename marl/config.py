@@ -103,7 +103,8 @@ class GRPOSpec(_Spec):
     its own. Memory only, no effect on the math."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping
-    them: less memory per token of the budget, about a third more compute."""
+    them: far less memory per token of the budget (Qwen3-0.6B shapes, 5120-token
+    responses: 17.9 -> 5.0 GiB peak) for some recompute (2 % more step time there)."""
     normalize_std: bool = True
     """Divide group-relative advantages by the group's std (GRPO); False = Dr. GRPO."""
     importance_cap: float = Field(2.0, ge=1)
