@@ -109,7 +109,7 @@ class MultiAdapterPolicy:
         for name in self.policies[1:]:
             self.model.add_adapter(name, config)
         for name, param in self.model.named_parameters():
-            if "lora_" in name:  # PEFT upcasts a new adapter only for its first one
+            if "lora_" in name:  # fp32 over a low-precision base (PEFT does so too; kept explicit)
                 param.data = param.data.float()
         self.model.to(self.device)
         self.rank, self.world_size = fsdp.rank_and_size()
