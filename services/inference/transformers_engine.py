@@ -1,10 +1,8 @@
 """The transformers + PEFT engine: many LoRA adapters of one frozen base model.
 
-Concurrent `generate` calls are decoded together with a KV cache (up to `max_batch`
-rows), left-padded, each row with its own adapter (PEFT's mixed-adapter forward),
-temperature, top-p, seed and token budget. Batching is continuous (continuous.py):
-a request that arrives while a batch runs joins it at the next decode step, and a
-finished row leaves it at once.
+Concurrent `generate` calls are gathered into batches (up to `max_batch`) and
+decoded together with a KV cache, left-padded, each row with its own adapter
+(PEFT's mixed-adapter forward), temperature, top-p, seed and token budget.
 Model work runs on one dedicated thread so loads and batches never overlap and
 the event loop stays free for gRPC.
 """
@@ -14,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import queue
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +19,6 @@ from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dic
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from marl.model_id import base_model_id
-from services.inference.continuous import RunningBatch
 from services.inference.engine import AdapterWeights, GenerationRequest, GenerationResult
 
 log = logging.getLogger(__name__)
@@ -70,12 +66,7 @@ class TransformersEngine:
         self.model: PeftModel | None = None
         self._names: dict[str, str] = {}
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
-        self._inbox: queue.SimpleQueue[_Pending] = queue.SimpleQueue()
-        """Requests not yet in a batch; the model thread takes them between decode steps."""
-        self._wake = asyncio.Event()
-        self._exclusive = 0
-        """Adapter loads/unloads waiting for the model thread; while any is, no request
-        joins the running batch."""
+        self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self._loop_task: asyncio.Task[None] | None = None
 
     async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
@@ -84,16 +75,7 @@ class TransformersEngine:
     # adapters ---------------------------------------------------------------
 
     async def load_adapter(self, adapter: AdapterWeights) -> None:
-        await self._exclusively(self._load, adapter)
-
-    async def _exclusively(self, fn, *args):  # type: ignore[no-untyped-def]
-        """Run `fn` on the model thread once the running batch has drained: no request
-        joins it meanwhile, so a load or unload waits at most for the rows under way."""
-        self._exclusive += 1
-        try:
-            return await self._run(fn, *args)
-        finally:
-            self._exclusive -= 1
+        await self._run(self._load, adapter)
 
     def _load(self, adapter: AdapterWeights) -> None:
         name = _internal_name(adapter.int_id)
@@ -122,7 +104,7 @@ class TransformersEngine:
         self._names[adapter.key] = name
 
     async def unload_adapter(self, key: str) -> None:
-        await self._exclusively(self._unload, key)
+        await self._run(self._unload, key)
 
     def _unload(self, key: str) -> None:
         name = self._names.pop(key)
@@ -141,123 +123,145 @@ class TransformersEngine:
         if self._loop_task is None:
             self._loop_task = asyncio.create_task(self._batch_loop())
         fut: asyncio.Future[GenerationResult] = asyncio.get_running_loop().create_future()
-        self._inbox.put(_Pending(request, fut))
-        self._wake.set()
+        await self._queue.put(_Pending(request, fut))
         return await fut
 
     async def _batch_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
-            self._wake.clear()
-            if self._inbox.empty():
-                await self._wake.wait()
-                continue
-            # Requests of one workflow stage arrive as a burst: let it gather (until it
-            # pauses, or long enough) so the first prefill is one batch; later arrivals
-            # join the running batch at its next step.
+            batch = [await self._queue.get()]
+            # Requests of one workflow stage arrive as a burst: keep gathering
+            # until the burst pauses (or the batch is full / waited long enough).
+            loop = asyncio.get_running_loop()
             deadline = loop.time() + self.max_batch_wait_s
-            seen = self._inbox.qsize()
-            while loop.time() < deadline and seen < self.max_batch:
-                await asyncio.sleep(self.batch_wait_s)
-                if self._inbox.qsize() == seen:
-                    break
-                seen = self._inbox.qsize()
-            try:
-                await self._run(self._decode_until_idle, loop)
-            except Exception:  # a fault outside any one request's: keep serving the rest
-                log.exception("decode loop failed")
+            while len(batch) < self.max_batch:
+                if self._queue.empty():
+                    await asyncio.sleep(self.batch_wait_s)
+                    if self._queue.empty() or loop.time() > deadline:
+                        break
+                batch.append(self._queue.get_nowait())
+            await self._decode(batch)
+
+    async def _decode(self, batch: list[_Pending]) -> None:
+        """Decode `batch`; if it fails, decode each request alone so a failure stays with the
+        request that caused it (requests are checked before they queue, so this is rare)."""
+        try:
+            results = await self._run(self._generate_batch, [p.request for p in batch])
+        except Exception as err:
+            if len(batch) > 1:
+                log.warning("batch of %d failed (%s); decoding its requests one by one",
+                            len(batch), str(err)[:200])
+                for p in batch:
+                    await self._decode([p])
+                return
+            log.exception("request failed")
+            if not batch[0].future.done():
+                batch[0].future.set_exception(err)
+            return
+        for p, res in zip(batch, results, strict=True):
+            if not p.future.done():
+                p.future.set_result(res)
 
     @torch.no_grad()
-    def _decode_until_idle(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Decode until no row is left: arrivals join before each step (while no adapter
-        load or unload is waiting for this thread), finished rows are answered at once."""
-        batch = RunningBatch(self.pad_token_id, self.eos_token_ids)
-        try:
-            self._decode(batch, loop)
-        except BaseException as err:
-            for row in batch.fail_all():
-                self._answer(loop, row.owner, error=err)
-            raise
-
-    def _decode(self, batch: RunningBatch, loop: asyncio.AbstractEventLoop) -> None:
-        while True:
-            if not self._exclusive and batch.joinable():
-                arrivals: list[_Pending] = []
-                while len(batch.rows) + len(arrivals) < self.max_batch:
-                    try:
-                        arrivals.append(self._inbox.get_nowait())
-                    except queue.Empty:
-                        break
-                if arrivals:
-                    self._admit(batch, arrivals, loop)
-            if not batch.rows:
-                if self._exclusive or self._inbox.empty():
-                    return
-                continue
-            model, routed = self._current_model()
-            try:
-                finished = batch.step(model, routed)
-            except Exception as err:
-                log.exception("decode step failed; failing its %d requests", len(batch.rows))
-                for row in batch.fail_all():
-                    self._answer(loop, row.owner, error=err)
-                continue
-            for row in finished:
-                self._answer(loop, row.owner, row.result())
-
-    def _current_model(self) -> tuple[torch.nn.Module, bool]:
-        if self.model is None:  # no adapter loaded: only base requests can be here
-            return self.base, False
-        return self.model, True
-
-    def _admit(
-        self, batch: RunningBatch, arrivals: list[_Pending], loop: asyncio.AbstractEventLoop
-    ) -> None:
-        """Prefill `arrivals` into `batch`; if the group fails, each request alone, so a
-        failure stays with the request that caused it (requests are checked before they
-        queue, so this is rare)."""
-        rows = []
-        for p in arrivals:
-            key = p.request.adapter_key
-            name = BASE if key == BASE else self._names.get(key)
-            if name is None:
-                self._answer(loop, p, error=KeyError(f"adapter {key} was unloaded"))
-                continue
-            rows.append(batch.new_row(p.request, name, p))
-        if not rows:
-            return
-        model, routed = self._current_model()
-        try:
-            for row in batch.admit(model, rows, routed):
-                self._answer(loop, row.owner, row.result())
-        except Exception as err:
-            if len(rows) == 1:
-                log.exception("request failed")
-                self._answer(loop, rows[0].owner, error=err)
-                return
-            log.warning("prefill of %d requests failed (%s); admitting them one by one",
-                        len(rows), str(err)[:200])
-            for row in rows:
-                self._admit(batch, [row.owner], loop)
-
-    @staticmethod
-    def _answer(
-        loop: asyncio.AbstractEventLoop,
-        pending: _Pending,
-        result: GenerationResult | None = None,
-        error: BaseException | None = None,
-    ) -> None:
-        def settle() -> None:
-            if pending.future.done():
-                return
-            if error is not None:
-                pending.future.set_exception(error)
-            else:
-                pending.future.set_result(result)  # type: ignore[arg-type]
-
-        loop.call_soon_threadsafe(settle)
+    def _generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        names = [BASE if r.adapter_key == BASE else self._names.get(r.adapter_key) for r in requests]
+        missing = [r.adapter_key for r, n in zip(requests, names, strict=True) if n is None]
+        if missing:
+            raise KeyError(f"adapter {missing[0]} was unloaded")
+        if self.model is None:  # no adapter loaded yet: only base requests can be here
+            return decode_batch(self.base, requests, None, self.eos_token_ids, self.pad_token_id)
+        return decode_batch(self.model, requests, names, self.eos_token_ids, self.pad_token_id)  # type: ignore[arg-type]
 
     async def close(self) -> None:
         if self._loop_task is not None:
             self._loop_task.cancel()
         self._thread.shutdown(wait=False, cancel_futures=True)
+
+
+def _sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    generators: list[torch.Generator | None],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row sampling; returns (token ids, their log-probs under the sampling distribution)."""
+    logits = logits.float()
+    greedy = temperature <= 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    logp = torch.log_softmax(scaled, dim=-1)
+    if bool((top_p < 1).any()):
+        sorted_lp, idx = torch.sort(logp, dim=-1, descending=True)
+        cum = sorted_lp.exp().cumsum(-1)
+        drop_sorted = (cum - sorted_lp.exp()) >= top_p[:, None]
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        logp = torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
+    uniform = torch.empty_like(logp)
+    for i, gen in enumerate(generators):
+        uniform[i] = torch.rand(logp.shape[-1], generator=gen)
+    gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-20)))
+    sampled = torch.argmax(logp + gumbel, dim=-1)
+    tokens = torch.where(greedy, torch.argmax(logp, dim=-1), sampled)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def decode_batch(
+    model: torch.nn.Module,
+    requests: list[GenerationRequest],
+    adapter_names: list[str] | None,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+) -> list[GenerationResult]:
+    """Left-padded batched decoding with a KV cache, one adapter per row."""
+    n = len(requests)
+    width = max(len(r.prompt_token_ids) for r in requests)
+    input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    for i, r in enumerate(requests):
+        ids = r.prompt_token_ids
+        input_ids[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        mask[i, width - len(ids) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    temperature = torch.tensor([r.temperature for r in requests])
+    top_p = torch.tensor([r.top_p if 0 < r.top_p < 1 else 1.0 for r in requests])
+    generators: list[torch.Generator | None] = []
+    for r in requests:
+        generators.append(None if r.seed is None else torch.Generator().manual_seed(r.seed))
+    stops = [set(eos_token_ids) | set(r.stop_token_ids) for r in requests]
+    budget = torch.tensor([r.max_tokens for r in requests])
+    out_tokens: list[list[int]] = [[] for _ in requests]
+    out_logps: list[list[float]] = [[] for _ in requests]
+    finish = ["length"] * n
+    done = torch.zeros(n, dtype=torch.bool)
+    past = None
+    step_ids, step_pos = input_ids, positions
+    routing = {} if adapter_names is None else {"adapter_names": adapter_names}
+    for t in range(int(budget.max())):
+        out = model(
+            input_ids=step_ids,
+            attention_mask=mask,
+            position_ids=step_pos,
+            past_key_values=past,
+            use_cache=True,
+            **routing,
+        )
+        past = out.past_key_values
+        tokens, logps = _sample(out.logits[:, -1, :], temperature, top_p, generators)
+        for i in range(n):
+            if done[i]:
+                continue
+            tok = int(tokens[i])
+            out_tokens[i].append(tok)
+            out_logps[i].append(float(logps[i]))
+            if tok in stops[i]:
+                finish[i] = "stop"
+                done[i] = True
+            elif t + 1 >= int(budget[i]):
+                done[i] = True
+        if bool(done.all()):
+            break
+        step_ids = tokens[:, None]
+        step_pos = step_pos[:, -1:] + 1
+        mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], dim=-1)
+    return [
+        GenerationResult(token_ids=toks, logprobs=lps, finish_reason=fr)
+        for toks, lps, fr in zip(out_tokens, out_logps, finish, strict=True)
+    ]
