@@ -18,6 +18,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from marl.heap import release_free_heap
 from marl.model_id import base_model_id
 from services.inference.engine import AdapterWeights, GenerationRequest, GenerationResult
 
@@ -160,6 +161,9 @@ class TransformersEngine:
         for p, res in zip(batch, results, strict=True):
             if not p.future.done():
                 p.future.set_result(res)
+        # a batch's KV cache and logits were freed on the engine thread, whose glibc arena
+        # keeps them otherwise: the replica's RSS would follow its largest batch
+        await self._run(release_free_heap)
 
     @torch.no_grad()
     def _generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
