@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from e2e import run_marl
+from e2e import spec as e2e_spec
 
 from marl.config import DataSpec
 from marl.data import load_problems
@@ -128,30 +129,13 @@ def run_trl(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 def run_marl_single(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     out = root / "marl-run"
-    spec = {
-        "name": "vs-trl",
-        "workflow": "single",
-        "policy": "shared",
-        "seed": args.seed,
-        "engine": "transformers",
-        "out_dir": str(out),
-        "model": {"path": str(demo_model_dir())},
-        "lora": {"rank": args.rank, "alpha": 2 * args.rank},
-        "optim": {"lr": LR, "warmup_steps": 0, "schedule": "constant"},
-        "grpo": {
-            "group_size": args.group,
-            "mini_batch_size": args.problems * args.group,
-            "loss_agg": "seq_mean_token_mean",
-        },
-        "train": {
-            "steps": args.steps,
-            "problems_per_step": args.problems,
-            "val_interval": 100_000,
-            "val_problems": 1,
-            "checkpoint_interval": args.steps,
-        },
-        "sampling": {"temperature": 1.0, "max_tokens": args.max_tokens},
-        "data": {"train": "arithmetic", "val": "arithmetic"},
+    spec = e2e_spec("single", out, args, staleness=0)  # the e2e bench's demo run
+    spec.update(name="vs-trl", seed=args.seed, engine="transformers")
+    spec["optim"] = {"lr": LR, "warmup_steps": 0, "schedule": "constant"}
+    spec["grpo"] = {
+        "group_size": args.group,
+        "mini_batch_size": args.problems * args.group,  # one optimizer step, as TRL's
+        "loss_agg": "seq_mean_token_mean",
     }
     cluster = Cluster(
         root / "cluster",

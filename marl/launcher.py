@@ -29,6 +29,20 @@ HTTP_SERVICES = ("inference", "sandbox", "workflow", "learner")
 one's Prometheus /metrics)."""
 
 
+def how_it_ended(code: int | None) -> str:
+    """A process's exit status in words: its code, or the signal that killed it."""
+    if code is None or code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    how = f"was killed by {name}"
+    if -code == signal.SIGKILL:
+        how += " (the kernel's OOM killer does this when memory runs out: see dmesg)"
+    return how
+
+
 @dataclass
 class Process:
     kind: str
@@ -45,17 +59,10 @@ class Process:
         code = self.proc.poll()
         if code is None:
             return None
-        if code < 0:
-            try:
-                name = signal.Signals(-code).name
-            except ValueError:
-                name = f"signal {-code}"
-            how = f"was killed by {name}"
-            if -code == signal.SIGKILL:
-                how += " (the kernel's OOM killer does this when memory runs out: see dmesg)"
-        else:
-            how = f"exited with code {code}"
-        return f"the {self.kind} service (pid {self.proc.pid}) {how}; its log: {self.log_path}"
+        return (
+            f"the {self.kind} service (pid {self.proc.pid}) {how_it_ended(code)}; "
+            f"its log: {self.log_path}"
+        )
 
 
 @dataclass

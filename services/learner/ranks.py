@@ -18,7 +18,6 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import socket
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +27,8 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from marl.config import LoraSpec, OptimSpec, RunSpec
+from marl.launcher import how_it_ended
+from marl.redis_server import free_port
 from services.learner.errors import RunFailed
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,21 @@ class PolicyArgs:
     seed: int
     device: str
 
+    def build(self, device: str) -> Any:
+        """The MultiAdapterPolicy these arguments describe, on `device`."""
+        from services.learner.policy import MultiAdapterPolicy
+
+        return MultiAdapterPolicy(
+            self.model_path,
+            self.policies,
+            self.lora,
+            self.optim,
+            self.total_steps,
+            self.dtype,
+            self.seed,
+            device,
+        )
+
     @classmethod
     def of(cls, spec: RunSpec, policies: list[str]) -> PolicyArgs:
         return cls(
@@ -101,20 +117,9 @@ def resolve_device(name: str, rank: int = 0) -> str:
 
 def open_policy(spec: RunSpec, policies: list[str]) -> PolicyHandle:
     """The run's policy: in this process for `learner.world_size` 1, else in its ranks."""
-    from services.learner.policy import MultiAdapterPolicy
-
     args = PolicyArgs.of(spec, policies)
     if spec.learner.world_size == 1:
-        return MultiAdapterPolicy(
-            args.model_path,
-            args.policies,
-            args.lora,
-            args.optim,
-            args.total_steps,
-            args.dtype,
-            args.seed,
-            resolve_device(args.device),
-        )
+        return args.build(resolve_device(args.device))  # type: ignore[no-any-return]
     return RankedPolicy.start(args, spec.learner.world_size)
 
 
@@ -131,16 +136,8 @@ def _target_modules(policy: Any, name: str) -> list[str]:
     return policy.target_modules(name)  # type: ignore[no-any-return]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _rank_main(rank: int, size: int, port: int, args: PolicyArgs, conn: Connection) -> None:
     import torch.distributed as dist
-
-    from services.learner.policy import MultiAdapterPolicy
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when ranks stop
     try:
@@ -153,16 +150,7 @@ def _rank_main(rank: int, size: int, port: int, args: PolicyArgs, conn: Connecti
             rank=rank,
             world_size=size,
         )
-        policy = MultiAdapterPolicy(
-            args.model_path,
-            args.policies,
-            args.lora,
-            args.optim,
-            args.total_steps,
-            args.dtype,
-            args.seed,
-            device,
-        )
+        policy = args.build(device)
     except BaseException as e:  # noqa: BLE001 - reported to the server, which fails the run
         traceback.print_exc()  # to the learner's log; the run's error gets one line
         conn.send(("error", f"{type(e).__name__}: {e}"))
@@ -195,7 +183,7 @@ class RankedPolicy:
     @classmethod
     def start(cls, args: PolicyArgs, size: int) -> RankedPolicy:
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         procs, conns = [], []
         for rank in range(size):
             ours, theirs = ctx.Pipe()
@@ -272,14 +260,7 @@ class RankedPolicy:
     def _exit(self, rank: int) -> str:
         proc = self.procs[rank]
         proc.join(5)
-        code = proc.exitcode
-        if code is not None and code < 0:
-            how = f"was killed by {signal.Signals(-code).name}"
-            if -code == signal.SIGKILL:
-                how += " (out of memory? check the kernel log)"
-        else:
-            how = f"exited with code {code}"
-        return f"learner rank {rank} (pid {proc.pid}) {how}"
+        return f"learner rank {rank} (pid {proc.pid}) {how_it_ended(proc.exitcode)}"
 
     def close(self, kill: bool = False) -> None:
         """Stop every rank: asked to when `kill` is False, else at once (after a failure,
