@@ -62,8 +62,9 @@ class _BoundedContext:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._context, name)
 
-    async def abort(self, code: grpc.StatusCode, details: str = "",
-                    trailing_metadata: Any = ()) -> None:
+    async def abort(
+        self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()
+    ) -> None:
         await self._context.abort(code, bounded(details) or "", trailing_metadata)
 
     def set_details(self, details: str) -> None:
@@ -76,8 +77,9 @@ async def _unexpected(err: Exception, context: grpc.aio.ServicerContext) -> None
     if isinstance(err, grpc.aio.AbortError):
         raise err
     log.error("unexpected error in a handler", exc_info=err)
-    await context.abort(grpc.StatusCode.UNKNOWN,
-                        bounded(f"Unexpected {type(err).__name__}: {err}") or "")
+    await context.abort(
+        grpc.StatusCode.UNKNOWN, bounded(f"Unexpected {type(err).__name__}: {err}") or ""
+    )
 
 
 def _bounded_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
@@ -92,6 +94,7 @@ def _bounded_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         if fn is None:
             continue
         if inspect.isasyncgenfunction(fn):
+
             async def gen(request: Any, context: Any, fn: Any = fn) -> Any:
                 try:
                     async for item in fn(request, _BoundedContext(context)):
@@ -101,6 +104,7 @@ def _bounded_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
             wrapped: Any = gen
         else:
+
             async def call(request: Any, context: Any, fn: Any = fn) -> Any:
                 try:
                     return await fn(request, _BoundedContext(context))
@@ -108,16 +112,20 @@ def _bounded_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
                     await _unexpected(err, context)
 
             wrapped = call
-        return make(wrapped, request_deserializer=handler.request_deserializer,  # type: ignore[operator]
-                    response_serializer=handler.response_serializer)
+        return make(
+            wrapped,
+            request_deserializer=handler.request_deserializer,  # type: ignore[operator]
+            response_serializer=handler.response_serializer,
+        )
     return handler
 
 
 class BoundedErrors(grpc.aio.ServerInterceptor):
     """Every handler's error messages are cut to MAX_DETAILS_BYTES (see `bounded`)."""
 
-    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails
-                                ) -> grpc.RpcMethodHandler:
+    async def intercept_service(
+        self, continuation: Any, details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
         return handler if handler is None else _bounded_handler(handler)
 
@@ -216,11 +224,32 @@ async def serve_until_stopped(
         if drain_s > 0 and tasks:
             await asyncio.wait(tasks, timeout=drain_s)
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_until_done(tasks)
         if on_stop is not None:
             await on_stop()
+
+
+CANCEL_AGAIN_S = 5.0
+
+
+async def cancel_until_done(
+    tasks: list[asyncio.Task[None]], again_s: float = CANCEL_AGAIN_S
+) -> None:
+    """Cancel `tasks` and wait for them, cancelling again every `again_s` seconds while any
+    runs on. A cancellation can be lost below our code (Python 3.11's `wait_for` returns a
+    result that is ready when the cancel arrives), and a lost one left a learner training
+    its run to the end after SIGTERM; `again_s` leaves a task's cleanup time to finish."""
+    pending = {t for t in tasks if not t.done()}
+    while pending:
+        for t in pending:
+            t.cancel()
+        _, pending = await asyncio.wait(pending, timeout=again_s)
+        if pending:
+            log.warning(
+                "%d background loops still run after a cancel; cancelling again", len(pending)
+            )
+            log_task_stacks()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _stop_on_crash(host: ServiceHost) -> Callable[[asyncio.Task[None]], None]:
