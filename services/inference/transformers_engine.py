@@ -1,10 +1,11 @@
-"""The transformers + PEFT engine: many LoRA adapters of one frozen base model.
+"""The transformers engine: many LoRA adapters of one frozen base model.
 
 Concurrent `generate` calls are gathered into batches (up to `max_batch`) and
 decoded together with a KV cache, left-padded, each row with its own adapter
-(PEFT's mixed-adapter forward), temperature, top-p, seed and token budget.
-Model work runs on one dedicated thread so loads and batches never overlap and
-the event loop stays free for gRPC.
+(multi_lora.py: rows ordered by adapter, each adapter's delta computed on its
+rows only), temperature, top-p, seed and token budget. Model work runs on one
+dedicated thread so loads and batches never overlap and the event loop stays
+free for gRPC.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from marl.heap import release_free_heap
 from marl.model_id import base_model_id
 from services.inference.engine import AdapterWeights, GenerationRequest, GenerationResult
+from services.inference.multi_lora import MultiLoRA
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +34,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class _Pending:
     request: GenerationRequest
     future: asyncio.Future[GenerationResult]
-
-
-def _internal_name(int_id: int) -> str:
-    # PEFT adapter names become module keys: no dots, no slashes.
-    return f"lora_{int_id}"
 
 
 class TransformersEngine:
@@ -64,8 +60,7 @@ class TransformersEngine:
         self.pad_token_id = int(tok.pad_token_id if tok.pad_token_id is not None else eos or 0)
         self.base = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype])
         self.base.eval()
-        self.model: PeftModel | None = None
-        self._names: dict[str, str] = {}
+        self.lora = MultiLoRA(self.base)
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self._loop_task: asyncio.Task[None] | None = None
@@ -79,47 +74,24 @@ class TransformersEngine:
         await self._run(self._load, adapter)
 
     def _load(self, adapter: AdapterWeights) -> None:
-        name = _internal_name(adapter.int_id)
-        config = LoraConfig(
-            r=adapter.rank,
-            lora_alpha=adapter.alpha,  # type: ignore[arg-type]  # PEFT accepts floats
-            lora_dropout=0.0,
-            target_modules=adapter.target_modules,
-            bias="none",
-        )
-        if self.model is None:
-            self.model = get_peft_model(self.base, config, adapter_name=name)
-        else:
-            self.model.add_adapter(name, config)
-        result = set_peft_model_state_dict(self.model, adapter.state_dict, adapter_name=name)
-        unexpected = getattr(result, "unexpected_keys", [])
-        if unexpected:
-            if self._names:
-                self.model.delete_adapter(name)
-            else:  # PEFT cannot delete its only adapter: go back to the bare base model
-                self.base = self.model.unload()
-                self.model = None
-            raise ValueError(f"adapter {adapter.key}: unexpected weights {unexpected[:3]}")
-        assert self.model is not None
-        self.model.eval()
-        self._names[adapter.key] = name
+        try:
+            self.lora.load(
+                adapter.key,
+                adapter.rank,
+                adapter.alpha,
+                adapter.target_modules,
+                adapter.state_dict,
+            )
+        except ValueError as err:
+            raise ValueError(f"adapter {adapter.key}: {err}") from None
 
     async def unload_adapter(self, key: str) -> None:
-        await self._run(self._unload, key)
-
-    def _unload(self, key: str) -> None:
-        name = self._names.pop(key)
-        assert self.model is not None
-        if self._names:
-            self.model.delete_adapter(name)
-        else:  # PEFT keeps its last adapter marked active after deleting it: back to the bare base
-            self.base = self.model.unload()
-            self.model = None
+        await self._run(self.lora.unload, key)
 
     # generation -------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
-        if request.adapter_key != BASE and request.adapter_key not in self._names:
+        if request.adapter_key != BASE and request.adapter_key not in self.lora.loaded:
             raise KeyError(f"adapter {request.adapter_key} is not loaded")
         if self._loop_task is None:
             self._loop_task = asyncio.create_task(self._batch_loop())
@@ -149,8 +121,11 @@ class TransformersEngine:
             results = await self._run(self._generate_batch, [p.request for p in batch])
         except Exception as err:
             if len(batch) > 1:
-                log.warning("batch of %d failed (%s); decoding its requests one by one",
-                            len(batch), str(err)[:200])
+                log.warning(
+                    "batch of %d failed (%s); decoding its requests one by one",
+                    len(batch),
+                    str(err)[:200],
+                )
                 for p in batch:
                     await self._decode([p])
                 return
@@ -167,13 +142,20 @@ class TransformersEngine:
 
     @torch.no_grad()
     def _generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        names = [BASE if r.adapter_key == BASE else self._names.get(r.adapter_key) for r in requests]
-        missing = [r.adapter_key for r, n in zip(requests, names, strict=True) if n is None]
+        adapters = [None if r.adapter_key == BASE else r.adapter_key for r in requests]
+        missing = [a for a in adapters if a is not None and a not in self.lora.loaded]
         if missing:
             raise KeyError(f"adapter {missing[0]} was unloaded")
-        if self.model is None:  # no adapter loaded yet: only base requests can be here
-            return decode_batch(self.base, requests, None, self.eos_token_ids, self.pad_token_id)
-        return decode_batch(self.model, requests, names, self.eos_token_ids, self.pad_token_id)  # type: ignore[arg-type]
+        # rows of one adapter side by side: each adapter's delta is one slice of the batch
+        order = sorted(
+            range(len(requests)), key=lambda i: (adapters[i] is not None, adapters[i] or "")
+        )
+        with self.lora.route([adapters[i] for i in order]):
+            results = decode_batch(
+                self.base, [requests[i] for i in order], self.eos_token_ids, self.pad_token_id
+            )
+        by_row = dict(zip(order, results, strict=True))
+        return [by_row[i] for i in range(len(requests))]
 
     async def close(self) -> None:
         if self._loop_task is not None:
@@ -210,11 +192,10 @@ def _sample(
 def decode_batch(
     model: torch.nn.Module,
     requests: list[GenerationRequest],
-    adapter_names: list[str] | None,
     eos_token_ids: list[int],
     pad_token_id: int,
 ) -> list[GenerationResult]:
-    """Left-padded batched decoding with a KV cache, one adapter per row."""
+    """Left-padded batched decoding with a KV cache (the caller routes rows to adapters)."""
     n = len(requests)
     width = max(len(r.prompt_token_ids) for r in requests)
     input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
@@ -237,7 +218,6 @@ def decode_batch(
     done = torch.zeros(n, dtype=torch.bool)
     past = None
     step_ids, step_pos = input_ids, positions
-    routing = {} if adapter_names is None else {"adapter_names": adapter_names}
     for t in range(int(budget.max())):
         out = model(
             input_ids=step_ids,
@@ -245,7 +225,6 @@ def decode_batch(
             position_ids=step_pos,
             past_key_values=past,
             use_cache=True,
-            **routing,
         )
         past = out.past_key_values
         tokens, logps = _sample(out.logits[:, -1, :], temperature, top_p, generators)
