@@ -24,7 +24,6 @@ import asyncio
 import importlib.util
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ import torch
 
 from marl import adapter_io
 from marl.model_id import base_model_id
+from marl.redis_server import free_port
 from marl.serving import wait_healthy
 from services.inference.engine import AdapterWeights, Engine, GenerationRequest
 
@@ -158,11 +158,6 @@ async def throughput(args: argparse.Namespace, model_path: Path) -> dict[str, fl
 
 # (b) push latency ---------------------------------------------------------------
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_replica(args: argparse.Namespace, model_path: Path, port: int) -> subprocess.Popen[bytes]:

@@ -26,7 +26,6 @@ import asyncio
 import http.client
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from marl.clients import SandboxClient
+from marl.redis_server import free_port
 from marl.serving import wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,16 +46,11 @@ TRIVIAL = "print(1)"
 TEST = [{"stdin": "", "expected_stdout": "1"}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 @contextmanager
 def sandbox_server(isolation: str) -> Iterator[tuple[str, int]]:
     """The server's gRPC address and its HTTP (SandboxFusion) port."""
-    port, http_port = _free_port(), _free_port()
+    port, http_port = free_port(), free_port()
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "sandbox.yaml"
         config.write_text(f"isolation: {isolation}\nmax_concurrency: 4\n")

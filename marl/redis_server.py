@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -50,7 +51,38 @@ def die_with_parent(cmd: list[str]) -> list[str]:
     return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
 
 
+_LISTEN_PORTS = (20000, 32767)
+"""Where `free_port` looks: below Linux's default ephemeral range (32768-60999)."""
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
+    """A loopback port that is free now, for a server that will listen on it.
+
+    Not one the kernel would pick itself (bind to port 0): those come from the
+    ephemeral range, which every outgoing connection also draws its source port from,
+    so between this call and the server's bind a Redis or gRPC client could take it
+    (CI saw a learner fail to bind such a port). Ports are drawn at random outside
+    that range and never twice in one process.
+    """
+    eph_low, eph_high = _ephemeral_range()
+    low, high = _LISTEN_PORTS
+    if low <= eph_high and eph_low <= high:  # an unusual ephemeral range: stay under it
+        low, high = 1024, max(1025, eph_low - 1)
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randint(low, high)
+        if port not in _handed_out and port_is_free(port):
+            _handed_out.add(port)
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -82,11 +81,6 @@ def require_images(client: Any, *services: str) -> None:
         except docker.errors.ImageNotFound:
             pytest.skip(f"{image(service)} is not built: run `make images`")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Containers:

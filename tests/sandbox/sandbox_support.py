@@ -15,7 +15,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from typing import Any
 
 from marl.clients import AsyncSandboxClient
 from marl.clients.sandbox import ExecuteResult
+from marl.redis_server import free_port
 from marl.serving import wait_healthy
 from services.reward_sandbox.zygote import MARKER
 
@@ -33,11 +33,6 @@ ROOT = Path(__file__).resolve().parents[2]
 SECRET_ENV = "MARL_SANDBOX_TEST_SECRET"
 DEADLINE = 12.0
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cmdline(pid: int) -> list[str]:
@@ -56,7 +51,7 @@ class SandboxServer:
         self.secret = "secret-" + uuid.uuid4().hex
         self.config = {"scratch_root": str(self.scratch), "max_concurrency": 4,
                        "warm_jails": 2, **config}
-        self.port = _free_port()
+        self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
         self.idle = 0
