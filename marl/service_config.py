@@ -52,6 +52,9 @@ class InferenceConfig(_RedisConfig):
     """Generation engine; `auto` takes vLLM when it is installed."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype the engine loads the base model in."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """transformers engine: where the model runs (`auto`: the first GPU when torch sees
+    one). vLLM places itself."""
     retention: int = Field(default=2, ge=1, le=64)
     """Versions of each adapter kept loaded; older ones are unloaded once no request uses them."""
     max_lora_rank: int = Field(default=64, ge=1, le=1024)

@@ -21,8 +21,10 @@ def make_engine(
     dtype: str = "float32",
     max_lora_rank: int = 64,
     vllm_options: dict[str, Any] | None = None,
+    device: str = "auto",
 ) -> Engine:
-    """`vllm_options`: InferenceConfig.vllm_options(), read by the vLLM engine only."""
+    """`vllm_options`: InferenceConfig.vllm_options(), read by the vLLM engine only;
+    `device` (auto, cpu, cuda): read by the transformers engine only."""
     if name == "auto":
         name = "vllm" if vllm_available() else "transformers"
     if name == "vllm":
@@ -38,4 +40,6 @@ def make_engine(
         )
     from services.inference.transformers_engine import TransformersEngine
 
-    return TransformersEngine(model_path, dtype=dtype, max_lora_rank=max(max_lora_rank, 256))
+    return TransformersEngine(
+        model_path, dtype=dtype, max_lora_rank=max(max_lora_rank, 256), device=device
+    )

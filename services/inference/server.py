@@ -307,6 +307,7 @@ async def _serve(
     max_lora_rank: int,
     http_port: int | None = None,
     vllm_options: dict[str, Any] | None = None,
+    device: str = "auto",
 ) -> None:
     service_name = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
     server = ServiceHost([service_name], host, port)
@@ -332,7 +333,7 @@ async def _serve(
 
     async def ready() -> None:
         engine = await asyncio.to_thread(
-            make_engine, engine_name, model_path, dtype, max_lora_rank, vllm_options
+            make_engine, engine_name, model_path, dtype, max_lora_rank, vllm_options, device
         )
         if openai is not None:
             await openai.load_tokenizer()
@@ -374,9 +375,11 @@ def run(
     max_lora_rank: int = 64,
     http_port: int | None = None,
     vllm_options: dict[str, Any] | None = None,
+    device: str = "auto",
 ) -> None:
     """`vllm_options`: InferenceConfig.vllm_options() (GPU memory share, tensor
-    parallelism, eager mode, LoRA slots...), ignored by the transformers engine."""
+    parallelism, eager mode, LoRA slots...), ignored by the transformers engine;
+    `device`: where the transformers engine runs (auto: CUDA when present)."""
     configure_logging("inference")
     asyncio.run(
         _serve(
@@ -390,5 +393,6 @@ def run(
             max_lora_rank,
             http_port,
             vllm_options,
+            device,
         )
     )

@@ -47,7 +47,9 @@ class TransformersEngine:
         max_lora_rank: int = 256,
         batch_wait_s: float = 0.005,
         max_batch_wait_s: float = 0.05,
+        device: str = "auto",
     ):
+        """`device`: auto (the first GPU when torch sees one), cpu or cuda."""
         self.model_path = model_path
         self.base_model = base_model_id(model_path)
         self.max_lora_rank = max_lora_rank
@@ -58,7 +60,9 @@ class TransformersEngine:
         eos = tok.eos_token_id
         self.eos_token_ids = [int(eos)] if eos is not None else []
         self.pad_token_id = int(tok.pad_token_id if tok.pad_token_id is not None else eos or 0)
+        self.device = engine_device(device)
         self.base = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype])
+        torch.nn.Module.to(self.base, self.device)
         self.base.eval()
         self.lora = MultiLoRA(self.base)
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
@@ -163,6 +167,17 @@ class TransformersEngine:
         self._thread.shutdown(wait=False, cancel_futures=True)
 
 
+def engine_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "device=cuda but torch sees no GPU (torch.cuda.is_available() is False); "
+            "use device=cpu or auto"
+        )
+    return torch.device("cuda:0" if name == "cuda" else "cpu")
+
+
 def _sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -182,7 +197,7 @@ def _sample(
         logp = torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
     uniform = torch.empty_like(logp)
     for i, gen in enumerate(generators):
-        uniform[i] = torch.rand(logp.shape[-1], generator=gen)
+        uniform[i] = torch.rand(logp.shape[-1], generator=gen, device=logp.device)
     gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-20)))
     sampled = torch.argmax(logp + gumbel, dim=-1)
     tokens = torch.where(greedy, torch.argmax(logp, dim=-1), sampled)
@@ -197,6 +212,7 @@ def decode_batch(
 ) -> list[GenerationResult]:
     """Left-padded batched decoding with a KV cache (the caller routes rows to adapters)."""
     n = len(requests)
+    device = next(model.parameters()).device
     width = max(len(r.prompt_token_ids) for r in requests)
     input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((n, width), dtype=torch.long)
@@ -204,18 +220,21 @@ def decode_batch(
         ids = r.prompt_token_ids
         input_ids[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
         mask[i, width - len(ids) :] = 1
+    input_ids, mask = input_ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
-    temperature = torch.tensor([r.temperature for r in requests])
-    top_p = torch.tensor([r.top_p if 0 < r.top_p < 1 else 1.0 for r in requests])
+    temperature = torch.tensor([r.temperature for r in requests], device=device)
+    top_p = torch.tensor([r.top_p if 0 < r.top_p < 1 else 1.0 for r in requests], device=device)
     generators: list[torch.Generator | None] = []
     for r in requests:
-        generators.append(None if r.seed is None else torch.Generator().manual_seed(r.seed))
+        generators.append(
+            None if r.seed is None else torch.Generator(device=device).manual_seed(r.seed)
+        )
     stops = [set(eos_token_ids) | set(r.stop_token_ids) for r in requests]
     budget = torch.tensor([r.max_tokens for r in requests])
     out_tokens: list[list[int]] = [[] for _ in requests]
     out_logps: list[list[float]] = [[] for _ in requests]
     finish = ["length"] * n
-    done = torch.zeros(n, dtype=torch.bool)
+    done = [False] * n
     past = None
     step_ids, step_pos = input_ids, positions
     for t in range(int(budget.max())):
@@ -228,22 +247,23 @@ def decode_batch(
         )
         past = out.past_key_values
         tokens, logps = _sample(out.logits[:, -1, :], temperature, top_p, generators)
+        step_tokens, step_logps = tokens.tolist(), logps.tolist()
         for i in range(n):
             if done[i]:
                 continue
-            tok = int(tokens[i])
+            tok = int(step_tokens[i])
             out_tokens[i].append(tok)
-            out_logps[i].append(float(logps[i]))
+            out_logps[i].append(float(step_logps[i]))
             if tok in stops[i]:
                 finish[i] = "stop"
                 done[i] = True
             elif t + 1 >= int(budget[i]):
                 done[i] = True
-        if bool(done.all()):
+        if all(done):
             break
         step_ids = tokens[:, None]
         step_pos = step_pos[:, -1:] + 1
-        mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], dim=-1)
+        mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long, device=device)], dim=-1)
     return [
         GenerationResult(token_ids=toks, logprobs=lps, finish_reason=fr)
         for toks, lps, fr in zip(out_tokens, out_logps, finish, strict=True)

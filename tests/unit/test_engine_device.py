@@ -1,0 +1,40 @@
+"""The transformers engine's `device` setting: config field, resolution and placement."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from marl.demo_model import demo_model_dir
+from marl.service_config import load_service_config
+from services.inference.engine import GenerationRequest
+from services.inference.transformers_engine import BASE, TransformersEngine, engine_device
+
+
+def test_device_field_defaults_to_auto_and_is_checked() -> None:
+    assert load_service_config("inference", environ={}).device == "auto"
+    cfg = load_service_config("inference", environ={"MARL_INFERENCE_DEVICE": "cpu"})
+    assert cfg.device == "cpu"
+    with pytest.raises(ValueError, match=r"^device: .*\(from MARL_INFERENCE_DEVICE\)"):
+        load_service_config("inference", environ={"MARL_INFERENCE_DEVICE": "tpu"})
+
+
+def test_auto_is_cuda_only_when_torch_sees_a_gpu() -> None:
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert engine_device("auto").type == expected
+    assert engine_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_cuda_without_a_gpu_says_what_to_do() -> None:
+    with pytest.raises(ValueError, match=r"device=cuda but torch sees no GPU.*use device=cpu"):
+        engine_device("cuda")
+
+
+def test_engine_on_the_cpu_decodes_on_its_device() -> None:
+    engine = TransformersEngine(str(demo_model_dir()), device="cpu")
+    assert next(engine.base.parameters()).device == torch.device("cpu")
+    request = GenerationRequest([1, 2, 3], BASE, max_tokens=4, seed=7)
+    first, again = (engine._generate_batch([request])[0] for _ in range(2))
+    assert len(first.token_ids) == len(first.logprobs) <= 4
+    assert first.token_ids == again.token_ids  # seeded rows stay reproducible
