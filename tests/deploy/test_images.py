@@ -24,7 +24,6 @@ from chart_support import by_kind, render
 from containers_support import (
     Containers,
     container_engine,
-    free_port,
     image,
     require_images,
     wait_serving,
@@ -32,6 +31,7 @@ from containers_support import (
 
 from marl.clients import RunsClient, SandboxClient
 from marl.demo import DEMO_SPEC
+from marl.redis_server import free_port
 
 pytestmark = pytest.mark.slow
 
