@@ -49,7 +49,7 @@ def confine(policy: dict[str, Any], limits: dict[str, Any]) -> None:
     if policy["namespaces"]:
         syscalls.drop_capabilities()
     if policy["seccomp"]:
-        seccomp.install(seccomp.strict_program(os.getpid()))
+        seccomp.install_strict(os.getpid())
 
 
 _HOST_PATHS = sorted({p for q in (sys.base_prefix, sys.prefix, sys.base_exec_prefix)

@@ -27,6 +27,7 @@ from .jobspec import Job
 from .zygote import ZygoteClient
 
 NOBODY = 65534
+_HEADER = struct.Struct(">I")
 
 
 @dataclass
@@ -108,32 +109,56 @@ class Executor:
 
     async def _collect(self, fd: int, nonce: str, cap: int,
                        records: dict[int, dict[str, Any]]) -> str:
-        """Read frames until the done record; returns a jail error message, if any."""
+        """Read frames until the done record; returns a jail error message, if any.
+
+        A reader callback on the pipe, not a stream transport: the server pays for
+        every job's set-up, and frames are small and few."""
         loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=1 << 20)
-        transport, _ = await loop.connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(os.dup(fd), "rb", 0))
-        try:
-            while True:
+        os.set_blocking(fd, False)
+        result: asyncio.Future[str] = loop.create_future()
+        buf = bytearray()
+
+        def finish(message: str) -> None:
+            loop.remove_reader(fd)
+            if not result.done():
+                result.set_result(message)
+
+        def on_readable() -> None:
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                return
+            if not chunk:
+                return finish("the jail exited before it finished")
+            buf.extend(chunk)
+            while len(buf) >= _HEADER.size:
+                (size,) = _HEADER.unpack_from(buf)
+                if size > cap:
+                    return finish(f"record of {size} bytes is over the cap")
+                if len(buf) < _HEADER.size + size:
+                    return
+                data = bytes(buf[_HEADER.size:_HEADER.size + size])
+                del buf[:_HEADER.size + size]
                 try:
-                    (size,) = struct.unpack(">I", await reader.readexactly(4))
-                    if size > cap:
-                        return f"record of {size} bytes is over the cap"
-                    frame = json.loads(await reader.readexactly(size))
-                except (asyncio.IncompleteReadError, ValueError, RecursionError):
-                    return "the jail exited before it finished"
+                    frame = json.loads(data)
+                except (ValueError, RecursionError):
+                    return finish("the jail exited before it finished")
                 if not isinstance(frame, dict):
                     continue
                 if "fatal" in frame:
-                    return str(frame["fatal"])
+                    return finish(str(frame["fatal"]))
                 if frame.get("nonce") != nonce:
                     continue
                 if frame.get("done"):
-                    return ""
+                    return finish("")
                 if isinstance(frame.get("test"), int):
                     records[frame["test"]] = frame
+
+        loop.add_reader(fd, on_readable)
+        try:
+            return await result
         finally:
-            transport.close()
+            loop.remove_reader(fd)
 
     def _verdicts(self, job: Job, records: dict[int, dict[str, Any]], timed_out: bool,
                   fatal: str) -> JobResult:

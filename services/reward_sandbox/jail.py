@@ -45,6 +45,7 @@ def warm(spec: dict[str, Any], sock: socket.socket, uid: int | None = None) -> N
     harness: Harness | None = None
     try:
         syscalls.prctl(syscalls.PR_SET_PDEATHSIG, signal.SIGKILL)
+        syscalls.set_name("sbx-outer")
         if tier != "none":
             os.setsid()
         policy = enter(tier, spec, [sock.fileno()], uid)
@@ -89,7 +90,7 @@ def enter(tier: str, spec: dict[str, Any], keep: list[int],
                               "baseline_vsz": _vsz() + (32 << 20)}
     if tier == "namespaces":
         plan = namespaces.RootPlan(**spec["root"])
-        staged = namespaces.enter(uid, plan)
+        namespaces.enter(uid)
         pid = os.fork()
         if pid:
             for fd in keep:
@@ -97,7 +98,8 @@ def enter(tier: str, spec: dict[str, Any], keep: list[int],
             os.waitpid(pid, 0)
             _wait_to_be_killed()
         syscalls.prctl(syscalls.PR_SET_PDEATHSIG, signal.SIGKILL)
-        namespaces.build_root(plan, staged)
+        syscalls.set_name("sbx-harness")
+        namespaces.build_root(plan, spec.get("staged"))
         # Root of the new user namespace needed its capabilities to build the
         # root; nothing after this does (the harness runs client assert programs).
         syscalls.drop_capabilities()
@@ -109,7 +111,7 @@ def enter(tier: str, spec: dict[str, Any], keep: list[int],
         # Every job shares uid 65534 here, so the process cap is shared too.
         policy["nproc"] = spec["max_processes"] * spec["max_jobs"]
     if policy["seccomp"]:
-        seccomp.install(seccomp.base_program())
+        seccomp.install_base()
     if tier != "none":
         syscalls.prctl(syscalls.PR_SET_DUMPABLE, 0)
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
@@ -121,8 +123,11 @@ def enter(tier: str, spec: dict[str, Any], keep: list[int],
 
 
 def _vsz() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    fd = os.open("/proc/self/statm", os.O_RDONLY)
+    try:
+        return int(os.read(fd, 256).split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    finally:
+        os.close(fd)
 
 
 def _wait_to_be_killed() -> NoReturn:

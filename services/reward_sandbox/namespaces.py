@@ -46,6 +46,9 @@ class RootPlan:
     files: list[str] = field(default_factory=list)
     symlinks: dict[str, str] = field(default_factory=dict)
     hidden: list[str] = field(default_factory=list)
+    skeleton: list[str] = field(default_factory=list)
+    """Directories to create in the new root, parents first (mount points and their parents)."""
+    devices: list[str] = field(default_factory=list)
     tmp_bytes: int = 64 * 1024 * 1024
     tmp_inodes: int = 2048
 
@@ -71,21 +74,26 @@ def plan_root(tmp_bytes: int, tmp_inodes: int) -> RootPlan:
               for p in glob.glob(os.path.join(root, pattern))
               if os.path.isdir(p) and not os.path.islink(p)}
     plan.hidden = sorted(hidden)
+    plan.devices = [name for name in _DEVICES if os.path.exists("/dev/" + name)]
+    skeleton: dict[str, None] = {}
+    for path in [*plan.dirs, *(os.path.dirname(f) for f in plan.files), "/dev", "/tmp"]:
+        parts = path.strip("/").split("/")
+        for i in range(1, len(parts) + 1):
+            skeleton["/" + "/".join(parts[:i])] = None
+    plan.skeleton = list(skeleton)
     return plan
 
 
-def enter(outside_id: int | None = None, plan: RootPlan | None = None) -> dict[str, str]:
+def enter(outside_id: int | None = None) -> None:
     """Unshare every namespace; the next fork becomes PID 1 of the new PID namespace.
 
     Root inside is the caller's own uid outside, or `outside_id` when given: a
     server running as root must give each jail an unprivileged uid of its own,
     because the kernel never applies RLIMIT_NPROC to processes of the real root
-    uid, so a job's process and thread cap would not hold. Returns where
-    `build_root` finds the plan's directories that uid could not reach itself.
+    uid, so a job's process and thread cap would not hold. Such a uid may not
+    reach the Python installation: see `stage_unreachable`.
     """
-    staged: dict[str, str] = {}
     if outside_id is not None:
-        staged = _stage_unreachable(plan.dirs if plan is not None else [])
         os.setgroups([])
         os.setresgid(outside_id, outside_id, outside_id)
         os.setresuid(outside_id, outside_id, outside_id)
@@ -99,7 +107,6 @@ def enter(outside_id: int | None = None, plan: RootPlan | None = None) -> dict[s
     _write("/proc/self/setgroups", "deny")
     _write("/proc/self/uid_map", f"0 {uid} 1")
     _write("/proc/self/gid_map", f"0 {gid} 1")
-    return staged
 
 
 def _searchable_by_anyone(path: str) -> bool:
@@ -108,10 +115,11 @@ def _searchable_by_anyone(path: str) -> bool:
                for i in range(1, len(parts) + 1))
 
 
-def _stage_unreachable(dirs: list[str]) -> dict[str, str]:
-    """While still root: bind each directory an unprivileged uid cannot reach (the
-    Python installation below /root, say) under a world-searchable tmpfs, in a
-    private mount namespace the jail's own namespaces then copy."""
+def stage_unreachable(dirs: list[str]) -> dict[str, str]:
+    """As root, once, in the zygote: bind each directory an unprivileged uid cannot
+    reach (the Python installation below /root, say) under a world-searchable tmpfs,
+    in a private mount namespace of the zygote's that every jail's own mount
+    namespace then copies. Returns where `build_root` finds them."""
     hidden = [d for d in dirs if not _searchable_by_anyone(d)]
     if not hidden:
         return {}
@@ -130,53 +138,50 @@ def _stage_unreachable(dirs: list[str]) -> dict[str, str]:
 
 def build_root(plan: RootPlan, staged: dict[str, str] | None = None) -> None:
     """Pivot into a fresh minimal root; leaves the process in /tmp. `staged`: where
-    `enter` put directories the jail's uid could not reach."""
+    the zygote put directories the jail's uid could not reach.
+
+    Everything but /tmp is made read-only in one recursive pass before /tmp is
+    mounted (the root tmpfs, the binds, the hidden tmpfs and /dev alike)."""
     staged = staged or {}
-    syscalls.mount(None, "/", None, syscalls.MS_REC | syscalls.MS_PRIVATE)
+    ms = syscalls
+    ms.mount(None, "/", None, ms.MS_REC | ms.MS_PRIVATE)
     new = _NEW_ROOT
-    syscalls.mount("tmpfs", new, "tmpfs", syscalls.MS_NOSUID | syscalls.MS_NODEV,
-                   "size=1m,nr_inodes=512,mode=0755")
+    ms.mount("tmpfs", new, "tmpfs", ms.MS_NOSUID | ms.MS_NODEV, "size=1m,nr_inodes=512,mode=0755")
+    for path in plan.skeleton:
+        os.mkdir(new + path, 0o755)
     for path in plan.dirs:
-        target = new + path
-        os.makedirs(target, exist_ok=True)
-        syscalls.mount(staged.get(path, path), target, None, syscalls.MS_BIND | syscalls.MS_REC)
-        syscalls.remount_readonly(target)
+        ms.mount(staged.get(path, path), new + path, None, ms.MS_BIND | ms.MS_REC)
     for path in plan.files:
-        target = new + path
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        open(target, "w").close()
-        syscalls.mount(path, target, None, syscalls.MS_BIND)
-        syscalls.remount_readonly(target)
+        _touch(new + path)
+        ms.mount(path, new + path, None, ms.MS_BIND)
     for path, dest in plan.symlinks.items():
         os.symlink(dest, new + path)
     for path in plan.hidden:
-        syscalls.mount("tmpfs", new + path, "tmpfs",
-                       syscalls.MS_RDONLY | syscalls.MS_NOSUID | syscalls.MS_NODEV,
-                       "size=4k,nr_inodes=4,mode=0555")
-    _build_dev(new + "/dev")
-    os.mkdir(new + "/tmp")
-    syscalls.mount("tmpfs", new + "/tmp", "tmpfs", syscalls.MS_NOSUID | syscalls.MS_NODEV,
-                   f"size={plan.tmp_bytes},nr_inodes={plan.tmp_inodes},mode=1777")
+        ms.mount("tmpfs", new + path, "tmpfs", ms.MS_RDONLY | ms.MS_NOSUID | ms.MS_NODEV,
+                 "size=4k,nr_inodes=4,mode=0555")
+    dev = new + "/dev"
+    ms.mount("tmpfs", dev, "tmpfs", ms.MS_NOSUID | ms.MS_NOEXEC, "size=64k,nr_inodes=16,mode=0755")
+    for name in plan.devices:
+        _touch(f"{dev}/{name}")
+        ms.mount("/dev/" + name, f"{dev}/{name}", None, ms.MS_BIND)
+    if not ms.readonly_tree(new):
+        # No mount_setattr (Linux < 5.12): remount each mount on its own.
+        for path in [*plan.dirs, *plan.files, "/dev", *(f"/dev/{n}" for n in plan.devices)]:
+            ms.remount_readonly(new + path)
+    ms.mount("tmpfs", new + "/tmp", "tmpfs", ms.MS_NOSUID | ms.MS_NODEV,
+             f"size={plan.tmp_bytes},nr_inodes={plan.tmp_inodes},mode=1777")
     os.chdir(new)
-    syscalls.pivot_root(".", ".")
-    syscalls.umount2(".", syscalls.MNT_DETACH)
+    ms.pivot_root(".", ".")
+    ms.umount2(".", ms.MNT_DETACH)
     os.chdir("/")
-    syscalls.mount(None, "/", None,
-                   syscalls.MS_REMOUNT | syscalls.MS_BIND | syscalls.MS_RDONLY
-                   | syscalls.MS_NOSUID | syscalls.MS_NODEV)
+    ms.mount(None, "/", None,
+             ms.MS_REMOUNT | ms.MS_BIND | ms.MS_RDONLY | ms.MS_NOSUID | ms.MS_NODEV)
     os.chdir("/tmp")
-    syscalls.sethostname("sandbox")
+    ms.sethostname("sandbox")
 
 
-def _build_dev(dev: str) -> None:
-    os.mkdir(dev)
-    syscalls.mount("tmpfs", dev, "tmpfs", syscalls.MS_NOSUID | syscalls.MS_NOEXEC,
-                   "size=64k,nr_inodes=16,mode=0755")
-    for name in _DEVICES:
-        if os.path.exists("/dev/" + name):
-            open(f"{dev}/{name}", "w").close()
-            syscalls.mount("/dev/" + name, f"{dev}/{name}", None, syscalls.MS_BIND)
-    syscalls.remount_readonly(dev)
+def _touch(path: str) -> None:
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
 
 
 def _write(path: str, text: str) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import socket
 import struct
 
@@ -197,27 +198,80 @@ def base_program() -> list[Insn]:
     return _program(rules)
 
 
-def strict_program(own_pid: int) -> list[Insn]:
+def _strict_rules() -> list[Insn]:
+    """The strict filter's rules that do not depend on the candidate's pid."""
     t = _TABLES[syscalls.MACHINE]
     rules: list[Insn] = []
     for name in _STRICT_DENY:
         if name in t:
             rules += _deny(t[name])
     rules += _flags_set(t["clone"], syscalls.CLONE_THREAD)
+    return rules
+
+
+def _signal_rules(own_pid: int) -> list[Insn]:
+    t = _TABLES[syscalls.MACHINE]
+    rules: list[Insn] = []
     for name in _SIGNAL_CALLS:
         rules += _arg_equals(t[name], 0, own_pid)
-    return _program(rules)
+    return rules
+
+
+def strict_program(own_pid: int) -> list[Insn]:
+    return _program(_strict_rules() + _signal_rules(own_pid))
+
+
+_INSN = struct.Struct("HBBI")
+
+
+class _Fprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def pack(program: list[Insn]) -> bytes:
+    """A program as the kernel reads it (struct sock_filter[])."""
+    return b"".join(_INSN.pack(*insn) for insn in program)
+
+
+@functools.cache
+def _base_packed() -> bytes:
+    return pack(base_program())
+
+
+@functools.cache
+def _strict_head() -> bytes:
+    return pack(_program(_strict_rules())[:-1])
+
+
+def strict_packed(own_pid: int) -> bytes:
+    """`pack(strict_program(own_pid))`, from a head packed once in the zygote."""
+    return _strict_head() + pack(_signal_rules(own_pid) + [(_RET, 0, 0, _ALLOW)])
+
+
+def prepare() -> None:
+    """Pack the pid-independent filters now, so every process forked later shares them."""
+    _base_packed()
+    _strict_head()
 
 
 def install(program: list[Insn]) -> None:
     """Load `program` into this process (and every child it forks from now on)."""
-    raw = b"".join(struct.pack("HBBI", *insn) for insn in program)
+    install_packed(pack(program))
+
+
+def install_base() -> None:
+    """`install(base_program())`."""
+    install_packed(_base_packed())
+
+
+def install_strict(own_pid: int) -> None:
+    """`install(strict_program(own_pid))`."""
+    install_packed(strict_packed(own_pid))
+
+
+def install_packed(raw: bytes) -> None:
     buf = ctypes.create_string_buffer(raw, len(raw))
-
-    class Fprog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
-    prog = Fprog(len(program), ctypes.addressof(buf))
+    prog = _Fprog(len(raw) // _INSN.size, ctypes.addressof(buf))
     syscalls.prctl(syscalls.PR_SET_NO_NEW_PRIVS, 1)
     syscalls.prctl_ptr(syscalls.PR_SET_SECCOMP, syscalls.SECCOMP_MODE_FILTER,
                        ctypes.pointer(prog))

@@ -2,7 +2,8 @@
 
 unshare, mount, umount2, pivot_root, mount_setattr, prctl, capset and
 sethostname. Each raises OSError with the errno on failure. Nothing here decides
-policy; `namespaces`, `seccomp` and `jail` do.
+policy; `namespaces`, `seccomp` and `jail` do. The ctypes structures are
+defined once, at import in the zygote, not on every call in every jail.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ MNT_DETACH = 2
 
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
+PR_SET_NAME = 15
 PR_SET_SECCOMP = 22
 PR_SET_NO_NEW_PRIVS = 38
 PR_SET_CHILD_SUBREAPER = 36
@@ -92,17 +94,32 @@ def pivot_root(new_root: str, put_old: str) -> None:
     _check(_libc.syscall(_SYS_PIVOT_ROOT, new_root.encode(), put_old.encode()), "pivot_root")
 
 
-def remount_readonly(target: str) -> None:
-    """Make the mount at `target` (and, where the kernel allows, its submounts) read-only."""
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
 
-    class MountAttr(ctypes.Structure):
-        _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
-                    ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
 
-    attr = MountAttr(_MOUNT_ATTR_RDONLY, 0, 0, 0)
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                ("inheritable", ctypes.c_uint32)]
+
+
+def readonly_tree(target: str) -> bool:
+    """Make the mount at `target` and every mount below it read-only (mount_setattr);
+    False where the kernel lacks it (before 5.12)."""
+    attr = _MountAttr(_MOUNT_ATTR_RDONLY, 0, 0, 0)
     ret = _libc.syscall(_SYS_MOUNT_SETATTR, _AT_FDCWD, target.encode(), _AT_RECURSIVE,
                         ctypes.byref(attr), ctypes.sizeof(attr))
-    if ret == 0:
+    return bool(ret == 0)
+
+
+def remount_readonly(target: str) -> None:
+    """Make the mount at `target` (and, where the kernel allows, its submounts) read-only."""
+    if readonly_tree(target):
         return
     kept = 0
     f_flag = os.statvfs(target).f_flag
@@ -124,18 +141,17 @@ def prctl_ptr(option: int, arg2: int, ptr: ctypes._Pointer) -> None:  # type: ig
     _check(ret, f"prctl({option})")
 
 
+def set_name(name: str) -> None:
+    """Name this process as ps, top and perf show it (`comm`, at most 15 bytes)."""
+    ret = _libc.prctl(ctypes.c_int(PR_SET_NAME), ctypes.c_char_p(name.encode()[:15]),
+                      ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+    _check(ret, "prctl(PR_SET_NAME)")
+
+
 def drop_capabilities() -> None:
     """Clear the effective, permitted and inheritable sets (capset v3)."""
-
-    class Header(ctypes.Structure):
-        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-
-    class Data(ctypes.Structure):
-        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
-                    ("inheritable", ctypes.c_uint32)]
-
-    header = Header(0x20080522, 0)
-    data = (Data * 2)()
+    header = _CapHeader(0x20080522, 0)
+    data = (_CapData * 2)()
     _check(_libc.capset(ctypes.byref(header), ctypes.byref(data)), "capset")
 
 

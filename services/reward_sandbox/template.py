@@ -21,6 +21,7 @@ _CHILD_FDS = 4
 
 
 def serve(ctl: socket.socket, policy: dict[str, Any]) -> NoReturn:
+    syscalls.set_name("sbx-template")
     got = wire.recv_msg(ctl)
     if got is None:
         os._exit(0)
@@ -74,6 +75,7 @@ def _become_candidate(msg: dict[str, Any], fds: list[int], code: str,
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         syscalls.prctl(syscalls.PR_SET_PDEATHSIG, signal.SIGKILL)
+        syscalls.set_name("sbx-candidate")
         high = [os.dup(fd) for fd in fds]
         for target, fd in enumerate(high):
             os.dup2(fd, target)
