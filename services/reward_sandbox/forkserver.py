@@ -26,7 +26,7 @@ import socket
 import sys
 from typing import Any
 
-from . import jail, namespaces, seccomp, syscalls, tiers, wire
+from . import candidate, jail, namespaces, seccomp, syscalls, tiers, wire
 
 JAIL_UID_BASE = 990_000
 """First of the uids the jails run as when the server is root (namespaces tier)."""
@@ -51,6 +51,7 @@ def main() -> None:
         __import__(name)
     if seccomp.supported():
         seccomp.prepare()
+    candidate.prepare()
     plan = namespaces.plan_root(config["tmp_bytes"], config["tmp_inodes"])
     spec: dict[str, Any] = {"root": plan.to_json(), "max_processes": config["max_processes"],
                             "max_memory_bytes": config["max_memory_bytes"],
