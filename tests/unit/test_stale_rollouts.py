@@ -56,14 +56,23 @@ def test_behaviour_weights_are_pi_old_over_mu_truncated() -> None:
 
 
 def test_synchronous_step_loss_is_unchanged(model_dir: Path) -> None:
-    """The mini-batch losses of the code before bounded staleness existed, same seed."""
+    """The mini-batch losses of the code before bounded staleness existed, same seed.
+
+    The first two (before any update, and after one) hold to 1e-6 on any CPU. After
+    two AdamW steps the float summation order of the machine shows: AdamW divides
+    each gradient by its own root mean square, so the last bits of tiny gradients
+    (which differ with the thread count and SIMD width) move whole steps; the later
+    losses differed by 1.5e-4 relative between the machine that pinned them and an
+    AMD EPYC machine of the same kind, and again with 1 thread instead of 2."""
     s = spec(mini_batch_size=8)
     policy = new_policy(model_dir, "shared", s)
     result = step(policy, voting_batch(), "shared", s)
-    assert [mb.loss for mb in result.mini_batches] == pytest.approx(
-        [-0.0792466253042221, 0.09426321089267731, 0.22887663543224335, -0.15414685010910034],
-        rel=1e-6,
-    )
+    losses = [mb.loss for mb in result.mini_batches]
+    expected = [
+        -0.0792466253042221, 0.09426321089267731, 0.22887663543224335, -0.15414685010910034
+    ]
+    assert losses[:2] == pytest.approx(expected[:2], rel=1e-6)
+    assert losses == pytest.approx(expected, rel=1e-3)
     assert "train/importance_weight_mean" not in result.metrics
 
 
