@@ -89,7 +89,10 @@ def test_synchronous_run_is_on_policy(cluster: Cluster, tmp_path: Path) -> None:
 def test_turn_scope_episodes_take_newer_versions_mid_episode(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    out, _ = run(cluster, tmp_path, "turn", max_staleness=1, staleness_scope="turn")
+    # Eval-Opt's turns are sequential (generator, evaluator, up to 3 rounds): an episode
+    # lasts long enough for a push to land between its turns, however fast workers start it
+    out, _ = run(cluster, tmp_path, "turn", workflow="eval_opt", max_staleness=1,
+                 staleness_scope="turn")
     changed = 0
     for step in range(1, STEPS + 1):
         for r in logged_rollouts(out, step):
