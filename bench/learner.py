@@ -99,7 +99,8 @@ def qwen3_shape_bench(args: argparse.Namespace) -> None:
     from qwen3_shape import build
     from transformers import AutoTokenizer
 
-    from services.learner.ranks import resolve_device
+    from marl.devices import resolve_device
+
 
     device = resolve_device(args.device)
     on_gpu = device.startswith("cuda")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from marl.devices import resolve_device
 from marl.heap import release_free_heap
 from marl.model_id import base_model_id
 from services.inference.engine import AdapterWeights, GenerationRequest, GenerationResult
@@ -60,7 +61,7 @@ class TransformersEngine:
         eos = tok.eos_token_id
         self.eos_token_ids = [int(eos)] if eos is not None else []
         self.pad_token_id = int(tok.pad_token_id if tok.pad_token_id is not None else eos or 0)
-        self.device = engine_device(device)
+        self.device = torch.device(resolve_device(device, field="device"))
         self.base = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype])
         torch.nn.Module.to(self.base, self.device)
         self.base.eval()
@@ -165,17 +166,6 @@ class TransformersEngine:
         if self._loop_task is not None:
             self._loop_task.cancel()
         self._thread.shutdown(wait=False, cancel_futures=True)
-
-
-def engine_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            "device=cuda but torch sees no GPU (torch.cuda.is_available() is False); "
-            "use device=cpu or auto"
-        )
-    return torch.device("cuda:0" if name == "cuda" else "cpu")
 
 
 def _sample(

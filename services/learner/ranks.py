@@ -27,6 +27,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from marl.config import LoraSpec, OptimSpec, RunSpec
+from marl.devices import resolve_device
 from marl.launcher import how_it_ended
 from marl.redis_server import free_port
 from services.learner.errors import RunFailed
@@ -93,26 +94,6 @@ class PolicyArgs:
             spec.seed,
             spec.learner.device,
         )
-
-
-def resolve_device(name: str, rank: int = 0) -> str:
-    """`learner.device` for one rank: `auto` is CUDA when torch sees a GPU; rank r of a
-    group takes GPU r."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(
-                "learner.device=cuda but torch sees no GPU (torch.cuda.is_available() is "
-                "False); use learner.device=cpu or auto"
-            )
-        if rank >= torch.cuda.device_count():
-            raise ValueError(
-                f"learner.world_size asks for GPU {rank}, but this machine has "
-                f"{torch.cuda.device_count()}; lower learner.world_size"
-            )
-        return f"cuda:{rank}"
-    return "cpu"
 
 
 def open_policy(spec: RunSpec, policies: list[str]) -> PolicyHandle:

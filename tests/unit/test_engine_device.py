@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from marl.demo_model import demo_model_dir
+from marl.devices import resolve_device
 from marl.service_config import load_service_config
 from services.inference.engine import GenerationRequest
-from services.inference.transformers_engine import BASE, TransformersEngine, engine_device
+from services.inference.transformers_engine import BASE, TransformersEngine
 
 
 def test_device_field_defaults_to_auto_and_is_checked() -> None:
@@ -20,15 +21,15 @@ def test_device_field_defaults_to_auto_and_is_checked() -> None:
 
 
 def test_auto_is_cuda_only_when_torch_sees_a_gpu() -> None:
-    expected = "cuda" if torch.cuda.is_available() else "cpu"
-    assert engine_device("auto").type == expected
-    assert engine_device("cpu") == torch.device("cpu")
+    expected = "cuda:0" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto", field="device") == expected
+    assert resolve_device("cpu", field="device") == "cpu"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_cuda_without_a_gpu_says_what_to_do() -> None:
     with pytest.raises(ValueError, match=r"device=cuda but torch sees no GPU.*use device=cpu"):
-        engine_device("cuda")
+        resolve_device("cuda", field="device")
 
 
 def test_engine_on_the_cpu_decodes_on_its_device() -> None:
