@@ -26,6 +26,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from marl.aio_tasks import raise_if_cancelled
+
 HEARTBEAT_S = 2.0
 MAX_AGE_S = 10.0
 CURRENT_ADAPTERS = "marl:adapters:current"
@@ -66,6 +68,7 @@ async def heartbeat(r: aioredis.Redis, kind: str, replica_id: str, info: dict[st
                 await announce(r, kind, replica_id, info)
             except (RedisConnectionError, RedisTimeoutError, OSError):
                 pass  # the key expires meanwhile; the next beat restores it
+            raise_if_cancelled()
             await asyncio.sleep(HEARTBEAT_S)
     finally:
         await withdraw(r, kind, replica_id)

@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from marl import auth
+from marl.aio_tasks import cancel_until_done, log_task_stacks
 from marl.prometheus_metrics import GrpcMetrics
 from marl.service_config import tls_files
 
@@ -186,19 +187,6 @@ class ServiceHost:
         await self.server.stop(grace)
 
 
-def log_task_stacks() -> None:
-    """Log the stack of every asyncio task of the running loop (SIGUSR2)."""
-    tasks = asyncio.all_tasks()
-    lines = []
-    for task in tasks:
-        lines.append(f"{task.get_name()}: {task.get_coro()!r}")
-        lines += [
-            f"  {f.f_code.co_filename}:{f.f_lineno} in {f.f_code.co_name}"
-            for f in task.get_stack(limit=30)
-        ]
-    log.warning("%d asyncio tasks:\n%s", len(tasks), "\n".join(lines))
-
-
 async def serve_until_stopped(
     host: ServiceHost,
     ready: Callable[[], Awaitable[None]] | None = None,
@@ -227,29 +215,6 @@ async def serve_until_stopped(
         await cancel_until_done(tasks)
         if on_stop is not None:
             await on_stop()
-
-
-CANCEL_AGAIN_S = 5.0
-
-
-async def cancel_until_done(
-    tasks: list[asyncio.Task[None]], again_s: float = CANCEL_AGAIN_S
-) -> None:
-    """Cancel `tasks` and wait for them, cancelling again every `again_s` seconds while any
-    runs on. A cancellation can be lost below our code (Python 3.11's `wait_for` returns a
-    result that is ready when the cancel arrives), and a lost one left a learner training
-    its run to the end after SIGTERM; `again_s` leaves a task's cleanup time to finish."""
-    pending = {t for t in tasks if not t.done()}
-    while pending:
-        for t in pending:
-            t.cancel()
-        _, pending = await asyncio.wait(pending, timeout=again_s)
-        if pending:
-            log.warning(
-                "%d background loops still run after a cancel; cancelling again", len(pending)
-            )
-            log_task_stacks()
-    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _stop_on_crash(host: ServiceHost) -> Callable[[asyncio.Task[None]], None]:

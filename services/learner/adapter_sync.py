@@ -24,6 +24,7 @@ import grpc
 import redis.asyncio as aioredis
 
 from marl import adapter_io, auth, replicas
+from marl.aio_tasks import cancel_until_done, raise_if_cancelled
 from marl.config import RunSpec
 from marl.rollout import AdapterRef
 from marl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
@@ -93,10 +94,7 @@ class AdapterSync:
         self._sync.add_done_callback(_log_crash)
 
     async def close(self) -> None:
-        pending = [*([self._sync] if self._sync else []), *self._pushes.values()]
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        await cancel_until_done([*([self._sync] if self._sync else []), *self._pushes.values()])
         await replicas.retire_current(self.r, [self.adapter_name(p) for p in self.current])
         await self.release_adapters()
 
@@ -225,10 +223,12 @@ class AdapterSync:
         not acknowledged them: one that started mid-run waits for them before it serves."""
         while True:
             await asyncio.sleep(SYNC_INTERVAL_S)
+            raise_if_cancelled()
             if not self.current:
                 continue
             await self.publish()
             live = await replicas.live(self.r, "inference", include_joining=True)
+            raise_if_cancelled()
             now = time.monotonic()
             for rid, info in live.items():
                 if info.get("base_model") != self.base_model:

@@ -16,6 +16,7 @@ import grpc
 import redis.asyncio as aioredis
 
 from marl import replicas, streams
+from marl.aio_tasks import cancel_until_done, raise_if_cancelled
 from marl.config import RunSpec, SpecError, dump_spec, load_spec_text
 from marl.data import load_problems
 from marl.http_server import HttpServer
@@ -249,8 +250,10 @@ async def _keep_lease(store: RunStore, run_id: str, learner_id: str) -> None:
         try:
             renewed = await store.renew(run_id, learner_id)
         except (RedisConnectionError, RedisTimeoutError) as err:  # a restarting Redis
+            raise_if_cancelled()
             log.warning("could not renew the lease of run %s: %s; retrying", run_id, err)
             continue
+        raise_if_cancelled()
         if not renewed:
             log.error("lost the lease of run %s to another learner", run_id)
 
@@ -295,8 +298,7 @@ async def run_loop(
         else:
             await store.update(run_id, state="SUCCEEDED")
         finally:
-            lease.cancel()
-            await asyncio.gather(lease, return_exceptions=True)
+            await cancel_until_done([lease])
             await store.release(run_id, learner_id)
         final = await store.get(run_id)
         log.info("run %s ended: %s", run_id, final and final["state"])

@@ -29,6 +29,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from marl import auth, replicas, streams
+from marl.aio_tasks import cancel_until_done, cancelling, raise_if_cancelled
 from marl.config import SpecError, WorkflowCaps
 from marl.rewards.code import SandboxFailure
 from marl.rollout import Rollout, Task
@@ -221,20 +222,16 @@ REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
 """Errors of a Redis that is unreachable (restarting): retried with backoff."""
 
 
-def _cancelling() -> bool:
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
-
-
 async def heartbeat(r: Any, worker_id: str, ttl_s: float) -> None:
     """Keep `worker_id`'s liveness key; a Redis outage is waited out, not fatal."""
     while True:
         try:
             await streams.beat(r, worker_id, ttl_s)
         except REDIS_DOWN as err:
-            if _cancelling():
+            if cancelling():
                 raise asyncio.CancelledError from err
             log.warning("heartbeat: redis unreachable (%s); retrying", err)
+        raise_if_cancelled()
         await asyncio.sleep(min(1.0, ttl_s / 4))
 
 
@@ -325,8 +322,7 @@ async def work_loop(
     try:
         await streams.ensure_group(r, streams.TASKS, streams.WORKERS_GROUP)
         while not stopping():
-            if _cancelling():  # a cancel that redis-py swallowed mid-command (seen with 8.1)
-                raise asyncio.CancelledError
+            raise_if_cancelled()  # a cancel that redis-py lost mid-command (see aio_tasks)
             free = min(concurrency - len(running), 64)
             if free <= 0:
                 await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
@@ -339,7 +335,7 @@ async def work_loop(
                         block_ms=500,
                     )
             except REDIS_DOWN as err:
-                if _cancelling():  # redis-py can turn a cancelled read into ConnectionError
+                if cancelling():  # redis-py can turn a cancelled read into ConnectionError
                     raise asyncio.CancelledError from err
                 log.warning("redis unreachable (%s); retrying in %.1fs", err, backoff)
                 await asyncio.sleep(backoff * (0.5 + random.random()))
@@ -355,9 +351,9 @@ async def work_loop(
             _, left = await asyncio.wait(running, timeout=drain_s)
             log.info("drained; %d episodes handed back", len(left))
     finally:
-        beating.cancel()
         for t in list(running):
             t.cancel()
+        await cancel_until_done([beating])
         try:  # a clean stop: what this worker held is claimable at once
             await asyncio.wait_for(streams.forget(r, worker_id), 2.0)
         except (TimeoutError, *REDIS_DOWN):
