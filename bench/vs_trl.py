@@ -6,7 +6,8 @@ chat template) and reward (`marl.rewards.math.score`, format penalty included): 
 problems a step, `--group` samples each, at most `--max-tokens` new tokens, temperature
 1.0, one optimizer step per training step (the whole group batch is one mini-batch),
 AdamW at a constant learning rate, PPO clip 0.2/0.28, no KL, group-normalised advantages,
-sequence-mean token-mean loss, for `--steps` steps.
+sequence-mean token-mean loss, for `--steps` steps. marl runs on-policy as TRL does
+(`train.max_staleness` 0) unless `--max-staleness` says otherwise; the header says which.
 
 - TRL: `GRPOTrainer` in this process (transformers generation, peft LoRA), on the CPU;
 - marl: every service its own process (learner, one inference replica on the
@@ -18,6 +19,7 @@ neither wins by learning less. Needs TRL (`pip install trl==1.16.0`; it installs
 marl's pins). Prints a table, then one JSON object as the very last line.
 
     python bench/vs_trl.py [--steps 12] [--problems 16] [--group 8] [--max-tokens 8]
+                           [--max-staleness 0]
 """
 
 from __future__ import annotations
@@ -53,6 +55,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=8, help="response cap")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank")
     p.add_argument("--workers", type=int, default=1, help="marl workflow workers")
+    p.add_argument(
+        "--max-staleness",
+        type=int,
+        default=0,
+        help="marl's train.max_staleness (0: on-policy, as TRL; 1: rollouts one step ahead)",
+    )
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
@@ -129,7 +137,7 @@ def run_trl(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 def run_marl_single(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     out = root / "marl-run"
-    spec = e2e_spec("single", out, args, staleness=0)  # the e2e bench's demo run
+    spec = e2e_spec("single", out, args, staleness=args.max_staleness)  # e2e's demo run
     spec.update(name="vs-trl", seed=args.seed, engine="transformers")
     spec["optim"] = {"lr": LR, "warmup_steps": 0, "schedule": "constant"}
     spec["grpo"] = {
@@ -170,6 +178,7 @@ def main() -> None:
         "group": args.group,
         "max_tokens": args.max_tokens,
         "rank": args.rank,
+        "max_staleness": args.max_staleness,
         "trl_step_s": statistics.median(trl["step_s"][w:]),
         "marl_step_s": statistics.median(marl["step_s"][w:]),
         "marl_rollout_s": statistics.median(marl["rollout_s"][w:]),
@@ -181,7 +190,7 @@ def main() -> None:
     print(
         f"single-agent GRPO, demo model, {args.problems} problems x {args.group}, "
         f"<= {args.max_tokens} tokens, LoRA rank {args.rank}, {args.steps} steps "
-        f"(median over steps after {w})"
+        f"(median over steps after {w}); marl train.max_staleness {args.max_staleness}"
     )
     print(f"{'':24}{'step s':>10}")
     print(f"{'TRL GRPOTrainer':24}{figures['trl_step_s']:>10.3f}")

@@ -85,13 +85,31 @@ def warm_up() -> None:
     get_pool().warm()
 
 
+VERDICTS_KEPT = 65536
+"""Settled comparisons this process remembers (`check`); emptied when full."""
+_verdicts: dict[tuple[str, str, float], Verdict] = {}
+
+
 def check(pred: str, ground_truth: str, timeout_s: float = TIMEOUT_S) -> Verdict:
-    """Compare one answer with the ground truth in a verifier worker, within `timeout_s`."""
+    """Compare one answer with the ground truth in a verifier worker, within `timeout_s`.
+
+    A settled verdict (correct, wrong, unparsed) is remembered: math-verify's judgement is
+    a function of the two strings, and a group's samples, and `score` and
+    `any_format_correct` of one answer, often ask the same comparison. A timeout or an
+    error depends on the moment, and is asked again next time. The time limit is part of
+    the key: a comparison settled within one limit may not be within a shorter one."""
+    known = _verdicts.get((pred, ground_truth, timeout_s))
+    if known is not None:
+        return known
     reply = get_pool().call({"gold": ground_truth, "pred": pred}, timeout_s)
     if reply is None:
         return "timeout"
     verdict = reply["verdict"]
     assert verdict in ("correct", "wrong", "unparsed", "timeout", "error"), reply
+    if verdict in ("correct", "wrong", "unparsed"):
+        if len(_verdicts) >= VERDICTS_KEPT:
+            _verdicts.clear()
+        _verdicts[(pred, ground_truth, timeout_s)] = verdict
     return verdict  # type: ignore[return-value]
 
 

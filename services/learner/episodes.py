@@ -132,7 +132,9 @@ class Episodes:
         batch, self.queue[:] = self.queue[: max(room, 0)], self.queue[max(room, 0) :]
         if not batch:
             return
-        async with self.r.pipeline(transaction=False) as pipe:
+        # one MULTI/EXEC: a worker blocked on the stream wakes once to all of them, not to
+        # the first alone (whose episode would then decode as a batch of one)
+        async with self.r.pipeline(transaction=True) as pipe:
             for t, _ in batch:
                 pipe.xadd(streams.TASKS, {"json": json.dumps(t.to_dict())})
             added = await pipe.execute()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import json
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -26,6 +27,8 @@ from marl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from marl.workflows.base import Caps, EpisodeError
 
 GENERATE_DEADLINE_S = 600.0
+RENDERS_KEPT = 4096
+"""Rendered prompts a worker keeps per model (`Renders`); the cache is emptied when full."""
 
 
 class PromptTooLong(EpisodeError):
@@ -44,6 +47,28 @@ def turn_seed(task: Task, role: str, slot: int, nth: int) -> int:
     return value or 1
 
 
+class Renders:
+    """Prompt token ids by (messages, template settings), for one tokenizer: a group's
+    samples, and every step's repeats of a problem, render the same messages, and the
+    chat template costs more than the rest of a short turn. Off for a template that reads
+    the clock (`strftime_now`), whose rendering is not a function of its input."""
+
+    def __init__(self, tokenizer: Any):
+        self.on = "strftime_now" not in str(getattr(tokenizer, "chat_template", None) or "")
+        self._ids: dict[str, tuple[int, ...]] = {}
+
+    def get(self, key: str) -> list[int] | None:
+        ids = self._ids.get(key) if self.on else None
+        return None if ids is None else list(ids)
+
+    def put(self, key: str, ids: list[int]) -> None:
+        if not self.on:
+            return
+        if len(self._ids) >= RENDERS_KEPT:
+            self._ids.clear()
+        self._ids[key] = tuple(ids)
+
+
 class Episode:
     def __init__(
         self,
@@ -52,9 +77,12 @@ class Episode:
         stubs: list[inference_pb2_grpc.InferenceStub],
         caps: Caps,
         oracle: Callable[[str], Awaitable[bool]] | None = None,
+        renders: Renders | None = None,
     ):
         self.task = task
         self.tokenizer = tokenizer
+        self.renders = renders
+        """The worker's rendered prompts for this tokenizer (None: render every turn)."""
         self.stubs = stubs
         self.turns: list[Turn] = []
         """Every finished turn, in the order the turns started."""
@@ -90,6 +118,18 @@ class Episode:
         return await openai_proxy.base_url(self)
 
     def render(self, messages: list[dict[str, str]]) -> list[int]:
+        if self.renders is None:
+            return self._render(messages)
+        key = json.dumps(
+            [self.task.chat_template, self.task.chat_template_kwargs, messages], sort_keys=True
+        )
+        ids = self.renders.get(key)
+        if ids is None:
+            ids = self._render(messages)
+            self.renders.put(key, ids)
+        return ids
+
+    def _render(self, messages: list[dict[str, str]]) -> list[int]:
         if self.task.chat_template and getattr(self.tokenizer, "chat_template", None):
             text = self.tokenizer.apply_chat_template(
                 messages,

@@ -18,6 +18,7 @@ is logged and the task retried (see above).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import time
@@ -36,7 +37,7 @@ from marl.rollout import Rollout, Task
 from marl.v1 import inference_pb2_grpc
 from marl.workflows import EpisodeError, Workflow, resolve
 from services.workflow import openai_proxy
-from services.workflow.episode import Episode, NoReplica
+from services.workflow.episode import Episode, NoReplica, Renders
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class EpisodeRunner:
         self.sandbox_address = sandbox_address
         self.stats = Stats()
         self._tokenizers: dict[str, Any] = {}
+        self._renders: dict[str, Renders] = {}
         self._contexts: dict[str, int | None] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._replicas: list[str] = []
@@ -123,7 +125,10 @@ class EpisodeRunner:
         async def oracle(answer: str) -> bool:
             return await self.score(task, answer) >= 1.0
 
-        episode = Episode(task, self.tokenizer(task.model_path), [], caps, oracle)
+        tokenizer = self.tokenizer(task.model_path)
+        if task.model_path not in self._renders:
+            self._renders[task.model_path] = Renders(tokenizer)
+        episode = Episode(task, tokenizer, [], caps, oracle, self._renders[task.model_path])
         episode.context = self.context(task.model_path)
         return episode
 
@@ -136,8 +141,8 @@ class EpisodeRunner:
             episode = self.episode(task, workflow)
             episode.stubs = await self.stubs()
             final = await episode_run(workflow, episode, task)
-            reward = await self.score(task, final)
-            facts = {**episode.facts, **await self.scoring_facts(task, final)}
+            reward, scoring = await self.score_with_facts(task, final)
+            facts = {**episode.facts, **scoring}
             error = None
         except Exception as err:
             if not could_not_run(err):
@@ -189,16 +194,22 @@ class EpisodeRunner:
             self._sandbox = AsyncSandboxClient(self.sandbox_address)
         return self._sandbox
 
-    async def scoring_facts(self, task: Task, final: str) -> dict[str, float]:
-        """Math: whether the final answer holds the right value in any format."""
+    async def score_with_facts(self, task: Task, final: str) -> tuple[float, dict[str, float]]:
+        """The reward and the scoring facts: for math, whether the final answer holds the
+        right value in any format. Math's two checks run in one trip to a thread, not two: a
+        step's episodes all finish at once and queue for the default executor's threads."""
         if task.problem.task == "code":
-            return {}
+            return await self.score(task, final), {}
         from marl.rewards import math as math_reward
 
-        right = await asyncio.to_thread(
-            math_reward.any_format_correct, final, task.problem.answer, task.math_timeout_s
-        )
-        return {"any_format_correct": float(right)}
+        answer, timeout = task.problem.answer, task.math_timeout_s
+
+        def both() -> tuple[float, dict[str, float]]:
+            reward = math_reward.score(final, answer, task.format_penalty, timeout)
+            right = math_reward.any_format_correct(final, answer, timeout)
+            return reward, {"any_format_correct": float(right)}
+
+        return await asyncio.to_thread(both)
 
     async def close(self) -> None:
         for ch in self._channels.values():
@@ -275,8 +286,13 @@ async def work_loop(
         try:
             task = Task.from_dict(entry.data)
             rollout = await runner.run(task)
-            await streams.add(r, streams.rollouts_stream(task.run_id), rollout.to_dict())
-            await streams.ack(r, streams.TASKS, streams.WORKERS_GROUP, entry.id)
+            # XADD and XACK in one MULTI/EXEC: one round trip a rollout, and never a rollout
+            # sent while its task still counts as pending
+            async with r.pipeline(transaction=True) as pipe:
+                payload = {"json": json.dumps(rollout.to_dict())}  # as streams.add writes it
+                pipe.xadd(streams.rollouts_stream(task.run_id), payload)
+                pipe.xack(streams.TASKS, streams.WORKERS_GROUP, entry.id)
+                await pipe.execute()
         except Exception:
             log.exception("task entry %s not completed; releasing it for a retry", entry.id)
             try:

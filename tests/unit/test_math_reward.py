@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from marl.rewards import math as math_reward
 from marl.rewards.math import FORMAT_PENALTY, last_boxed, score, score_async, warm_up
 from marl.rewards.verifier_pool import GRACE_S, VerifierPool
 
@@ -263,3 +264,21 @@ def test_warm_up_starts_every_worker_once() -> None:
     finally:
         pool.close()
     assert all(w.proc.poll() is not None for w in workers), "close() left a worker running"
+
+
+def test_a_settled_verdict_is_asked_once_a_timeout_every_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    asked: list[str] = []
+
+    class Pool:
+        def call(self, request: dict[str, object], timeout_s: float) -> dict[str, object] | None:
+            asked.append(str(request["pred"]))
+            return None if request["pred"] == "slow" else {"verdict": "wrong"}
+
+    monkeypatch.setattr(math_reward, "get_pool", Pool)
+    monkeypatch.setattr(math_reward, "_verdicts", {})
+    assert [math_reward.check("41", "42") for _ in range(3)] == ["wrong"] * 3
+    assert [math_reward.check("slow", "42") for _ in range(2)] == ["timeout"] * 2
+    assert math_reward.check("41", "42", timeout_s=1.0) == "wrong"  # another limit: asked anew
+    assert asked == ["41", "slow", "slow", "41"]

@@ -12,7 +12,7 @@ from workflows_scripted import CharTokenizer, ScriptedEngine, make_episode, make
 from marl.config import WorkflowCaps
 from marl.rollout import Task
 from marl.workflows import prompts, resolve
-from services.workflow.episode import PromptTooLong
+from services.workflow.episode import PromptTooLong, Renders
 from services.workflow.worker import EpisodeRunner
 
 
@@ -156,3 +156,25 @@ async def test_chat_template_kwargs_reach_the_template_and_chat_template_false_s
     await make_episode(plain, engine, tokenizer=tok).turn("generator", 0, [
         {"role": "user", "content": "hi"}])
     assert engine.seen[-1].prompt == "hi\n\n" and len(tok.kwargs) == 1
+
+
+async def test_a_worker_renders_each_prompt_once_and_not_a_clock_reading_template() -> None:
+    engine = ScriptedEngine(lambda role, slot, prompt: "\\boxed{5}")
+    tok = TemplateTokenizer()
+    renders = Renders(tok)
+    task = make_task("single", chat_template_kwargs={"enable_thinking": False})
+    for content in ("hi", "hi", "ho"):
+        episode = make_episode(task, engine, tokenizer=tok)
+        episode.renders = renders
+        await episode.turn("generator", 0, [{"role": "user", "content": content}])
+    assert [s.prompt for s in engine.seen] == ["<chat>hi", "<chat>hi", "<chat>ho"]
+    assert len(tok.kwargs) == 2  # "hi" rendered once
+    other = make_task("single", chat_template_kwargs={"enable_thinking": True})
+    episode = make_episode(other, engine, tokenizer=tok)
+    episode.renders = renders
+    await episode.turn("generator", 0, [{"role": "user", "content": "hi"}])
+    assert len(tok.kwargs) == 3  # other template settings: rendered anew
+
+    dated = TemplateTokenizer()
+    dated.chat_template = "{{ strftime_now('%d %b %Y') }}"
+    assert not Renders(dated).on
