@@ -61,6 +61,8 @@ def parse_args() -> argparse.Namespace:
         default=0,
         help="marl's train.max_staleness (0: on-policy, as TRL; 1: rollouts one step ahead)",
     )
+    p.add_argument("--learner-threads", type=int, default=2, help="marl learner's threads")
+    p.add_argument("--inference-threads", type=int, default=2, help="marl inference's threads")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
@@ -153,6 +155,11 @@ def run_marl_single(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         workflow_replicas=args.workers,
         max_lora_rank=args.rank,
     )
+    cluster.threads = {
+        **cluster.threads,
+        "learner": args.learner_threads,
+        "inference": args.inference_threads,
+    }
     with cluster:
         run_marl(cluster, spec)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

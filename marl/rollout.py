@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import copy
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from marl.data.problem import Problem
@@ -56,7 +57,7 @@ class Task:
         return f"{self.run_id}:{self.kind}:{self.step}:{self.problem.id}:{self.sample}"
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return _plain(self)  # type: ignore[no-any-return]
 
     @classmethod
     def for_spec(
@@ -137,13 +138,32 @@ class Rollout:
     `any_format_correct`); the learner logs each one's mean as `train/<fact>` and `val/<fact>`."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return _plain(self)  # type: ignore[no-any-return]
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Rollout:
         d = dict(d)
         d["turns"] = [Turn(**{**t, "adapter": AdapterRef(**t["adapter"])}) for t in d["turns"]]
         return cls(**d)
+
+
+_ATOMS = (str, int, float, bool, type(None))
+
+
+def _plain(value: Any) -> Any:
+    """`dataclasses.asdict` for this module's JSON data, without its deep copy of every
+    leaf: a step's tasks and rollouts are serialised several times over (tasks by the
+    learner; rollouts by the worker and the learner's rollout log), and asdict took most
+    of that time."""
+    if isinstance(value, _ATOMS):
+        return value
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, list | tuple):
+        return type(value)(v if isinstance(v, _ATOMS) else _plain(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return copy.deepcopy(value)  # as asdict does
 
 
 def mean_facts(rollouts: list[Rollout], prefix: str) -> dict[str, float]:
