@@ -19,7 +19,7 @@ neither wins by learning less. Needs TRL (`pip install trl==1.16.0`; it installs
 marl's pins). Prints a table, then one JSON object as the very last line.
 
     python bench/vs_trl.py [--steps 12] [--problems 16] [--group 8] [--max-tokens 8]
-                           [--max-staleness 0]
+                           [--max-staleness 0] [--learner-threads 2] [--inference-threads 2]
 """
 
 from __future__ import annotations
@@ -186,6 +186,8 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "rank": args.rank,
         "max_staleness": args.max_staleness,
+        "learner_threads": args.learner_threads,
+        "inference_threads": args.inference_threads,
         "trl_step_s": statistics.median(trl["step_s"][w:]),
         "marl_step_s": statistics.median(marl["step_s"][w:]),
         "marl_rollout_s": statistics.median(marl["rollout_s"][w:]),
@@ -197,7 +199,8 @@ def main() -> None:
     print(
         f"single-agent GRPO, demo model, {args.problems} problems x {args.group}, "
         f"<= {args.max_tokens} tokens, LoRA rank {args.rank}, {args.steps} steps "
-        f"(median over steps after {w}); marl train.max_staleness {args.max_staleness}"
+        f"(median over steps after {w}); marl train.max_staleness {args.max_staleness}, "
+        f"threads: learner {args.learner_threads}, inference {args.inference_threads}"
     )
     print(f"{'':24}{'step s':>10}")
     print(f"{'TRL GRPOTrainer':24}{figures['trl_step_s']:>10.3f}")

@@ -17,6 +17,7 @@ import bisect
 import hashlib
 import json
 import uuid
+from array import array
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,8 +28,9 @@ from marl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from marl.workflows.base import Caps, EpisodeError
 
 GENERATE_DEADLINE_S = 600.0
-RENDERS_KEPT = 4096
-"""Rendered prompts a worker keeps per model (`Renders`); the cache is emptied when full."""
+RENDERED_TOKENS_KEPT = 1 << 20
+"""Prompt tokens a worker keeps rendered per model (`Renders`, about 8 bytes a token plus
+the messages); the cache is emptied when it holds more."""
 
 
 class PromptTooLong(EpisodeError):
@@ -55,18 +57,21 @@ class Renders:
 
     def __init__(self, tokenizer: Any):
         self.on = "strftime_now" not in str(getattr(tokenizer, "chat_template", None) or "")
-        self._ids: dict[str, tuple[int, ...]] = {}
+        self._ids: dict[str, array[int]] = {}
+        self._tokens = 0
 
     def get(self, key: str) -> list[int] | None:
         ids = self._ids.get(key) if self.on else None
-        return None if ids is None else list(ids)
+        return None if ids is None else ids.tolist()
 
     def put(self, key: str, ids: list[int]) -> None:
         if not self.on:
             return
-        if len(self._ids) >= RENDERS_KEPT:
+        if self._tokens + len(ids) > RENDERED_TOKENS_KEPT:
             self._ids.clear()
-        self._ids[key] = tuple(ids)
+            self._tokens = 0
+        self._ids[key] = array("q", ids)
+        self._tokens += len(ids)
 
 
 class Episode:

@@ -12,6 +12,7 @@ from workflows_scripted import CharTokenizer, ScriptedEngine, make_episode, make
 from marl.config import WorkflowCaps
 from marl.rollout import Task
 from marl.workflows import prompts, resolve
+from services.workflow import episode as episode_module
 from services.workflow.episode import PromptTooLong, Renders
 from services.workflow.worker import EpisodeRunner
 
@@ -178,3 +179,13 @@ async def test_a_worker_renders_each_prompt_once_and_not_a_clock_reading_templat
     dated = TemplateTokenizer()
     dated.chat_template = "{{ strftime_now('%d %b %Y') }}"
     assert not Renders(dated).on
+
+
+def test_rendered_prompts_are_bounded_by_their_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(episode_module, "RENDERED_TOKENS_KEPT", 5)
+    renders = Renders(TemplateTokenizer())
+    renders.put("a", [1, 2, 3])
+    renders.put("b", [4, 5])
+    assert renders.get("a") == [1, 2, 3] and renders.get("b") == [4, 5]
+    renders.put("c", [6])  # over 5 tokens: emptied first
+    assert renders.get("a") is None and renders.get("c") == [6]
