@@ -101,7 +101,6 @@ def qwen3_shape_bench(args: argparse.Namespace) -> None:
 
     from marl.devices import resolve_device
 
-
     device = resolve_device(args.device)
     on_gpu = device.startswith("cuda")
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if on_gpu else "float32")

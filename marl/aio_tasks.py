@@ -10,6 +10,11 @@ ever being reported, and a SIGTERMed learner training on. So every loop that is
 stopped by cancellation checks `raise_if_cancelled()` each round (the task's
 `cancelling()` count survives a lost cancel), and whoever stops such tasks uses
 `cancel_until_done`.
+
+The check is in the loops, not in the Redis client after every command: cleanup
+in `finally` blocks (releasing a lease, unloading a run's adapters, deleting its
+tasks) runs Redis commands after a cancel was delivered, and a client that raised
+there would cut that cleanup short after its first command.
 """
 
 from __future__ import annotations
@@ -17,21 +22,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 CANCEL_AGAIN_S = 5.0
 
 
-def cancelling() -> bool:
-    """Whether the current task has been asked to cancel (even if the cancel was lost)."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
-
-
 def raise_if_cancelled() -> None:
     """End the current task's loop if a cancel reached it, lost or not."""
-    if cancelling():
+    task = asyncio.current_task()
+    if task is not None and task.cancelling() > 0:
         raise asyncio.CancelledError
 
 
@@ -49,7 +50,7 @@ def log_task_stacks() -> None:
 
 
 async def cancel_until_done(
-    tasks: Iterable[asyncio.Task[object]] | Iterable[asyncio.Task[None]],
+    tasks: Iterable[asyncio.Task[Any]],
     again_s: float = CANCEL_AGAIN_S,
 ) -> None:
     """Cancel `tasks` and wait for them, cancelling again every `again_s` seconds while any

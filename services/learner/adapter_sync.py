@@ -227,12 +227,11 @@ class AdapterSync:
         not acknowledged them: one that started mid-run waits for them before it serves."""
         while True:
             await asyncio.sleep(SYNC_INTERVAL_S)
-            raise_if_cancelled()
             if not self.current:
                 continue
             await self.publish()
             live = await replicas.live(self.r, "inference", include_joining=True)
-            raise_if_cancelled()
+            raise_if_cancelled()  # lost in publish() or live(): start no push close() misses
             now = time.monotonic()
             for rid, info in live.items():
                 if info.get("base_model") != self.base_model:

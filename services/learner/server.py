@@ -247,13 +247,12 @@ async def _keep_lease(store: RunStore, run_id: str, learner_id: str) -> None:
 
     while True:
         await asyncio.sleep(LEASE_S / 3)
+        raise_if_cancelled()  # a cancel that redis-py lost in the last renew (see aio_tasks)
         try:
             renewed = await store.renew(run_id, learner_id)
         except (RedisConnectionError, RedisTimeoutError) as err:  # a restarting Redis
-            raise_if_cancelled()
             log.warning("could not renew the lease of run %s: %s; retrying", run_id, err)
             continue
-        raise_if_cancelled()
         if not renewed:
             log.error("lost the lease of run %s to another learner", run_id)
 

@@ -30,7 +30,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from marl import auth, replicas, streams
-from marl.aio_tasks import cancel_until_done, cancelling, raise_if_cancelled
+from marl.aio_tasks import cancel_until_done, raise_if_cancelled
 from marl.config import SpecError, WorkflowCaps
 from marl.rewards.code import SandboxFailure
 from marl.rollout import Rollout, Task
@@ -239,8 +239,7 @@ async def heartbeat(r: Any, worker_id: str, ttl_s: float) -> None:
         try:
             await streams.beat(r, worker_id, ttl_s)
         except REDIS_DOWN as err:
-            if cancelling():
-                raise asyncio.CancelledError from err
+            raise_if_cancelled()  # redis-py can turn a cancelled command into ConnectionError
             log.warning("heartbeat: redis unreachable (%s); retrying", err)
         raise_if_cancelled()
         await asyncio.sleep(min(1.0, ttl_s / 4))
@@ -351,8 +350,7 @@ async def work_loop(
                         block_ms=500,
                     )
             except REDIS_DOWN as err:
-                if cancelling():  # redis-py can turn a cancelled read into ConnectionError
-                    raise asyncio.CancelledError from err
+                raise_if_cancelled()  # redis-py can turn a cancelled read into ConnectionError
                 log.warning("redis unreachable (%s); retrying in %.1fs", err, backoff)
                 await asyncio.sleep(backoff * (0.5 + random.random()))
                 backoff = min(backoff * 2, 5.0)

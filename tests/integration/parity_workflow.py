@@ -13,6 +13,7 @@ rollouts of a group are rarely all 0.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from marl.data.problem import Problem
@@ -20,20 +21,18 @@ from marl.workflows import single
 from marl.workflows.base import Episode, Workflow
 
 
-async def run(episode: Episode, problem: Problem) -> str:
-    reply = await single.run(episode, problem)
-    return f"```python\nprint({len(reply)} % 2)\n```"
+def _scored_by_length(name: str, program: Callable[[int], str]) -> Workflow:
+    """A Single workflow whose final answer is `program(len(reply))` as a Python block."""
+
+    async def run(episode: Episode, problem: Problem) -> str:
+        reply = await single.run(episode, problem)
+        return f"```python\n{program(len(reply))}\n```"
+
+    return Workflow(name=name, roles=("generator",), run=run, caps=single.caps)
 
 
-async def run_mostly_right(episode: Episode, problem: Problem) -> str:
-    reply = await single.run(episode, problem)
-    return f"```python\nprint(int({len(reply)} % 4 == 0))\n```"
-
-
-PARITY = Workflow(name="parity", roles=("generator",), run=run, caps=single.caps)
-MOSTLY_RIGHT = Workflow(
-    name="mostly_right", roles=("generator",), run=run_mostly_right, caps=single.caps
-)
+PARITY = _scored_by_length("parity", lambda n: f"print({n} % 2)")
+MOSTLY_RIGHT = _scored_by_length("mostly_right", lambda n: f"print(int({n} % 4 == 0))")
 
 PARITY_REF = "tests.integration.parity_workflow:PARITY"
 """How a run spec names it (`workflow:`)."""
