@@ -141,6 +141,7 @@ def run_marl_single(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     out = root / "marl-run"
     spec = e2e_spec("single", out, args, staleness=args.max_staleness)  # e2e's demo run
     spec.update(name="vs-trl", seed=args.seed, engine="transformers")
+    del spec["train"]["rollouts_logged"]  # e2e logs every rollout to count tokens; not needed
     spec["optim"] = {"lr": LR, "warmup_steps": 0, "schedule": "constant"}
     spec["grpo"] = {
         "group_size": args.group,

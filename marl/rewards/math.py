@@ -90,7 +90,14 @@ VERDICTS_KEPT = 65536
 _verdicts: dict[tuple[str, str, float], Verdict] = {}
 
 
-def check(pred: str, ground_truth: str, timeout_s: float = TIMEOUT_S) -> Verdict:
+class Unsettled(Exception):
+    """Raised instead of asking a verifier worker (`remembered_only`): the comparison is
+    neither an exact match nor remembered."""
+
+
+def check(
+    pred: str, ground_truth: str, timeout_s: float = TIMEOUT_S, *, remembered_only: bool = False
+) -> Verdict:
     """Compare one answer with the ground truth in a verifier worker, within `timeout_s`.
 
     A settled verdict (correct, wrong, unparsed) is remembered: math-verify's judgement is
@@ -101,6 +108,8 @@ def check(pred: str, ground_truth: str, timeout_s: float = TIMEOUT_S) -> Verdict
     known = _verdicts.get((pred, ground_truth, timeout_s))
     if known is not None:
         return known
+    if remembered_only:
+        raise Unsettled(pred)
     reply = get_pool().call({"gold": ground_truth, "pred": pred}, timeout_s)
     if reply is None:
         return "timeout"
@@ -118,14 +127,17 @@ def score(
     ground_truth: str,
     format_penalty: float = FORMAT_PENALTY,
     timeout_s: float = TIMEOUT_S,
+    *,
+    remembered_only: bool = False,
 ) -> float:
-    """1.0 if the last boxed answer equals the ground truth, 0.0 if not, penalty if none."""
+    """1.0 if the last boxed answer equals the ground truth, 0.0 if not, penalty if none.
+    `remembered_only`: raise Unsettled rather than wait for a verifier worker."""
     boxed = last_boxed(response)
     if boxed is None or not boxed.strip():
         return format_penalty
     if boxed.strip() == ground_truth.strip():
         return 1.0
-    verdict = check(boxed, ground_truth, timeout_s)
+    verdict = check(boxed, ground_truth, timeout_s, remembered_only=remembered_only)
     if verdict == "correct":
         return 1.0
     if verdict == "unparsed":
@@ -143,7 +155,13 @@ def loose_answer(text: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
-def any_format_correct(response: str, ground_truth: str, timeout_s: float = TIMEOUT_S) -> bool:
+def any_format_correct(
+    response: str,
+    ground_truth: str,
+    timeout_s: float = TIMEOUT_S,
+    *,
+    remembered_only: bool = False,
+) -> bool:
     """Whether the response holds the right answer even where the format is wrong
     (`The answer is 42` for 42): tells format learning apart from getting answers right."""
     answer = loose_answer(response)
@@ -151,7 +169,7 @@ def any_format_correct(response: str, ground_truth: str, timeout_s: float = TIME
         return False
     if answer == ground_truth.strip():
         return True
-    return check(answer, ground_truth, timeout_s) == "correct"
+    return check(answer, ground_truth, timeout_s, remembered_only=remembered_only) == "correct"
 
 
 async def score_async(

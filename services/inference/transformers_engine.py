@@ -11,9 +11,9 @@ free for gRPC.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from marl.devices import resolve_device
 from marl.heap import release_free_heap
 from marl.model_id import base_model_id
+from marl.torch_thread import TorchThread
 from services.inference.engine import AdapterWeights, GenerationRequest, GenerationResult
 from services.inference.multi_lora import MultiLoRA
 
@@ -62,16 +63,19 @@ class TransformersEngine:
         self.eos_token_ids = [int(eos)] if eos is not None else []
         self.pad_token_id = int(tok.pad_token_id if tok.pad_token_id is not None else eos or 0)
         self.device = torch.device(resolve_device(device, field="device"))
-        self.base = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype])
-        torch.nn.Module.to(self.base, self.device)
-        self.base.eval()
+        self._thread = TorchThread("engine")
+        self.base = self._thread.call(self._load_base, model_path, _DTYPES[dtype])
         self.lora = MultiLoRA(self.base)
-        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self._loop_task: asyncio.Task[None] | None = None
 
+    def _load_base(self, model_path: str, dtype: torch.dtype) -> Any:
+        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        torch.nn.Module.to(base, self.device)
+        return base.eval()
+
     async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
-        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+        return await self._thread.run(fn, *args)
 
     # adapters ---------------------------------------------------------------
 
@@ -165,7 +169,7 @@ class TransformersEngine:
     async def close(self) -> None:
         if self._loop_task is not None:
             self._loop_task.cancel()
-        self._thread.shutdown(wait=False, cancel_futures=True)
+        self._thread.close()
 
 
 def _sample(

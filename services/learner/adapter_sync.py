@@ -27,6 +27,7 @@ from marl import adapter_io, auth, replicas
 from marl.aio_tasks import cancel_until_done, raise_if_cancelled
 from marl.config import RunSpec
 from marl.rollout import AdapterRef
+from marl.torch_thread import TorchThread
 from marl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.learner.errors import ReplicaUnreachable, RunFailed
 
@@ -62,6 +63,7 @@ class AdapterSync:
         r: aioredis.Redis,
         roles: dict[str, str],
         base_model: str,
+        torch_thread: TorchThread,
         version_base: int = 0,
     ):
         self.run_id = run_id
@@ -70,6 +72,7 @@ class AdapterSync:
         self.roles = roles
         self.policy_names = sorted(set(roles.values()))
         self.base_model = base_model
+        self.torch = torch_thread
         self.version_base = version_base
         self.versions = dict.fromkeys(self.policy_names, version_base)
         self.current: dict[str, Published] = {}
@@ -109,7 +112,7 @@ class AdapterSync:
         one of these targets or waits for this version before it serves."""
         current = {}
         for p in self.policy_names:
-            payload = await asyncio.to_thread(_serialized, policy, p)
+            payload = await self.torch.run(_serialized, policy, p)
             manifest = adapter_io.make_manifest(
                 self.adapter_name(p),
                 self.versions[p],

@@ -174,8 +174,11 @@ class Episodes:
                 if (rollout.error or "").startswith(streams.DEAD_LETTERED):
                     await self.r.hincrby(run_key(self.run_id), "dead_lettered", 1)
             if entries:
-                await streams.ack(self.r, self.stream, LEARNER_GROUP, *[e.id for e in entries])
-                await self.r.xdel(self.stream, *[e.id for e in entries])
+                ids = [e.id for e in entries]
+                async with self.r.pipeline(transaction=False) as pipe:  # one round trip
+                    pipe.xack(self.stream, LEARNER_GROUP, *ids)
+                    pipe.xdel(self.stream, *ids)
+                    await pipe.execute()
             else:
                 await self.check_cancel()
             if time.monotonic() > deadline:

@@ -14,11 +14,14 @@ class DataSampler:
         self.problems = problems
         self.seed = seed
         self.position = position
+        self._epoch_order: tuple[int, list[int]] | None = None
 
     def _order(self, epoch: int) -> list[int]:
-        idx = list(range(len(self.problems)))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(idx)
-        return idx
+        if self._epoch_order is None or self._epoch_order[0] != epoch:
+            idx = list(range(len(self.problems)))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(idx)
+            self._epoch_order = (epoch, idx)
+        return self._epoch_order[1]
 
     def next(self, n: int) -> list[Problem]:
         """The next `n` distinct problems; a step that crosses an epoch boundary skips the

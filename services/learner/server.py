@@ -24,6 +24,8 @@ from marl.metrics_export import extra_sinks
 from marl.model_id import base_model_id
 from marl.safe_input import shorten
 from marl.serving import ServiceHost, configure_logging, serve_until_stopped
+from marl.torch_thread import TorchThread
+from marl.torch_thread import TorchThread
 from marl.v1 import learner_pb2, learner_pb2_grpc
 from marl.workflows import policy_of_role
 from services.learner.runs import LEASE_S, TERMINAL, RunStore, new_run_id
@@ -261,6 +263,7 @@ async def run_loop(
     r: aioredis.Redis, store: RunStore, learner_id: str, max_queued_tasks: int = 4096
 ) -> None:
     """Take queued runs, and runs whose learner died, one at a time and train them."""
+    torch_thread = TorchThread("learner")
     while True:
         taken = await _next_run(store, learner_id)
         if taken is None:
@@ -285,6 +288,7 @@ async def run_loop(
                 takeover,
                 extra_sinks=sinks,
                 max_queued_tasks=max_queued_tasks,
+                torch_thread=torch_thread,
             )
             await executor.execute()
         except RunCancelled:

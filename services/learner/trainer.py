@@ -14,7 +14,6 @@ after that checkpoint cut back and a fresh range of adapter versions.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from marl.diagnostics.alarms import AlarmWatch
 from marl.diagnostics.signatures import parallel_roles, role_signatures
 from marl.heap import release_free_heap
 from marl.model_id import base_model_id
+from marl.torch_thread import TorchThread
 from marl.workflows import policy_of_role
 from services.learner.adapter_sync import AdapterSync
 from services.learner.checkpoint import Checkpointer
@@ -75,8 +75,11 @@ class RunExecutor:
         takeover: int = 0,
         extra_sinks: list[MetricsSink] | None = None,
         max_queued_tasks: int = 4096,
+        torch_thread: TorchThread | None = None,
     ):
         self.run_id = run_id
+        self.torch = torch_thread or TorchThread("learner")
+        """Where the policy's torch work runs: the learner process's one torch thread."""
         self.spec = spec
         self.out_dir = out_dir
         self.r = r
@@ -90,6 +93,7 @@ class RunExecutor:
             r,
             self.roles,
             base_model_id(spec.model.path),
+            self.torch,
             # each learner of the run, and each rollback within it, a range of its own
             version_base=takeover * (spec.guard.max_rollbacks + 1) * (spec.train.steps + 1),
         )
@@ -137,11 +141,11 @@ class RunExecutor:
                 "lower it or use a larger data set"
             )
         await self.episodes.open(fresh=self.takeover > 0)
-        policy = await asyncio.to_thread(open_policy, spec, sorted(set(self.roles.values())))
+        policy = await self.torch.run(open_policy, spec, sorted(set(self.roles.values())))
         try:
             await self.train_with(policy, train, val)
         finally:
-            await asyncio.to_thread(close_policy, policy)
+            await self.torch.run(close_policy, policy)
 
     async def train_with(
         self, policy: PolicyHandle, train: list[Problem], val: list[Problem]
@@ -157,7 +161,7 @@ class RunExecutor:
             spec.train.steps,
             spec.train.checkpoints_kept,
         )
-        restored = await asyncio.to_thread(checkpointer.restore, policy)
+        restored = await self.torch.run(checkpointer.restore, policy)
         start = 0 if restored is None else int(restored["step"])
         if restored is not None:
             sampler.position = int(restored["data_position"])
@@ -187,7 +191,7 @@ class RunExecutor:
             t1 = time.monotonic()
             current = {ref.name: ref.version for ref in self.adapters.refs().values()}
             trained, staleness = drop_stale(rollouts, current, spec.train.max_staleness)
-            result = await asyncio.to_thread(
+            result = await self.torch.run(
                 policy.call,
                 grpo_step,
                 trained,
@@ -217,7 +221,7 @@ class RunExecutor:
                     "versions": self.adapters.versions,
                     "rollbacks": self.guard.rollbacks,
                 }
-                await asyncio.to_thread(checkpointer.save, done, policy, state, accuracy)
+                await self.torch.run(checkpointer.save, done, policy, state, accuracy)
             record.update(
                 {
                     "time/rollout_s": t1 - t0,
@@ -256,7 +260,7 @@ class RunExecutor:
             stop = action
             full["guard"] = f"stop: {action.alarm}"
         elif action is not None and policy is not None and checkpointer is not None:
-            done = await asyncio.to_thread(self.guard.roll_back, policy, checkpointer)
+            done = await self.torch.run(self.guard.roll_back, policy, checkpointer)
             if done is None:
                 full["guard"] = f"warn: {action.alarm} (rollback: no checkpoint yet)"
             else:

@@ -18,7 +18,6 @@ is logged and the task retried (see above).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import time
@@ -38,6 +37,7 @@ from marl.v1 import inference_pb2_grpc
 from marl.workflows import EpisodeError, Workflow, resolve
 from services.workflow import openai_proxy
 from services.workflow.episode import Episode, NoReplica, Renders
+from services.workflow.rollout_sender import RolloutSender
 
 log = logging.getLogger(__name__)
 
@@ -204,12 +204,19 @@ class EpisodeRunner:
 
         answer, timeout = task.problem.answer, task.math_timeout_s
 
-        def both() -> tuple[float, dict[str, float]]:
-            reward = math_reward.score(final, answer, task.format_penalty, timeout)
-            right = math_reward.any_format_correct(final, answer, timeout)
+        def both(remembered_only: bool) -> tuple[float, dict[str, float]]:
+            reward = math_reward.score(
+                final, answer, task.format_penalty, timeout, remembered_only=remembered_only
+            )
+            right = math_reward.any_format_correct(
+                final, answer, timeout, remembered_only=remembered_only
+            )
             return reward, {"any_format_correct": float(right)}
 
-        return await asyncio.to_thread(both)
+        try:  # exact matches and remembered verdicts need no verifier, nor a thread
+            return both(remembered_only=True)
+        except math_reward.Unsettled:
+            return await asyncio.to_thread(both, False)
 
     async def close(self) -> None:
         for ch in self._channels.values():
@@ -280,18 +287,13 @@ async def work_loop(
     r = runner.redis
     worker_id = runner.worker_id
     running: set[asyncio.Task[None]] = set()
+    sender = RolloutSender(r)
 
     async def handle(entry: streams.Entry) -> None:
         try:
             task = Task.from_dict(entry.data)
             rollout = await runner.run(task)
-            # XADD and XACK in one MULTI/EXEC: one round trip a rollout, and never a rollout
-            # sent while its task still counts as pending
-            async with r.pipeline(transaction=True) as pipe:
-                payload = {"json": json.dumps(rollout.to_dict())}  # as streams.add writes it
-                pipe.xadd(streams.rollouts_stream(task.run_id), payload)
-                pipe.xack(streams.TASKS, streams.WORKERS_GROUP, entry.id)
-                await pipe.execute()
+            await sender.send(rollout, entry.id)
         except Exception:
             log.exception("task entry %s not completed; releasing it for a retry", entry.id)
             try:
