@@ -10,6 +10,10 @@ Voting and Single workflows:
 (c) marl one step ahead (`train.max_staleness: 1`): workers generate step t+1 while the
     learner trains step t.
 
+(b) and (c) each run on a cluster of their own, with the thread split that suits them
+(`marl.launcher.service_threads` over `--cores`): (b)'s inference replica and learner take
+turns and each gets every core; (c)'s run at once and get disjoint shares.
+
 Per marl run: median step time over the steps after the first two (warm-up), steps/s,
 rollout tokens/s while the learner waited for rollouts (the generation rate of a
 synchronous run; an overlapped run waits less than it generates), rollout tokens per
@@ -39,7 +43,7 @@ import yaml
 
 from marl.demo_model import demo_model_dir
 from marl.episode_cli import load_checkpoint
-from marl.launcher import Cluster
+from marl.launcher import Cluster, service_threads
 from marl.v1 import learner_pb2, learner_pb2_grpc
 from services.inference.engine import AdapterWeights, GenerationRequest
 
@@ -147,6 +151,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--engine", default="transformers", choices=["transformers", "vllm"])
     p.add_argument("--workflows", default="voting,single")
+    p.add_argument("--cores", type=int, default=2,
+                   help="cores the services share out (marl.launcher.service_threads)")
     args = p.parse_args()
     if args.steps <= WARMUP_STEPS:
         p.error(f"--steps must be over the {WARMUP_STEPS} warm-up steps")
@@ -157,6 +163,9 @@ def print_table(figures: dict[str, Any]) -> None:
     print(f"\ne2e bench: engine={figures['engine']}, {figures['problems']} problems x group "
           f"{figures['group']}, <= {figures['max_tokens']} tokens per turn, steps after the "
           f"first {WARMUP_STEPS} of {figures['steps']}")
+    for run in ("sync", "k1"):
+        t = figures[f"{run}_threads"]
+        print(f"{run} threads: inference {t['inference']}, learner {t['learner']}")
     head = ("workflow", "run", "step s", "steps/s", "tok/s waited", "tok/s", "wait", "train",
             "push", "other", "reward")
     print("{:<9} {:<10} {:>7} {:>8} {:>13} {:>7} {:>6} {:>6} {:>6} {:>6} {:>7}".format(*head))
@@ -183,12 +192,15 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory(prefix="marl-e2e-") as tmp:
         root = Path(tmp)
-        cluster = Cluster(root / "cluster", str(demo_model_dir()), engine=args.engine,
-                          sandbox_replicas=0, workflow_replicas=args.workers,
-                          max_lora_rank=args.rank)
-        with cluster:
-            for wf in workflows:
-                for run, k in (("sync", 0), ("k1", 1)):
+        for run, k in (("sync", 0), ("k1", 1)):
+            threads = service_threads(args.cores, overlapped=k > 0)
+            figures[f"{run}_threads"] = threads
+            cluster = Cluster(root / f"cluster-{run}", str(demo_model_dir()),
+                              engine=args.engine, sandbox_replicas=0,
+                              workflow_replicas=args.workers, max_lora_rank=args.rank,
+                              threads=threads)
+            with cluster:
+                for wf in workflows:
                     run_marl(cluster, spec(wf, root / f"{wf}-{run}", args, k))
         for wf in workflows:
             row: dict[str, Any] = {run: figures_of(root / f"{wf}-{run}") for run in ("sync", "k1")}

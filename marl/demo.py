@@ -32,6 +32,8 @@ DEMO_SPEC: dict[str, Any] = {
     "data": {"train": "arithmetic", "val": "arithmetic"},
 }
 """The paper's defaults scaled to a 0.5M-parameter model on 2 cores."""
+DEMO_CORES = 2
+"""Cores the demo's services share out (`marl.launcher.service_threads`)."""
 
 
 def demo_model() -> Path:
@@ -42,7 +44,7 @@ def demo_model() -> Path:
 
 def run_demo(out: str | None, steps: int | None, overrides: list[str]) -> int:
     from marl.cli import UserError
-    from marl.launcher import Cluster
+    from marl.launcher import Cluster, service_threads
     from marl.progress import follow_run
     from marl.v1 import learner_pb2, learner_pb2_grpc
 
@@ -78,6 +80,7 @@ def run_demo(out: str | None, steps: int | None, overrides: list[str]) -> int:
         engine=engine,
         sandbox_replicas=int(os.environ.get("MARL_DEMO_SANDBOXES", "1")),
         max_lora_rank=spec.lora.rank,
+        threads=service_threads(DEMO_CORES, overlapped=spec.train.max_staleness > 0),
     )
     endpoints = cluster.start()
     print(

@@ -36,6 +36,19 @@ learner and inference overlapped at 2 threads each (`train.max_staleness` 1), 0.
 (`Cluster.threads`), so that their pools never spin on one another's cores."""
 
 
+def service_threads(cores: int, overlapped: bool) -> dict[str, int]:
+    """Threads per service kind for runs on `cores` cores. A synchronous run
+    (`train.max_staleness` 0) generates, then trains: the inference replica and the
+    learner take turns, and each gets every core. An overlapped run (>= 1) generates and
+    trains at once: they get disjoint shares, so that neither's OpenMP pool spins on the
+    other's cores (OMP_SPIN_COUNT)."""
+    if overlapped:
+        inference, learner = max(1, cores // 2), max(1, cores - cores // 2)
+    else:
+        inference = learner = max(1, cores)
+    return {"inference": inference, "learner": learner, "workflow": 1, "sandbox": 1}
+
+
 def how_it_ended(code: int | None) -> str:
     """A process's exit status in words: its code, or the signal that killed it."""
     if code is None or code >= 0:
@@ -83,9 +96,8 @@ class Cluster:
     sandbox_replicas: int = 1
     learner: bool = True
     max_lora_rank: int = 64
-    threads: dict[str, int] = field(
-        default_factory=lambda: {"inference": 2, "learner": 2, "workflow": 1, "sandbox": 1}
-    )
+    threads: dict[str, int] = field(default_factory=lambda: service_threads(2, overlapped=False))
+    """Torch/OpenMP threads per service kind (`service_threads`)."""
     processes: list[Process] = field(default_factory=list)
     redis: PrivateRedis | None = None
     redis_aof: bool = False
@@ -221,14 +233,18 @@ class Cluster:
             "inference": of("inference"),
             "sandbox": of("sandbox"),
             "workflow": of("workflow"),
-            "inference_http": [p.http_address for p in self.processes
-                               if p.kind == "inference" and p.http_address],
-            "sandbox_http": [p.http_address for p in self.processes
-                             if p.kind == "sandbox" and p.http_address],
-            "workflow_http": [p.http_address for p in self.processes
-                              if p.kind == "workflow" and p.http_address],
-            "learner_http": [p.http_address for p in self.processes
-                             if p.kind == "learner" and p.http_address],
+            "inference_http": [
+                p.http_address for p in self.processes if p.kind == "inference" and p.http_address
+            ],
+            "sandbox_http": [
+                p.http_address for p in self.processes if p.kind == "sandbox" and p.http_address
+            ],
+            "workflow_http": [
+                p.http_address for p in self.processes if p.kind == "workflow" and p.http_address
+            ],
+            "learner_http": [
+                p.http_address for p in self.processes if p.kind == "learner" and p.http_address
+            ],
             "redis": self.redis_url,
             "pids": {
                 k: [p.proc.pid for p in self.processes if p.kind == k]

@@ -25,7 +25,6 @@ from marl.model_id import base_model_id
 from marl.safe_input import shorten
 from marl.serving import ServiceHost, configure_logging, serve_until_stopped
 from marl.torch_thread import TorchThread
-from marl.torch_thread import TorchThread
 from marl.v1 import learner_pb2, learner_pb2_grpc
 from marl.workflows import policy_of_role
 from services.learner.runs import LEASE_S, TERMINAL, RunStore, new_run_id

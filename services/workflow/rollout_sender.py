@@ -4,9 +4,10 @@ A step's episodes finish together (their turns decode in one batch), so sent one
 they queue behind each other for the worker's one connection: measured on the demo's
 Single step (128 episodes, 2 cores), the learner got the last rollout ~80 ms after the
 decode ended. Here each rollout's XADD and its task's XACK still go in one MULTI/EXEC
-(a rollout is never sent while its task counts as pending, and never acknowledged
-unsent), and every rollout finished by the time the previous transaction returns goes in
-the next one.
+(a rollout is never sent while its task counts as pending), and every rollout finished
+by the time the previous transaction returns goes in the next one. A command that fails
+inside the transaction (Redis does not roll the others back) fails only its own
+rollout's `send`.
 """
 
 from __future__ import annotations
@@ -57,17 +58,19 @@ class RolloutSender:
                     for out in batch:
                         pipe.xadd(out.stream, out.payload)
                         pipe.xack(streams.TASKS, streams.WORKERS_GROUP, out.entry_id)
-                    await pipe.execute()
+                    results = await pipe.execute(raise_on_error=False)
             except asyncio.CancelledError:
                 for out in [*batch, *self._queue]:
                     out.sent.cancel()
                 self._queue = []
                 raise
             except Exception as err:
-                for out in batch:
-                    if not out.sent.done():
-                        out.sent.set_exception(err)
-            else:
-                for out in batch:
-                    if not out.sent.done():
-                        out.sent.set_result(None)
+                results = [err, err] * len(batch)
+            for k, out in enumerate(batch):
+                failed = [x for x in results[2 * k : 2 * k + 2] if isinstance(x, Exception)]
+                if out.sent.done():
+                    continue
+                if failed:
+                    out.sent.set_exception(failed[0])
+                else:
+                    out.sent.set_result(None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from pathlib import Path
@@ -282,3 +283,30 @@ def test_a_settled_verdict_is_asked_once_a_timeout_every_time(
     assert [math_reward.check("slow", "42") for _ in range(2)] == ["timeout"] * 2
     assert math_reward.check("41", "42", timeout_s=1.0) == "wrong"  # another limit: asked anew
     assert asked == ["41", "slow", "slow", "41"]
+
+
+def test_remembered_only_scores_exact_and_remembered_answers_and_asks_no_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    asked: list[str] = []
+
+    class Pool:
+        def call(self, request: dict[str, object], timeout_s: float) -> dict[str, object] | None:
+            asked.append(str(request["pred"]))
+            return {"verdict": "correct" if request["pred"] == "42.0" else "wrong"}
+
+    monkeypatch.setattr(math_reward, "get_pool", Pool)
+    monkeypatch.setattr(math_reward, "_verdicts", {})
+    quick = functools.partial(math_reward.score, remembered_only=True)
+    assert quick("so \\boxed{42}", "42") == 1.0  # exact: no comparison at all
+    assert quick("no box here", "42") == math_reward.FORMAT_PENALTY
+    with pytest.raises(math_reward.Unsettled):
+        quick("\\boxed{42.0}", "42")
+    with pytest.raises(math_reward.Unsettled):
+        math_reward.any_format_correct("it is 41", "42", remembered_only=True)
+    assert asked == []
+    assert math_reward.score("\\boxed{42.0}", "42") == 1.0  # asks, and remembers
+    assert math_reward.any_format_correct("it is 41", "42") is False
+    assert quick("\\boxed{42.0}", "42") == 1.0
+    assert math_reward.any_format_correct("it is 41", "42", remembered_only=True) is False
+    assert asked == ["42.0", "41"]
