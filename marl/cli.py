@@ -214,7 +214,7 @@ def cmd_model(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from marl.demo import run_up
 
-    return run_up(Path(args.dir), args.model, args.engine)
+    return run_up(Path(args.dir), args.model, args.engine, args.cores, args.overlapped)
 
 
 def cmd_sandbox(args: argparse.Namespace) -> int:
@@ -285,6 +285,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default="marl-up", help="where endpoints.json, logs and runs go")
     p.add_argument("--model", default=None, help="base model dir (default: the demo model)")
     p.add_argument("--engine", default="auto", choices=["auto", "vllm", "transformers"])
+    p.add_argument(
+        "--cores", type=int, default=2, help="CPU cores the services' torch threads share (2)"
+    )
+    p.add_argument(
+        "--overlapped",
+        action="store_true",
+        help="for runs with train.max_staleness >= 1: inference and learner get disjoint "
+        "shares of --cores instead of all of them each",
+    )
     p.set_defaults(fn=cmd_up)
 
     p = sub.add_parser("serve", help="run one service")

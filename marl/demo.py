@@ -185,8 +185,14 @@ MAX_RESTARTS = 5
 """`marl up` restarts a service that dies, up to this many times in 10 minutes."""
 
 
-def run_up(workdir: Path, model: str | None, engine: str) -> int:
-    from marl.launcher import Cluster
+def run_up(
+    workdir: Path, model: str | None, engine: str, cores: int = DEMO_CORES, overlapped: bool = False
+) -> int:
+    from marl.cli import UserError
+    from marl.launcher import Cluster, service_threads
+
+    if cores < 1:
+        raise UserError(f"--cores: must be at least 1, got {cores}")
 
     workdir = workdir.resolve()
     model_path = model or str(demo_model())
@@ -194,11 +200,14 @@ def run_up(workdir: Path, model: str | None, engine: str) -> int:
         from services.inference.factory import vllm_available
 
         engine = "vllm" if vllm_available() else "transformers"
-    cluster = Cluster(workdir, model_path, engine=engine, redis_aof=True)
+    threads = service_threads(cores, overlapped)
+    cluster = Cluster(workdir, model_path, engine=engine, redis_aof=True, threads=threads)
     cluster.start()
     cluster.write_endpoints(workdir / "endpoints.json")
     print(
-        f"marl up: services running; endpoints in {workdir / 'endpoints.json'}; Ctrl-C stops them"
+        f"marl up: services running (torch threads: inference {threads['inference']}, "
+        f"learner {threads['learner']}); endpoints in {workdir / 'endpoints.json'}; "
+        "Ctrl-C stops them"
     )
     print(f"learner at {cluster.endpoints()['learner']}: marl submit SPEC.yaml --learner ADDR")
     stopping = False

@@ -2,9 +2,9 @@
 
 PyTorch's CPU wheels parallelise operators with GNU OpenMP (libgomp), and libgomp
 gives every OS thread that runs a parallel region a team of worker threads of its
-own. Once a process's OpenMP threads outnumber its CPUs, libgomp cuts the time an
-idle worker spins waiting for the next region to ~100 spins, after which it sleeps
-on a futex; every small operator then pays a wake-up. Work handed to
+own. Once a process's OpenMP threads outnumber its CPUs, libgomp cuts the spinning of
+an idle worker waiting for the next region to its throttled count (at most 1,000 spins),
+after which it sleeps on a futex; every small operator then pays a wake-up. Work handed to
 `asyncio.to_thread` lands on whichever pool thread is free, so a service that does
 torch work there (a GRPO step on one thread, a weight load on another) soon has two
 teams on a 2-core machine and runs all of them throttled. Measured on the demo

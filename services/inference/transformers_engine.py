@@ -189,9 +189,10 @@ def _sample(
         drop_sorted = (cum - sorted_lp.exp()) >= top_p[:, None]
         drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
         logp = torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
-    uniform = torch.empty_like(logp)
+    uniform = torch.rand(logp.shape, device=logp.device)  # rows without a seed: one draw
     for i, gen in enumerate(generators):
-        uniform[i] = torch.rand(logp.shape[-1], generator=gen, device=logp.device)
+        if gen is not None:
+            uniform[i] = torch.rand(logp.shape[-1], generator=gen, device=logp.device)
     gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-20)))
     sampled = torch.argmax(logp + gumbel, dim=-1)
     tokens = torch.where(greedy, torch.argmax(logp, dim=-1), sampled)

@@ -80,6 +80,7 @@ class RunExecutor:
         self.run_id = run_id
         self.torch = torch_thread or TorchThread("learner")
         """Where the policy's torch work runs: the learner process's one torch thread."""
+        self._own_torch_thread = torch_thread is None
         self.spec = spec
         self.out_dir = out_dir
         self.r = r
@@ -125,6 +126,8 @@ class RunExecutor:
             await self.adapters.close()
             for sink in self.sinks:
                 await sink.close()
+            if self._own_torch_thread:
+                self.torch.close()
 
     async def train(self) -> None:
         from services.learner.ranks import close_policy, open_policy
