@@ -73,17 +73,27 @@ class RoleSignals:
     def add_old(self, s: Sequence, old: torch.Tensor) -> None:
         """π_old's log-probs of one sequence's completion: perplexity and the gap to what
         inference reported when it sampled."""
-        r = self.roles[s.role]
-        n = len(old)
-        r.tokens += n
-        r.nll_old -= float(old.sum())
-        d = old - torch.tensor(s.sample_logprobs[:n], dtype=old.dtype, device=old.device)
-        gap = float(d.abs().sum())
-        r.logprob_gap += gap
-        p = self.policies[s.policy]
-        p.tokens += n
-        p.gap += gap
-        p.kl += float((torch.expm1(d) - d).sum())
+        self.add_olds([s], [old])
+
+    def add_olds(self, seqs: list[Sequence], olds: list[torch.Tensor]) -> None:
+        """`add_old` for many sequences, a few tensor operations per role rather than per
+        sequence (a step holds hundreds of short ones)."""
+        by_role: dict[tuple[str, str], list[int]] = defaultdict(list)
+        for i, s in enumerate(seqs):
+            by_role[(s.role, s.policy)].append(i)
+        for (role, policy), idx in by_role.items():
+            old = torch.cat([olds[i] for i in idx])
+            sampled = [lp for i in idx for lp in seqs[i].sample_logprobs[: len(olds[i])]]
+            d = old - torch.tensor(sampled, dtype=old.dtype, device=old.device)
+            sums = torch.stack([old.sum(), d.abs().sum(), (torch.expm1(d) - d).sum()]).tolist()
+            r = self.roles[role]
+            r.tokens += len(old)
+            r.nll_old -= sums[0]
+            r.logprob_gap += sums[1]
+            p = self.policies[policy]
+            p.tokens += len(old)
+            p.gap += sums[1]
+            p.kl += sums[2]
 
     def add_update(self, role: str, tokens: int, clipped: int, entropy: float | None) -> None:
         r = self.roles[role]
