@@ -6,6 +6,7 @@ import asyncio
 import functools
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -267,18 +268,28 @@ def test_warm_up_starts_every_worker_once() -> None:
     assert all(w.proc.poll() is not None for w in workers), "close() left a worker running"
 
 
-def test_a_settled_verdict_is_asked_once_a_timeout_every_time(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def fake_verifiers(
+    monkeypatch: pytest.MonkeyPatch, verdict_of: Callable[[str], str | None]
+) -> list[str]:
+    """Verifier workers that answer `verdict_of(pred)` (None: a timeout), with nothing
+    remembered yet; returns the list of what they are asked."""
     asked: list[str] = []
 
     class Pool:
         def call(self, request: dict[str, object], timeout_s: float) -> dict[str, object] | None:
             asked.append(str(request["pred"]))
-            return None if request["pred"] == "slow" else {"verdict": "wrong"}
+            verdict = verdict_of(str(request["pred"]))
+            return None if verdict is None else {"verdict": verdict}
 
     monkeypatch.setattr(math_reward, "get_pool", Pool)
     monkeypatch.setattr(math_reward, "_verdicts", {})
+    return asked
+
+
+def test_a_settled_verdict_is_asked_once_a_timeout_every_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    asked = fake_verifiers(monkeypatch, lambda pred: None if pred == "slow" else "wrong")
     assert [math_reward.check("41", "42") for _ in range(3)] == ["wrong"] * 3
     assert [math_reward.check("slow", "42") for _ in range(2)] == ["timeout"] * 2
     assert math_reward.check("41", "42", timeout_s=1.0) == "wrong"  # another limit: asked anew
@@ -288,15 +299,7 @@ def test_a_settled_verdict_is_asked_once_a_timeout_every_time(
 def test_remembered_only_scores_exact_and_remembered_answers_and_asks_no_worker(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    asked: list[str] = []
-
-    class Pool:
-        def call(self, request: dict[str, object], timeout_s: float) -> dict[str, object] | None:
-            asked.append(str(request["pred"]))
-            return {"verdict": "correct" if request["pred"] == "42.0" else "wrong"}
-
-    monkeypatch.setattr(math_reward, "get_pool", Pool)
-    monkeypatch.setattr(math_reward, "_verdicts", {})
+    asked = fake_verifiers(monkeypatch, lambda pred: "correct" if pred == "42.0" else "wrong")
     quick = functools.partial(math_reward.score, remembered_only=True)
     assert quick("so \\boxed{42}", "42") == 1.0  # exact: no comparison at all
     assert quick("no box here", "42") == math_reward.FORMAT_PENALTY
