@@ -3,9 +3,10 @@
 Concurrent `generate` calls are gathered into batches (up to `max_batch`) and
 decoded together with a KV cache, left-padded, each row with its own adapter
 (multi_lora.py: rows ordered by adapter, each adapter's delta computed on its
-rows only), temperature, top-p, seed and token budget. Model work runs on one
-dedicated thread so loads and batches never overlap and the event loop stays
-free for gRPC.
+rows only), temperature, top-p, seed and token budget. Model work, the base
+model's load included, runs on one dedicated thread (marl/torch_thread.py), so
+loads and batches never overlap, the event loop stays free for gRPC, and one
+OpenMP team serves every operator.
 """
 
 from __future__ import annotations

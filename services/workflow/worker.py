@@ -196,8 +196,9 @@ class EpisodeRunner:
 
     async def score_with_facts(self, task: Task, final: str) -> tuple[float, dict[str, float]]:
         """The reward and the scoring facts: for math, whether the final answer holds the
-        right value in any format. Math's two checks run in one trip to a thread, not two: a
-        step's episodes all finish at once and queue for the default executor's threads."""
+        right value in any format. Exact matches and remembered verdicts are scored here;
+        otherwise both checks take one trip to a thread, not two: a step's episodes all
+        finish at once and queue for the default executor's threads."""
         if task.problem.task == "code":
             return await self.score(task, final), {}
         from marl.rewards import math as math_reward
