@@ -43,7 +43,7 @@ import yaml
 
 from marl.demo_model import demo_model_dir
 from marl.episode_cli import load_checkpoint
-from marl.launcher import Cluster, service_threads
+from marl.launcher import DEFAULT_CORES, Cluster, service_threads
 from marl.v1 import learner_pb2, learner_pb2_grpc
 from services.inference.engine import AdapterWeights, GenerationRequest
 
@@ -151,7 +151,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--engine", default="transformers", choices=["transformers", "vllm"])
     p.add_argument("--workflows", default="voting,single")
-    p.add_argument("--cores", type=int, default=2,
+    p.add_argument("--cores", type=int, default=DEFAULT_CORES,
                    help="cores the services share out (marl.launcher.service_threads)")
     args = p.parse_args()
     if args.steps <= WARMUP_STEPS:

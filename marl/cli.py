@@ -286,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="base model dir (default: the demo model)")
     p.add_argument("--engine", default="auto", choices=["auto", "vllm", "transformers"])
     p.add_argument(
-        "--cores", type=int, default=2, help="CPU cores the services' torch threads share (2)"
+        "--cores", type=int, default=None, help="CPU cores the services' torch threads share (2)"
     )
     p.add_argument(
         "--overlapped",

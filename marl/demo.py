@@ -32,8 +32,6 @@ DEMO_SPEC: dict[str, Any] = {
     "data": {"train": "arithmetic", "val": "arithmetic"},
 }
 """The paper's defaults scaled to a 0.5M-parameter model on 2 cores."""
-DEMO_CORES = 2
-"""Cores the demo's services share out (`marl.launcher.service_threads`)."""
 
 
 def demo_model() -> Path:
@@ -44,7 +42,7 @@ def demo_model() -> Path:
 
 def run_demo(out: str | None, steps: int | None, overrides: list[str]) -> int:
     from marl.cli import UserError
-    from marl.launcher import Cluster, service_threads
+    from marl.launcher import DEFAULT_CORES, Cluster, service_threads
     from marl.progress import follow_run
     from marl.v1 import learner_pb2, learner_pb2_grpc
 
@@ -80,7 +78,7 @@ def run_demo(out: str | None, steps: int | None, overrides: list[str]) -> int:
         engine=engine,
         sandbox_replicas=int(os.environ.get("MARL_DEMO_SANDBOXES", "1")),
         max_lora_rank=spec.lora.rank,
-        threads=service_threads(DEMO_CORES, overlapped=spec.train.max_staleness > 0),
+        threads=service_threads(DEFAULT_CORES, overlapped=spec.train.max_staleness > 0),
     )
     endpoints = cluster.start()
     print(
@@ -186,11 +184,16 @@ MAX_RESTARTS = 5
 
 
 def run_up(
-    workdir: Path, model: str | None, engine: str, cores: int = DEMO_CORES, overlapped: bool = False
+    workdir: Path,
+    model: str | None,
+    engine: str,
+    cores: int | None = None,
+    overlapped: bool = False,
 ) -> int:
     from marl.cli import UserError
-    from marl.launcher import Cluster, service_threads
+    from marl.launcher import DEFAULT_CORES, Cluster, service_threads
 
+    cores = DEFAULT_CORES if cores is None else cores
     if cores < 1:
         raise UserError(f"--cores: must be at least 1, got {cores}")
 

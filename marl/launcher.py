@@ -27,6 +27,8 @@ from marl.serving import wait_healthy
 HTTP_SERVICES = ("inference", "sandbox", "workflow", "learner")
 """Services started with an HTTP port too (OpenAI /v1, SandboxFusion /run_code; every
 one's Prometheus /metrics)."""
+DEFAULT_CORES = 2
+"""Cores a machine's services share out unless told otherwise (the demo's 2-core target)."""
 OMP_SPIN_COUNT = 10_000
 """Spins an idle OpenMP thread of a service waits for more work before it sleeps (libgomp's
 own default is 300,000). Measured on bench/vs_trl.py's synchronous run, 2 cores: update
@@ -96,7 +98,9 @@ class Cluster:
     sandbox_replicas: int = 1
     learner: bool = True
     max_lora_rank: int = 64
-    threads: dict[str, int] = field(default_factory=lambda: service_threads(2, overlapped=False))
+    threads: dict[str, int] = field(
+        default_factory=lambda: service_threads(DEFAULT_CORES, overlapped=False)
+    )
     """Torch/OpenMP threads per service kind (`service_threads`)."""
     processes: list[Process] = field(default_factory=list)
     redis: PrivateRedis | None = None

@@ -141,9 +141,19 @@ async def read_group(
     return out
 
 
-async def ack(r: aioredis.Redis, stream: str, group: str, *ids: str) -> None:
-    if ids:
+async def ack(
+    r: aioredis.Redis, stream: str, group: str, *ids: str, delete: bool = False
+) -> None:
+    """Acknowledge `ids`; with `delete`, also remove them from the stream (one round trip)."""
+    if not ids:
+        return
+    if not delete:
         await r.xack(stream, group, *ids)
+        return
+    async with r.pipeline(transaction=False) as pipe:
+        pipe.xack(stream, group, *ids)
+        pipe.xdel(stream, *ids)
+        await pipe.execute()
 
 
 async def beat(r: aioredis.Redis, consumer: str, ttl_s: float) -> None:

@@ -70,18 +70,14 @@ class RoleSignals:
     roles: dict[str, RoleSums] = field(default_factory=lambda: defaultdict(RoleSums))
     policies: dict[str, GapSums] = field(default_factory=lambda: defaultdict(GapSums))
 
-    def add_old(self, s: Sequence, old: torch.Tensor) -> None:
-        """π_old's log-probs of one sequence's completion: perplexity and the gap to what
-        inference reported when it sampled."""
-        self.add_olds([s], [old])
-
-    def add_olds(self, seqs: list[Sequence], olds: list[torch.Tensor]) -> None:
-        """`add_old` for many sequences, a few tensor operations per role rather than per
-        sequence (a step holds hundreds of short ones)."""
-        by_role: dict[tuple[str, str], list[int]] = defaultdict(list)
+    def add_old(self, seqs: list[Sequence], olds: list[torch.Tensor]) -> None:
+        """π_old's log-probs of each sequence's completion: perplexity and the gap to what
+        inference reported when it sampled. A few tensor operations per role and adapter,
+        not per sequence (a step holds hundreds of short ones)."""
+        groups: dict[tuple[str, str], list[int]] = defaultdict(list)
         for i, s in enumerate(seqs):
-            by_role[(s.role, s.policy)].append(i)
-        for (role, policy), idx in by_role.items():
+            groups[(s.role, s.policy)].append(i)
+        for (role, policy), idx in groups.items():
             old = torch.cat([olds[i] for i in idx])
             sampled = [lp for i in idx for lp in seqs[i].sample_logprobs[: len(olds[i])]]
             d = old - torch.tensor(sampled, dtype=old.dtype, device=old.device)

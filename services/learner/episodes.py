@@ -175,10 +175,7 @@ class Episodes:
                     await self.r.hincrby(run_key(self.run_id), "dead_lettered", 1)
             if entries:
                 ids = [e.id for e in entries]
-                async with self.r.pipeline(transaction=False) as pipe:  # one round trip
-                    pipe.xack(self.stream, LEARNER_GROUP, *ids)
-                    pipe.xdel(self.stream, *ids)
-                    await pipe.execute()
+                await streams.ack(self.r, self.stream, LEARNER_GROUP, *ids, delete=True)
             else:
                 await self.check_cancel()
             if time.monotonic() > deadline:

@@ -328,7 +328,7 @@ def grpo_step(
 
     t0 = time.perf_counter()
     final_old = [o if o is not None else torch.zeros(0) for o in old]
-    signals.add_olds(seqs, final_old)
+    signals.add_old(seqs, final_old)
     picked = diagnostics.sample_tokens(seqs, diagnostics.SAMPLE_TOKENS_PER_ROLE, rng)
     diagnostics.sampled_drift(
         policy, seqs, final_old, picked, temperature, g.micro_batch_sequences, signals, budget

@@ -43,8 +43,10 @@ def seq(role: str, completion: list[int], n_prompt: int = 2) -> Sequence:
 
 def test_perplexity_from_old_logprobs_by_hand() -> None:
     sig = RoleSignals()
-    sig.add_old(seq("generator", [0, 1]), torch.tensor([LN(0.5), LN(0.25)]))
-    sig.add_old(seq("aggregator", [0]), torch.tensor([LN(0.1)]))
+    sig.add_old(
+        [seq("generator", [0, 1]), seq("aggregator", [0])],
+        [torch.tensor([LN(0.5), LN(0.25)]), torch.tensor([LN(0.1)])],
+    )
     m = sig.metrics()
     # generator: mean NLL (ln 2 + ln 4) / 2 = 1.5 ln 2 -> 2^1.5; aggregator: 1 / 0.1
     assert m["role/generator/perplexity"] == pytest.approx(2**1.5)
@@ -59,10 +61,11 @@ def test_sampler_learner_gap_per_adapter_by_hand() -> None:
     # exp(d) - 1 - d is KL(q || π_old) itself
     sig = RoleSignals()
     q = [LN(0.75)] * 3 + [LN(0.25)]
-    sig.add_old(Sequence("a", "generator", [1, 1, 0, 0, 0, 1], 2, 1.0, q),
-                torch.tensor([LN(0.5)] * 4))
+    sig.add_old([Sequence("a", "generator", [1, 1, 0, 0, 0, 1], 2, 1.0, q)],
+                [torch.tensor([LN(0.5)] * 4)])
     # adapter b: inference and learner agree to the bit
-    sig.add_old(Sequence("b", "aggregator", [1, 0], 1, 1.0, [LN(0.3)]), torch.tensor([LN(0.3)]))
+    sig.add_old([Sequence("b", "aggregator", [1, 0], 1, 1.0, [LN(0.3)])],
+                [torch.tensor([LN(0.3)])])
     m = sig.metrics()
     kl = 0.75 * LN(0.75 / 0.5) + 0.25 * LN(0.25 / 0.5)
     assert m["policy/a/logprob_kl"] == pytest.approx(kl)
