@@ -9,6 +9,11 @@
     (`Inference.PushAdapter`) to every replica started here, timed from the
     first chunk until all replicas acknowledged (the server answers only once
     the adapter is loaded); median and p95 over `--pushes` successive versions.
+(c) Transformers engine only: tokens/s of Voting-shaped episodes (4 generators,
+    then an aggregator once they have answered) started 10 ms apart, each request
+    with its own token budget, when requests that arrive mid-batch join it at the
+    next decode step, as a ratio of the same episodes when they wait for the
+    running batch to end (vLLM always batches continuously).
 
 The model is built from a config with random weights (nothing can be
 downloaded): `small` for CPUs, `qwen3-0.6b` for Qwen3-0.6B's shapes on a GPU.
@@ -217,6 +222,64 @@ async def push_latency(args: argparse.Namespace, model_path: Path) -> dict[str, 
     }
 
 
+# (c) requests that arrive while a batch decodes ------------------------------------
+
+
+async def episode(engine: Engine, prompts: list[list[int]], budgets: list[int],
+                  adapter: str, start_s: float) -> int:
+    """Voting's shape: generators together, then one aggregator once all have answered."""
+    await asyncio.sleep(start_s)
+    answers = await asyncio.gather(*(
+        engine.generate(GenerationRequest(p, adapter, b, temperature=1.0))
+        for p, b in zip(prompts[:-1], budgets[:-1], strict=True)
+    ))
+    final = await engine.generate(GenerationRequest(prompts[-1], adapter, budgets[-1],
+                                                    temperature=1.0))
+    return sum(len(a.token_ids) for a in answers) + len(final.token_ids)
+
+
+async def staggered(args: argparse.Namespace, model_path: Path) -> dict[str, float]:
+    """Tokens/s of `--episodes` Voting-shaped episodes started `--stagger-ms` apart, each
+    request with its own budget (so rows finish apart), with requests joining the running
+    batch and with requests waiting for it to end; interleaved rounds, medians."""
+    from services.inference.transformers_engine import TransformersEngine
+
+    engine = await asyncio.to_thread(TransformersEngine, str(model_path), args.dtype)
+    engine.eos_token_ids = []  # random weights: budgets, not a sampled EOS, end the rows
+    shapes = lora_shapes(model_path, args.rank)
+    key = "bench/staggered@1"
+    await engine.load_adapter(AdapterWeights(key, 1, args.rank, 32.0, TARGETS,
+                                             random_lora(shapes, 7)))
+    gen = torch.Generator().manual_seed(2)
+    vocab = SIZES[args.model_size]["vocab_size"]
+    shape = [(torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist(),
+              int(torch.randint(args.max_tokens // 4, args.max_tokens + 1, (1,),
+                                generator=gen)))
+             for _ in range(args.episodes * (args.generators + 1))]
+    per = args.generators + 1
+
+    async def run_all() -> float:
+        start = time.perf_counter()
+        tokens = await asyncio.gather(*(
+            episode(engine, [p for p, _ in shape[i * per:(i + 1) * per]],
+                    [b for _, b in shape[i * per:(i + 1) * per]], key,
+                    i * args.stagger_ms / 1000)
+            for i in range(args.episodes)
+        ))
+        return sum(tokens) / (time.perf_counter() - start)
+
+    rates: dict[str, list[float]] = {"joined": [], "waiting": []}
+    await run_all()  # warm-up
+    for _ in range(args.rounds):
+        for mode, join in (("joined", True), ("waiting", False)):
+            engine.join_running = join
+            rates[mode].append(await run_all())
+    await engine.close()
+    joined, waiting = statistics.median(rates["joined"]), statistics.median(rates["waiting"])
+    return {"staggered_joined_tok_s": joined, "staggered_waiting_tok_s": waiting,
+            "staggered_join_ratio": joined / waiting}
+
+
 # main ---------------------------------------------------------------------------
 
 
@@ -236,7 +299,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=64, help="LoRA rank of every adapter")
     p.add_argument("--replicas", type=int, default=2, help="inference servers pushed to in (b)")
     p.add_argument("--pushes", type=int, default=20)
-    p.add_argument("--skip", choices=["throughput", "push"], help="leave one part out")
+    p.add_argument("--episodes", type=int, default=16, help="episodes of (c)")
+    p.add_argument("--generators", type=int, default=4, help="generators per episode in (c)")
+    p.add_argument("--stagger-ms", type=float, default=10.0, help="gap between (c)'s starts")
+    p.add_argument("--skip", choices=["throughput", "push", "staggered"],
+                   help="leave one part out")
     return p.parse_args()
 
 
@@ -250,14 +317,17 @@ def print_table(figures: dict[str, Any]) -> None:
         (f"push rank-{figures['rank']} adapter, median", "push_median_s", "s"),
         (f"push rank-{figures['rank']} adapter, p95", "push_p95_s", "s"),
         ("adapter payload", "push_bytes", "bytes"),
+        ("staggered episodes, joining the batch", "staggered_joined_tok_s", "tok/s"),
+        ("staggered episodes, waiting for it", "staggered_waiting_tok_s", "tok/s"),
+        ("joining / waiting", "staggered_join_ratio", "x"),
     ]
     print(f"\ninference bench: engine={figures['engine']} model={figures['model']}")
-    print(f"{'figure':<36} {'value':>14}  unit")
+    print(f"{'figure':<38} {'value':>12}  unit")
     for label, key, unit in rows:
         if key in figures:
             value = figures[key]
             text = f"{value:.3f}" if isinstance(value, float) else str(value)
-            print(f"{label:<36} {text:>14}  {unit}")
+            print(f"{label:<38} {text:>12}  {unit}")
 
 
 def main() -> None:
@@ -282,6 +352,8 @@ def main() -> None:
             figures["one_adapter_ratio"] = figures["one_adapter_tok_s"] / figures["base_tok_s"]
         if args.skip != "push":
             figures.update(asyncio.run(push_latency(args, model_path)))
+        if args.skip != "staggered" and args.engine == "transformers":
+            figures.update(asyncio.run(staggered(args, model_path)))
     print_table(figures)
     print(json.dumps(figures))
 

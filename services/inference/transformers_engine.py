@@ -1,19 +1,25 @@
 """The transformers engine: many LoRA adapters of one frozen base model.
 
-Concurrent `generate` calls are gathered into batches (up to `max_batch`) and
-decoded together with a KV cache, left-padded, each row with its own adapter
-(multi_lora.py: rows ordered by adapter, each adapter's delta computed on its
-rows only), temperature, top-p, seed and token budget. Model work, the base
-model's load included, runs on one dedicated thread (marl/torch_thread.py), so
-loads and batches never overlap, the event loop stays free for gRPC, and one
+Requests decode together in one running batch (running_batch.py), each row with its
+own adapter (multi_lora.py: rows ordered by adapter, each adapter's delta computed on
+its rows only), temperature, top-p, seed and token budget. The batch batches
+continuously: a request that arrives while it decodes joins at the next decode step,
+and a row's result goes back as soon as it finishes. When the engine is idle, the first
+request waits for the rest of its burst (a workflow stage's requests arrive together)
+so that they share one prefill. Model work, the base model's load included, runs on
+one dedicated thread (marl/torch_thread.py): the decode loop runs there and hands the
+thread to adapter loads between steps, the event loop stays free for gRPC, and one
 OpenMP team serves every operator.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,6 +31,7 @@ from marl.model_id import base_model_id
 from marl.torch_thread import TorchThread
 from services.inference.engine import AdapterWeights, GenerationRequest, GenerationResult
 from services.inference.multi_lora import MultiLoRA
+from services.inference.running_batch import RunningBatch, make_row
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +44,22 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class _Pending:
     request: GenerationRequest
     future: asyncio.Future[GenerationResult]
+    loop: asyncio.AbstractEventLoop
+    arrived: float = field(default_factory=time.monotonic)
+
+    def settle(self, outcome: GenerationResult | BaseException) -> None:
+        """Resolve the caller's future from any thread."""
+        self.loop.call_soon_threadsafe(_settle, self.future, outcome)
+
+
+def _settle(future: asyncio.Future[GenerationResult],
+            outcome: GenerationResult | BaseException) -> None:
+    if future.done():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
 
 
 class TransformersEngine:
@@ -51,14 +74,17 @@ class TransformersEngine:
         batch_wait_s: float = 0.005,
         max_batch_wait_s: float = 0.05,
         device: str = "auto",
+        join_running: bool = True,
     ):
-        """`device`: auto (the first GPU when torch sees one), cpu or cuda."""
+        """`device`: auto (the first GPU when torch sees one), cpu or cuda. `join_running`
+        False: requests wait until the running batch has finished (benchmarks compare)."""
         self.model_path = model_path
         self.base_model = base_model_id(model_path)
         self.max_lora_rank = max_lora_rank
         self.max_batch = max_batch
         self.batch_wait_s = batch_wait_s
         self.max_batch_wait_s = max_batch_wait_s
+        self.join_running = join_running
         tok = AutoTokenizer.from_pretrained(model_path)
         eos = tok.eos_token_id
         self.eos_token_ids = [int(eos)] if eos is not None else []
@@ -67,21 +93,37 @@ class TransformersEngine:
         self._thread = TorchThread("engine")
         self.base = self._thread.call(self._load_base, model_path, _DTYPES[dtype])
         self.lora = MultiLoRA(self.base)
-        self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
-        self._loop_task: asyncio.Task[None] | None = None
+        self._batch = RunningBatch(self.base, self.lora, self.pad_token_id)
+        self._inbox: collections.deque[_Pending] = collections.deque()
+        """Requests not yet in the batch: appended on the event loop, taken on the engine
+        thread (deque appends and pops are atomic)."""
+        self._driver: asyncio.Task[None] | None = None
+        self._waiting_jobs = 0
+        """Adapter loads and unloads queued for the engine thread: the decode loop hands
+        the thread over between steps while there are any."""
+        self._jobs_lock = threading.Lock()
 
     def _load_base(self, model_path: str, dtype: torch.dtype) -> Any:
         base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
         torch.nn.Module.to(base, self.device)
         return base.eval()
 
-    async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
-        return await self._thread.run(fn, *args)
+    async def _run_between_steps(self, fn, *args):  # type: ignore[no-untyped-def]
+        """`fn` on the engine thread, which the decode loop leaves at its next step."""
+        with self._jobs_lock:
+            self._waiting_jobs += 1
+
+        def job():  # type: ignore[no-untyped-def]
+            with self._jobs_lock:
+                self._waiting_jobs -= 1
+            return fn(*args)
+
+        return await self._thread.run(job)
 
     # adapters ---------------------------------------------------------------
 
     async def load_adapter(self, adapter: AdapterWeights) -> None:
-        await self._run(self._load, adapter)
+        await self._run_between_steps(self._load, adapter)
 
     def _load(self, adapter: AdapterWeights) -> None:
         try:
@@ -96,171 +138,117 @@ class TransformersEngine:
             raise ValueError(f"adapter {adapter.key}: {err}") from None
 
     async def unload_adapter(self, key: str) -> None:
-        await self._run(self.lora.unload, key)
+        await self._run_between_steps(self.lora.unload, key)
 
     # generation -------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         if request.adapter_key != BASE and request.adapter_key not in self.lora.loaded:
             raise KeyError(f"adapter {request.adapter_key} is not loaded")
-        if self._loop_task is None:
-            self._loop_task = asyncio.create_task(self._batch_loop())
-        fut: asyncio.Future[GenerationResult] = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Pending(request, fut))
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[GenerationResult] = loop.create_future()
+        self._inbox.append(_Pending(request, fut, loop))
+        if self._driver is None:
+            self._driver = asyncio.create_task(self._drive())
         return await fut
 
-    async def _batch_loop(self) -> None:
-        while True:
-            batch = [await self._queue.get()]
-            # Requests of one workflow stage arrive as a burst: keep gathering
-            # until the burst pauses (or the batch is full / waited long enough).
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + self.max_batch_wait_s
-            while len(batch) < self.max_batch:
-                if self._queue.empty():
-                    await asyncio.sleep(self.batch_wait_s)
-                    if self._queue.empty() or loop.time() > deadline:
-                        break
-                batch.append(self._queue.get_nowait())
-            await self._decode(batch)
-
-    async def _decode(self, batch: list[_Pending]) -> None:
-        """Decode `batch`; if it fails, decode each request alone so a failure stays with the
-        request that caused it (requests are checked before they queue, so this is rare)."""
+    async def _drive(self) -> None:
+        """Keep the decode loop on the engine thread while there is work; ends when idle."""
         try:
-            results = await self._run(self._generate_batch, [p.request for p in batch])
+            while self._inbox or self._batch.rows:
+                if not self._batch.rows:
+                    await self._gather_burst()
+                await self._thread.run(self._decode_loop)
+                if not self._batch.rows and not self._inbox:
+                    # the batch's KV cache and logits were freed on the engine thread, whose
+                    # glibc arena keeps them otherwise: RSS would follow the largest batch
+                    await self._thread.run(release_free_heap)
+        finally:
+            self._driver = None
+
+    async def _gather_burst(self) -> None:
+        """Requests of one workflow stage arrive as a burst: wait until it pauses (or the
+        batch is full, or the first request has waited long enough)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.max_batch_wait_s
+        seen = len(self._inbox)
+        while seen < self.max_batch and loop.time() < deadline:
+            await asyncio.sleep(self.batch_wait_s)
+            if len(self._inbox) == seen:
+                break
+            seen = len(self._inbox)
+
+    def _decode_loop(self) -> None:
+        """On the engine thread: admit waiting requests and decode step by step until the
+        batch is empty or an adapter load waits for the thread."""
+        batch = self._batch
+        while True:
+            if self._admitting():
+                taken: list[_Pending] = []
+                while self._inbox and len(batch.rows) + len(taken) < self.max_batch:
+                    taken.append(self._inbox.popleft())
+                self._admit(taken)
+            abandoned = [r for r in batch.rows if r.tag.future.cancelled()]
+            if abandoned:
+                batch.drop(abandoned)
+            if not batch.rows or self._waiting_jobs:
+                return
+            try:
+                finished = batch.step()
+            except Exception as err:
+                log.exception("decode step of %d rows failed", len(batch.rows))
+                for row in batch.clear():
+                    row.tag.settle(err)
+                continue
+            for row in finished:
+                row.tag.settle(row.result())
+
+    def _admitting(self) -> bool:
+        """Whether waiting requests join now. Joining a running batch costs a forward of
+        its own (the newcomers' prefill), so newcomers join as the idle engine gathers a
+        burst: once it pauses for `batch_wait_s`, once the first has waited
+        `max_batch_wait_s`, or at once when they are as many as the running rows."""
+        batch, inbox = self._batch, self._inbox
+        if not inbox or len(batch.rows) >= self.max_batch or not batch.can_admit():
+            return False
+        if not batch.rows:
+            return True
+        if not self.join_running:
+            return False
+        now = time.monotonic()
+        return (len(inbox) >= len(batch.rows) or now - inbox[-1].arrived >= self.batch_wait_s
+                or now - inbox[0].arrived >= self.max_batch_wait_s)
+
+    def _admit(self, pending: list[_Pending]) -> None:
+        """Prefill `pending` into the batch; if that fails, admit each alone, so a failure
+        stays with the request that caused it (requests are checked before they queue)."""
+        rows = []
+        for p in pending:
+            key = p.request.adapter_key
+            if key != BASE and key not in self.lora.loaded:
+                p.settle(KeyError(f"adapter {key} was unloaded"))
+                continue
+            adapter = None if key == BASE else key
+            rows.append(make_row(p.request, adapter, self.eos_token_ids, self.device, tag=p))
+        if not rows:
+            return
+        try:
+            finished = self._batch.admit(rows)
         except Exception as err:
-            if len(batch) > 1:
-                log.warning(
-                    "batch of %d failed (%s); decoding its requests one by one",
-                    len(batch),
-                    str(err)[:200],
-                )
-                for p in batch:
-                    await self._decode([p])
+            if len(rows) > 1:
+                log.warning("prefill of %d requests failed (%s); admitting them one by one",
+                            len(rows), str(err)[:200])
+                for row in rows:
+                    self._admit([row.tag])
                 return
             log.exception("request failed")
-            if not batch[0].future.done():
-                batch[0].future.set_exception(err)
+            rows[0].tag.settle(err)
             return
-        for p, res in zip(batch, results, strict=True):
-            if not p.future.done():
-                p.future.set_result(res)
-        # a batch's KV cache and logits were freed on the engine thread, whose glibc arena
-        # keeps them otherwise: the replica's RSS would follow its largest batch
-        await self._run(release_free_heap)
-
-    @torch.no_grad()
-    def _generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        adapters = [None if r.adapter_key == BASE else r.adapter_key for r in requests]
-        missing = [a for a in adapters if a is not None and a not in self.lora.loaded]
-        if missing:
-            raise KeyError(f"adapter {missing[0]} was unloaded")
-        # rows of one adapter side by side: each adapter's delta is one slice of the batch
-        order = sorted(
-            range(len(requests)), key=lambda i: (adapters[i] is not None, adapters[i] or "")
-        )
-        with self.lora.route([adapters[i] for i in order]):
-            results = decode_batch(
-                self.base, [requests[i] for i in order], self.eos_token_ids, self.pad_token_id
-            )
-        by_row = dict(zip(order, results, strict=True))
-        return [by_row[i] for i in range(len(requests))]
+        for row in finished:
+            row.tag.settle(row.result())
 
     async def close(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
+        if self._driver is not None:
+            self._driver.cancel()
         self._thread.close()
 
-
-def _sample(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_p: torch.Tensor,
-    generators: list[torch.Generator | None],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row sampling; returns (token ids, their log-probs under the sampling distribution)."""
-    logits = logits.float()
-    greedy = temperature <= 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
-    logp = torch.log_softmax(scaled, dim=-1)
-    if bool((top_p < 1).any()):
-        sorted_lp, idx = torch.sort(logp, dim=-1, descending=True)
-        cum = sorted_lp.exp().cumsum(-1)
-        drop_sorted = (cum - sorted_lp.exp()) >= top_p[:, None]
-        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
-        logp = torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
-    uniform = torch.rand(logp.shape, device=logp.device)  # rows without a seed: one draw
-    for i, gen in enumerate(generators):
-        if gen is not None:
-            uniform[i] = torch.rand(logp.shape[-1], generator=gen, device=logp.device)
-    gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-20)))
-    sampled = torch.argmax(logp + gumbel, dim=-1)
-    tokens = torch.where(greedy, torch.argmax(logp, dim=-1), sampled)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
-
-
-def decode_batch(
-    model: torch.nn.Module,
-    requests: list[GenerationRequest],
-    eos_token_ids: list[int],
-    pad_token_id: int,
-) -> list[GenerationResult]:
-    """Left-padded batched decoding with a KV cache (the caller routes rows to adapters)."""
-    n = len(requests)
-    device = next(model.parameters()).device
-    width = max(len(r.prompt_token_ids) for r in requests)
-    input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((n, width), dtype=torch.long)
-    for i, r in enumerate(requests):
-        ids = r.prompt_token_ids
-        input_ids[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-        mask[i, width - len(ids) :] = 1
-    input_ids, mask = input_ids.to(device), mask.to(device)
-    positions = (mask.cumsum(-1) - 1).clamp_min(0)
-    temperature = torch.tensor([r.temperature for r in requests], device=device)
-    top_p = torch.tensor([r.top_p if 0 < r.top_p < 1 else 1.0 for r in requests], device=device)
-    generators: list[torch.Generator | None] = []
-    for r in requests:
-        generators.append(
-            None if r.seed is None else torch.Generator(device=device).manual_seed(r.seed)
-        )
-    stops = [set(eos_token_ids) | set(r.stop_token_ids) for r in requests]
-    budget = torch.tensor([r.max_tokens for r in requests])
-    out_tokens: list[list[int]] = [[] for _ in requests]
-    out_logps: list[list[float]] = [[] for _ in requests]
-    finish = ["length"] * n
-    done = [False] * n
-    past = None
-    step_ids, step_pos = input_ids, positions
-    for t in range(int(budget.max())):
-        out = model(
-            input_ids=step_ids,
-            attention_mask=mask,
-            position_ids=step_pos,
-            past_key_values=past,
-            use_cache=True,
-        )
-        past = out.past_key_values
-        tokens, logps = _sample(out.logits[:, -1, :], temperature, top_p, generators)
-        step_tokens, step_logps = tokens.tolist(), logps.tolist()
-        for i in range(n):
-            if done[i]:
-                continue
-            tok = int(step_tokens[i])
-            out_tokens[i].append(tok)
-            out_logps[i].append(float(step_logps[i]))
-            if tok in stops[i]:
-                finish[i] = "stop"
-                done[i] = True
-            elif t + 1 >= int(budget[i]):
-                done[i] = True
-        if all(done):
-            break
-        step_ids = tokens[:, None]
-        step_pos = step_pos[:, -1:] + 1
-        mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long, device=device)], dim=-1)
-    return [
-        GenerationResult(token_ids=toks, logprobs=lps, finish_reason=fr)
-        for toks, lps, fr in zip(out_tokens, out_logps, finish, strict=True)
-    ]

@@ -9,6 +9,7 @@ from marl.demo_model import demo_model_dir
 from marl.devices import resolve_device
 from marl.service_config import load_service_config
 from services.inference.engine import GenerationRequest
+from services.inference.running_batch import decode_all
 from services.inference.transformers_engine import BASE, TransformersEngine
 
 
@@ -36,6 +37,9 @@ def test_engine_on_the_cpu_decodes_on_its_device() -> None:
     engine = TransformersEngine(str(demo_model_dir()), device="cpu")
     assert next(engine.base.parameters()).device == torch.device("cpu")
     request = GenerationRequest([1, 2, 3], BASE, max_tokens=4, seed=7)
-    first, again = (engine._generate_batch([request])[0] for _ in range(2))
+    first, again = (
+        decode_all(engine.base, engine.lora, [request], [None], engine.eos_token_ids, 0)[0]
+        for _ in range(2)
+    )
     assert len(first.token_ids) == len(first.logprobs) <= 4
     assert first.token_ids == again.token_ids  # seeded rows stay reproducible
