@@ -89,9 +89,10 @@ def test_synchronous_run_is_on_policy(cluster: Cluster, tmp_path: Path) -> None:
 def test_turn_scope_episodes_take_newer_versions_mid_episode(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    # Eval-Opt's turns are sequential (generator, evaluator, up to 3 rounds): an episode
-    # lasts long enough for a push to land between its turns, however fast workers start it
-    out, _ = run(cluster, tmp_path, "turn", workflow="eval_opt", max_staleness=1,
+    # Eval-Opt's turns are sequential (generator, evaluator, up to 3 rounds), and 8 problems
+    # (32 episodes, 6 at a time) take longer to generate than to train: pushes land while
+    # episodes are under way, however fast the engine answers (it batches continuously)
+    out, _ = run(cluster, tmp_path, "turn", problems=8, workflow="eval_opt", max_staleness=1,
                  staleness_scope="turn")
     changed = 0
     for step in range(1, STEPS + 1):
