@@ -4,7 +4,9 @@
     as a ratio of the same batch on the bare base model, same prompts, in one
     in-process engine (`--engine`; default vllm when importable). A batch that
     uses one adapter is shown too, so the table separates the cost of LoRA from
-    the cost of mixing adapters.
+    the cost of mixing adapters, and one of GRPO groups (each prompt 8 times, one
+    adapter) against that one-adapter batch: engines that prefill a shared prompt
+    once (vLLM's prefix cache, the transformers engine's group prefill) gain there.
 (b) Adapter push latency: a rank-64 adapter streamed over gRPC
     (`Inference.PushAdapter`) to every replica started here, timed from the
     first chunk until all replicas acknowledged (the server answers only once
@@ -144,19 +146,22 @@ async def throughput(args: argparse.Namespace, model_path: Path) -> dict[str, fl
         for _ in range(args.requests)
     ]
 
-    def batch(adapters: list[str]) -> list[GenerationRequest]:
+    groups = [p for p in prompts[: max(1, len(prompts) // 8)] for _ in range(8)]
+
+    def batch(adapters: list[str], texts: list[list[int]] = prompts) -> list[GenerationRequest]:
         return [
             GenerationRequest(p, adapters[i % len(adapters)], args.max_tokens, temperature=1.0)
-            for i, p in enumerate(prompts)
+            for i, p in enumerate(texts)
         ]
 
     kinds = {"base": [BASE], "one_adapter": keys[:1], "mixed_4": keys}
     for adapters in kinds.values():  # warm-up: first use loads adapters into slots
         await timed_batch(engine, batch(adapters)[:8])
-    rates: dict[str, list[float]] = {k: [] for k in kinds}
+    rates: dict[str, list[float]] = {k: [] for k in [*kinds, "groups_of_8"]}
     for _ in range(args.rounds):
         for kind, adapters in kinds.items():
             rates[kind].append(await timed_batch(engine, batch(adapters)))
+        rates["groups_of_8"].append(await timed_batch(engine, batch(keys[:1], groups)))
     await engine.close()
     return {f"{k}_tok_s": statistics.median(v) for k, v in rates.items()}
 
@@ -314,6 +319,8 @@ def print_table(figures: dict[str, Any]) -> None:
         ("4 adapters, round robin", "mixed_4_tok_s", "tok/s"),
         ("4 adapters / base", "mixed_4_ratio", "x"),
         ("1 adapter / base", "one_adapter_ratio", "x"),
+        ("1 adapter, groups of 8 sharing a prompt", "groups_of_8_tok_s", "tok/s"),
+        ("groups of 8 / distinct prompts", "groups_ratio", "x"),
         (f"push rank-{figures['rank']} adapter, median", "push_median_s", "s"),
         (f"push rank-{figures['rank']} adapter, p95", "push_p95_s", "s"),
         ("adapter payload", "push_bytes", "bytes"),
@@ -350,6 +357,8 @@ def main() -> None:
             figures.update(asyncio.run(throughput(args, model_path)))
             figures["mixed_4_ratio"] = figures["mixed_4_tok_s"] / figures["base_tok_s"]
             figures["one_adapter_ratio"] = figures["one_adapter_tok_s"] / figures["base_tok_s"]
+            figures["groups_ratio"] = (figures["groups_of_8_tok_s"]
+                                       / figures["one_adapter_tok_s"])
         if args.skip != "push":
             figures.update(asyncio.run(push_latency(args, model_path)))
         if args.skip != "staggered" and args.engine == "transformers":

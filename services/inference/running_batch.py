@@ -156,6 +156,20 @@ class _State:
         self.top_p = torch.cat([self.top_p, other.top_p])
 
 
+def _distinct_prompts(rows: list[Row]) -> tuple[list[Row], list[int]]:
+    """The first row of each (adapter, prompt) in order, and each row's index among them."""
+    first: dict[tuple[str | None, tuple[int, ...]], int] = {}
+    distinct: list[Row] = []
+    copies = []
+    for row in rows:
+        key = (row.adapter, tuple(row.request.prompt_token_ids))
+        if key not in first:
+            first[key] = len(distinct)
+            distinct.append(row)
+        copies.append(first[key])
+    return distinct, copies
+
+
 def _mergeable(cache: Any) -> bool:
     return all(type(layer) is DynamicLayer for layer in getattr(cache, "layers", [None]))
 
@@ -229,26 +243,41 @@ class RunningBatch:
         return rows
 
     def _prefill(self, rows: list[Row]) -> tuple[_State, torch.Tensor]:
-        """The newcomers' cache and state, and the logits their first tokens come from."""
-        n = len(rows)
-        width = max(len(r.request.prompt_token_ids) for r in rows)
+        """The newcomers' cache and state, and the logits their first tokens come from.
+
+        Rows with the same prompt and adapter (a GRPO group's samples, Voting's
+        generators) are prefilled once and their cache copied: the prefill is most of
+        a short answer's cost, and a group of 8 would pay it 8 times."""
+        distinct, copies = _distinct_prompts(rows)
+        n = len(distinct)
+        width = max(len(r.request.prompt_token_ids) for r in distinct)
         ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((n, width), dtype=torch.long)
-        for i, r in enumerate(rows):
+        for i, r in enumerate(distinct):
             prompt = r.request.prompt_token_ids
             ids[i, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
             mask[i, width - len(prompt) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
-        out = self._forward(rows, ids, mask, positions, None)
+        out = self._forward(distinct, ids, mask, positions, None)
+        state = _State(out.past_key_values, mask, ids[:, -1:], positions[:, -1:] + 1,
+                       *self._sampling(distinct))
+        logits = out.logits[:, -1, :]
+        if n < len(rows):
+            pick = torch.tensor(copies, dtype=torch.long, device=self.device)
+            state.select(pick)
+            logits = logits.index_select(0, pick)
+            state.temperature, state.top_p = self._sampling(rows)
+        return state, logits
+
+    def _sampling(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's temperature and top-p (1 = off)."""
         temperature = torch.tensor([r.request.temperature for r in rows], device=self.device)
         top_p = torch.tensor(
             [r.request.top_p if 0 < r.request.top_p < 1 else 1.0 for r in rows],
             device=self.device,
         )
-        state = _State(out.past_key_values, mask, ids[:, -1:], positions[:, -1:] + 1,
-                       temperature, top_p)
-        return state, out.logits[:, -1, :]
+        return temperature, top_p
 
     def _forward(
         self,

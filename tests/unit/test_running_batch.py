@@ -140,3 +140,36 @@ def test_engine_admits_a_request_into_a_running_batch(tiny_model_dir: object) ->
     order, short_len, long_len = asyncio.run(run())
     assert order == ["short", "loaded", "long"]
     assert (short_len, long_len) == (2, 400)
+
+
+def test_rows_sharing_a_prompt_and_adapter_are_prefilled_once(
+        model_and_lora: tuple[torch.nn.Module, MultiLoRA]) -> None:
+    """A group's samples (same prompt, same adapter) share one prefill row; each still
+    samples on its own and decodes exactly as alone."""
+    model, lora = model_and_lora
+    prompt = [3, 4, 5, 6]
+    plan: list[tuple[GenerationRequest, str | None]] = [
+        (request(prompt, 6, "a", temperature=1.0, seed=1), "a"),
+        (request(prompt, 6, "a", temperature=1.0, seed=2), "a"),
+        (request(prompt, 5, "a", temperature=0.0), "a"),
+        (request(prompt, 6, "b", temperature=1.0, seed=1), "b"),
+        (request([9, 8], 4, "a"), "a"),
+    ]
+    widths: list[tuple[int, ...]] = []
+    hook = model.register_forward_pre_hook(
+        lambda _m, _a, kwargs: widths.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        batch = RunningBatch(model, lora, pad_token_id=0)
+        rows = [make_row(r, a, EOS, batch.device) for r, a in plan]
+        batch.admit(rows)
+        while batch.rows:
+            batch.step()
+    finally:
+        hook.remove()
+    assert widths[0] == (3, 4)  # (a, prompt), (a, [9, 8]), (b, prompt)
+    assert all(w[0] <= 5 and w[1] == 1 for w in widths[1:])
+    for (req, name), row in zip(plan, rows, strict=True):
+        tokens, logprobs = alone(model_and_lora, req, name)
+        assert row.tokens == tokens
+        assert row.logprobs == pytest.approx(logprobs, abs=1e-4)
+    assert rows[0].tokens != rows[1].tokens  # seeds 1 and 2 sample apart
