@@ -32,6 +32,20 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untype
     c.stop()
 
 
+@pytest.fixture(scope="module")
+def one_at_a_time(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """One worker, one episode at a time: a step's episodes take several times as long to
+    generate as to train, however fast the engine answers, so every push lands while an
+    episode is under way."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MARL_WORKFLOW_CONCURRENCY", "1")
+        c = Cluster(tmp_path_factory.mktemp("serial"), str(demo_model_dir()),
+                    engine="transformers", sandbox_replicas=0, workflow_replicas=1)
+        c.start()
+    yield c
+    c.stop()
+
+
 def logged_rollouts(out: Path, step: int) -> list[dict[str, Any]]:
     path = out / "rollouts" / f"step_{step:06d}.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
@@ -87,12 +101,11 @@ def test_synchronous_run_is_on_policy(cluster: Cluster, tmp_path: Path) -> None:
 
 
 def test_turn_scope_episodes_take_newer_versions_mid_episode(
-    cluster: Cluster, tmp_path: Path
+    one_at_a_time: Cluster, tmp_path: Path
 ) -> None:
-    # Eval-Opt's turns are sequential (generator, evaluator, up to 3 rounds), and 8 problems
-    # (32 episodes, 6 at a time) take longer to generate than to train: pushes land while
-    # episodes are under way, however fast the engine answers (it batches continuously)
-    out, _ = run(cluster, tmp_path, "turn", problems=8, workflow="eval_opt", max_staleness=1,
+    # Eval-Opt's turns are sequential (generator, evaluator, up to 3 rounds), so the one
+    # episode under way when a push lands most likely has a turn left
+    out, _ = run(one_at_a_time, tmp_path, "turn", workflow="eval_opt", max_staleness=1,
                  staleness_scope="turn")
     changed = 0
     for step in range(1, STEPS + 1):
