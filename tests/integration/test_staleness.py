@@ -6,6 +6,7 @@ one version behind, and `staleness_scope: turn` episodes take a newer version mi
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,31 +20,28 @@ pytestmark = pytest.mark.timeout(600)
 STEPS = 6
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    """Two workers of 3 episodes at a time: generating a step takes longer than training
-    one, so adapter pushes land while episodes are under way."""
+def started_cluster(root: Path, workers: int, episodes_each: int) -> Iterator[Cluster]:
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MARL_WORKFLOW_CONCURRENCY", "3")
-        c = Cluster(tmp_path_factory.mktemp("cluster"), str(demo_model_dir()),
-                    engine="transformers", sandbox_replicas=0, workflow_replicas=2)
+        mp.setenv("MARL_WORKFLOW_CONCURRENCY", str(episodes_each))
+        c = Cluster(root, str(demo_model_dir()), engine="transformers", sandbox_replicas=0,
+                    workflow_replicas=workers)
         c.start()
     yield c
     c.stop()
 
 
 @pytest.fixture(scope="module")
-def one_at_a_time(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """Two workers of 3 episodes at a time."""
+    yield from started_cluster(tmp_path_factory.mktemp("cluster"), workers=2, episodes_each=3)
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """One worker, one episode at a time: a step's episodes take several times as long to
     generate as to train, however fast the engine answers, so every push lands while an
     episode is under way."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MARL_WORKFLOW_CONCURRENCY", "1")
-        c = Cluster(tmp_path_factory.mktemp("serial"), str(demo_model_dir()),
-                    engine="transformers", sandbox_replicas=0, workflow_replicas=1)
-        c.start()
-    yield c
-    c.stop()
+    yield from started_cluster(tmp_path_factory.mktemp("serial"), workers=1, episodes_each=1)
 
 
 def logged_rollouts(out: Path, step: int) -> list[dict[str, Any]]:
