@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as marl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17marl/v1/inference.proto\x12\x07marl.v1\x1a\x14marl/v1/common.proto\"n\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\"\xa8\x01\n\x0fGenerateRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12$\n\x07\x61\x64\x61pter\x18\x02 \x01(\x0b\x32\x13.marl.v1.AdapterRef\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.marl.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x16\n\x0enewest_adapter\x18\x05 \x01(\x08\"\x8a\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12&\n\tserved_by\x18\x04 \x01(\x0b\x32\x13.marl.v1.AdapterRef\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"W\n\x0c\x41\x64\x61pterChunk\x12,\n\x08manifest\x18\x01 \x01(\x0b\x32\x18.marl.v1.AdapterManifestH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\t\n\x07payload\"]\n\x13PushAdapterResponse\x12 \n\x03ref\x18\x01 \x01(\x0b\x32\x13.marl.v1.AdapterRef\x12\x0e\n\x06loaded\x18\x02 \x01(\x08\x12\x14\n\x0cload_seconds\x18\x03 \x01(\x01\"\x15\n\x13ListAdaptersRequest\"W\n\rLoadedAdapter\x12 \n\x03ref\x18\x01 \x01(\x0b\x32\x13.marl.v1.AdapterRef\x12\x11\n\tin_flight\x18\x02 \x01(\x05\x12\x11\n\tloaded_at\x18\x03 \x01(\x01\"@\n\x14ListAdaptersResponse\x12(\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x16.marl.v1.LoadedAdapter\"8\n\x14UnloadAdapterRequest\x12 \n\x03ref\x18\x01 \x01(\x0b\x32\x13.marl.v1.AdapterRef\")\n\x15UnloadAdapterResponse\x12\x10\n\x08unloaded\x18\x01 \x01(\x08\"\x10\n\x0eGetInfoRequest\"`\n\x0fGetInfoResponse\x12\x12\n\nbase_model\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x12\n\nreplica_id\x18\x03 \x01(\t\x12\x15\n\rmax_lora_rank\x18\x04 \x01(\x05\x32\xed\x02\n\tInference\x12?\n\x08Generate\x12\x18.marl.v1.GenerateRequest\x1a\x19.marl.v1.GenerateResponse\x12\x44\n\x0bPushAdapter\x12\x15.marl.v1.AdapterChunk\x1a\x1c.marl.v1.PushAdapterResponse(\x01\x12K\n\x0cListAdapters\x12\x1c.marl.v1.ListAdaptersRequest\x1a\x1d.marl.v1.ListAdaptersResponse\x12N\n\rUnloadAdapter\x12\x1d.marl.v1.UnloadAdapterRequest\x1a\x1e.marl.v1.UnloadAdapterResponse\x12<\n\x07GetInfo\x12\x17.marl.v1.GetInfoRequest\x1a\x18.marl.v1.GetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17marl/v1/inference.proto\x12\x07marl.v1\x1a\x14marl/v1/common.proto\"n\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\"\xa8\x01\n\x0fGenerateRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12$\n\x07\x61\x64\x61pter\x18\x02 \x01(\x0b\x32\x13.marl.v1.AdapterRef\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.marl.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x16\n\x0enewest_adapter\x18\x05 \x01(\x08\"\x8a\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12&\n\tserved_by\x18\x04 \x01(\x0b\x32\x13.marl.v1.AdapterRef\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"A\n\x13GenerateManyRequest\x12*\n\x08requests\x18\x01 \x03(\x0b\x32\x18.marl.v1.GenerateRequest\"j\n\x0fGenerateOutcome\x12\r\n\x05index\x18\x01 \x01(\x05\x12+\n\x08response\x18\x02 \x01(\x0b\x32\x19.marl.v1.GenerateResponse\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"B\n\x14GenerateManyResponse\x12*\n\x08outcomes\x18\x01 \x03(\x0b\x32\x18.marl.v1.GenerateOutcome\"W\n\x0c\x41\x64\x61pterChunk\x12,\n\x08manifest\x18\x01 \x01(\x0b\x32\x18.marl.v1.AdapterManifestH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\t\n\x07payload\"]\n\x13PushAdapterResponse\x12 \n\x03ref\x18\x01 \x01(\x0b\x32\x13.marl.v1.AdapterRef\x12\x0e\n\x06loaded\x18\x02 \x01(\x08\x12\x14\n\x0cload_seconds\x18\x03 \x01(\x01\"\x15\n\x13ListAdaptersRequest\"W\n\rLoadedAdapter\x12 \n\x03ref\x18\x01 \x01(\x0b\x32\x13.marl.v1.AdapterRef\x12\x11\n\tin_flight\x18\x02 \x01(\x05\x12\x11\n\tloaded_at\x18\x03 \x01(\x01\"@\n\x14ListAdaptersResponse\x12(\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x16.marl.v1.LoadedAdapter\"8\n\x14UnloadAdapterRequest\x12 \n\x03ref\x18\x01 \x01(\x0b\x32\x13.marl.v1.AdapterRef\")\n\x15UnloadAdapterResponse\x12\x10\n\x08unloaded\x18\x01 \x01(\x08\"\x10\n\x0eGetInfoRequest\"`\n\x0fGetInfoResponse\x12\x12\n\nbase_model\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x12\n\nreplica_id\x18\x03 \x01(\t\x12\x15\n\rmax_lora_rank\x18\x04 \x01(\x05\x32\xbc\x03\n\tInference\x12?\n\x08Generate\x12\x18.marl.v1.GenerateRequest\x1a\x19.marl.v1.GenerateResponse\x12M\n\x0cGenerateMany\x12\x1c.marl.v1.GenerateManyRequest\x1a\x1d.marl.v1.GenerateManyResponse0\x01\x12\x44\n\x0bPushAdapter\x12\x15.marl.v1.AdapterChunk\x1a\x1c.marl.v1.PushAdapterResponse(\x01\x12K\n\x0cListAdapters\x12\x1c.marl.v1.ListAdaptersRequest\x1a\x1d.marl.v1.ListAdaptersResponse\x12N\n\rUnloadAdapter\x12\x1d.marl.v1.UnloadAdapterRequest\x1a\x1e.marl.v1.UnloadAdapterResponse\x12<\n\x07GetInfo\x12\x17.marl.v1.GetInfoRequest\x1a\x18.marl.v1.GetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,24 +38,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_end=339
   _globals['_GENERATERESPONSE']._serialized_start=342
   _globals['_GENERATERESPONSE']._serialized_end=480
-  _globals['_ADAPTERCHUNK']._serialized_start=482
-  _globals['_ADAPTERCHUNK']._serialized_end=569
-  _globals['_PUSHADAPTERRESPONSE']._serialized_start=571
-  _globals['_PUSHADAPTERRESPONSE']._serialized_end=664
-  _globals['_LISTADAPTERSREQUEST']._serialized_start=666
-  _globals['_LISTADAPTERSREQUEST']._serialized_end=687
-  _globals['_LOADEDADAPTER']._serialized_start=689
-  _globals['_LOADEDADAPTER']._serialized_end=776
-  _globals['_LISTADAPTERSRESPONSE']._serialized_start=778
-  _globals['_LISTADAPTERSRESPONSE']._serialized_end=842
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=844
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=900
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=902
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=943
-  _globals['_GETINFOREQUEST']._serialized_start=945
-  _globals['_GETINFOREQUEST']._serialized_end=961
-  _globals['_GETINFORESPONSE']._serialized_start=963
-  _globals['_GETINFORESPONSE']._serialized_end=1059
-  _globals['_INFERENCE']._serialized_start=1062
-  _globals['_INFERENCE']._serialized_end=1427
+  _globals['_GENERATEMANYREQUEST']._serialized_start=482
+  _globals['_GENERATEMANYREQUEST']._serialized_end=547
+  _globals['_GENERATEOUTCOME']._serialized_start=549
+  _globals['_GENERATEOUTCOME']._serialized_end=655
+  _globals['_GENERATEMANYRESPONSE']._serialized_start=657
+  _globals['_GENERATEMANYRESPONSE']._serialized_end=723
+  _globals['_ADAPTERCHUNK']._serialized_start=725
+  _globals['_ADAPTERCHUNK']._serialized_end=812
+  _globals['_PUSHADAPTERRESPONSE']._serialized_start=814
+  _globals['_PUSHADAPTERRESPONSE']._serialized_end=907
+  _globals['_LISTADAPTERSREQUEST']._serialized_start=909
+  _globals['_LISTADAPTERSREQUEST']._serialized_end=930
+  _globals['_LOADEDADAPTER']._serialized_start=932
+  _globals['_LOADEDADAPTER']._serialized_end=1019
+  _globals['_LISTADAPTERSRESPONSE']._serialized_start=1021
+  _globals['_LISTADAPTERSRESPONSE']._serialized_end=1085
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1087
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1143
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1145
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1186
+  _globals['_GETINFOREQUEST']._serialized_start=1188
+  _globals['_GETINFOREQUEST']._serialized_end=1204
+  _globals['_GETINFORESPONSE']._serialized_start=1206
+  _globals['_GETINFORESPONSE']._serialized_end=1302
+  _globals['_INFERENCE']._serialized_start=1305
+  _globals['_INFERENCE']._serialized_end=1749
 # @@protoc_insertion_point(module_scope)

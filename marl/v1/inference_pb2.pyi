@@ -49,6 +49,30 @@ class GenerateResponse(_message.Message):
     request_id: str
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., served_by: _Optional[_Union[_common_pb2.AdapterRef, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
+class GenerateManyRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[GenerateRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ...) -> None: ...
+
+class GenerateOutcome(_message.Message):
+    __slots__ = ("index", "response", "code", "error")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    response: GenerateResponse
+    code: int
+    error: str
+    def __init__(self, index: _Optional[int] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., code: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class GenerateManyResponse(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[GenerateOutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[GenerateOutcome, _Mapping]]] = ...) -> None: ...
+
 class AdapterChunk(_message.Message):
     __slots__ = ("manifest", "data")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]

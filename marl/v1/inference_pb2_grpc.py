@@ -40,6 +40,11 @@ class InferenceStub:
                 request_serializer=marl_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=marl_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.unary_stream(
+                '/marl.v1.Inference/GenerateMany',
+                request_serializer=marl_dot_v1_dot_inference__pb2.GenerateManyRequest.SerializeToString,
+                response_deserializer=marl_dot_v1_dot_inference__pb2.GenerateManyResponse.FromString,
+                _registered_method=True)
         self.PushAdapter = channel.stream_unary(
                 '/marl.v1.Inference/PushAdapter',
                 request_serializer=marl_dot_v1_dot_inference__pb2.AdapterChunk.SerializeToString,
@@ -68,6 +73,14 @@ class InferenceServicer:
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMany(self, request, context):
+        """Many generations in one call: each outcome streams back as soon as its request is
+        done; outcomes finished together come in one message. A refused request fails alone.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -104,6 +117,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=marl_dot_v1_dot_inference__pb2.GenerateRequest.FromString,
                     response_serializer=marl_dot_v1_dot_inference__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateMany': grpc.unary_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=marl_dot_v1_dot_inference__pb2.GenerateManyRequest.FromString,
+                    response_serializer=marl_dot_v1_dot_inference__pb2.GenerateManyResponse.SerializeToString,
             ),
             'PushAdapter': grpc.stream_unary_rpc_method_handler(
                     servicer.PushAdapter,
@@ -154,6 +172,33 @@ class Inference:
             '/marl.v1.Inference/Generate',
             marl_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
             marl_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/marl.v1.Inference/GenerateMany',
+            marl_dot_v1_dot_inference__pb2.GenerateManyRequest.SerializeToString,
+            marl_dot_v1_dot_inference__pb2.GenerateManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -21,10 +21,11 @@ import grpc
 import redis.asyncio as aioredis
 
 from marl import adapter_io, replicas, streams
+from marl.aio_tasks import cancel_until_done
 from marl.heap import release_free_heap
 from marl.http_server import HttpServer
 from marl.prometheus_metrics import ADAPTER_VERSIONS
-from marl.serving import ServiceHost, configure_logging, serve_until_stopped
+from marl.serving import ServiceHost, bounded, configure_logging, serve_until_stopped
 from marl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.inference.adapters import (
     AdapterNotLoaded,
@@ -49,6 +50,16 @@ MAX_ADAPTER_BYTES = 4 << 30
 MAX_REQUEST_ID = 4096
 """request_id carries the task id (run, step, problem id, role): long problem ids must fit."""
 JOIN_CHECK_S = 0.5
+MAX_GENERATE_MANY = 4096
+"""Requests in one GenerateMany call (a worker sends what its episodes asked for at once)."""
+
+
+class Refused(Exception):
+    """A generation request the caller got wrong, with the gRPC code it fails with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
 
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
@@ -87,11 +98,64 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.GenerateResponse:
         await self._require_ready(context)
-        if not request.adapter.name:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "adapter.name is required")
-        if len(request.request_id) > MAX_REQUEST_ID:
+        try:
+            return await self._generate(request)
+        except Refused as err:
+            await context.abort(err.code, err.message)
+            raise AssertionError("context.abort returned") from err
+
+    async def GenerateMany(
+        self, request: inference_pb2.GenerateManyRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateManyResponse]:
+        """Each request as Generate would serve it, all at once: an outcome goes back as
+        soon as its request is done, and outcomes done in the same turn of the event loop
+        share a message. One call in place of many saves a worker's episodes most of
+        gRPC's per-call cost (bench/e2e.py)."""
+        await self._require_ready(context)
+        n = len(request.requests)
+        if n > MAX_GENERATE_MANY:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"request_id: at most {MAX_REQUEST_ID} characters")
+                                f"requests: at most {MAX_GENERATE_MANY} per call, got {n}")
+        done: asyncio.Queue[inference_pb2.GenerateOutcome] = asyncio.Queue()
+
+        async def one(index: int, req: inference_pb2.GenerateRequest) -> None:
+            try:
+                response = await self._generate(req)
+            except Refused as err:
+                outcome = inference_pb2.GenerateOutcome(
+                    index=index, code=err.code.value[0], error=bounded(err.message) or "")
+            except Exception as err:  # fails its request alone, as Generate would fail it
+                log.error("unexpected error in request %d of a GenerateMany", index,
+                          exc_info=err)
+                outcome = inference_pb2.GenerateOutcome(
+                    index=index, code=grpc.StatusCode.UNKNOWN.value[0],
+                    error=bounded(f"Unexpected {type(err).__name__}: {err}") or "")
+            else:
+                outcome = inference_pb2.GenerateOutcome(index=index, response=response)
+            done.put_nowait(outcome)
+
+        tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(request.requests)]
+        try:
+            sent = 0
+            while sent < n:
+                outcomes = [await done.get()]
+                await asyncio.sleep(0)  # the rest of a decode step's rows settle meanwhile
+                while not done.empty():
+                    outcomes.append(done.get_nowait())
+                sent += len(outcomes)
+                yield inference_pb2.GenerateManyResponse(outcomes=outcomes)
+        finally:
+            await cancel_until_done(tasks)  # a caller that went away: its rows are dropped
+
+    async def _generate(
+        self, request: inference_pb2.GenerateRequest
+    ) -> inference_pb2.GenerateResponse:
+        """One generation; a request the caller got wrong raises Refused."""
+        if not request.adapter.name:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "adapter.name is required")
+        if len(request.request_id) > MAX_REQUEST_ID:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"request_id: at most {MAX_REQUEST_ID} characters")
         sp = request.sampling
         generation = GenerationRequest(
             prompt_token_ids=list(request.prompt_token_ids),
@@ -105,7 +169,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         try:  # before the request can join a batch: a bad one fails alone
             check_request(generation, self.limits)
         except ValueError as err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
         if not 0 < generation.top_p < 1:
             generation.top_p = 1.0
         # bounded by the context: a longer budget ends there (finish_reason "length")
@@ -115,7 +179,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 request.adapter.name, request.adapter.version, newest=request.newest_adapter
             )
         except AdapterNotLoaded as err:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(err)) from None
         generation.adapter_key = version.key
         try:
             result = await self.engine.generate(generation)

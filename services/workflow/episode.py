@@ -17,14 +17,15 @@ import bisect
 import hashlib
 import json
 import uuid
+import zlib
 from array import array
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
 
 import grpc
 
 from marl.rollout import AdapterRef, Task, Turn
-from marl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from marl.v1 import common_pb2, inference_pb2
 from marl.workflows.base import Caps, EpisodeError
 
 GENERATE_DEADLINE_S = 600.0
@@ -74,12 +75,21 @@ class Renders:
         self._tokens += len(ids)
 
 
+class GenerateStub(Protocol):
+    """What an episode calls a replica through: an InferenceStub, or the worker's
+    BatchingStub (which sends its concurrent calls as one)."""
+
+    def Generate(  # noqa: N802 (the gRPC method's name)
+        self, request: inference_pb2.GenerateRequest, timeout: float | None = None
+    ) -> Awaitable[inference_pb2.GenerateResponse]: ...
+
+
 class Episode:
     def __init__(
         self,
         task: Task,
         tokenizer: Any,
-        stubs: list[inference_pb2_grpc.InferenceStub],
+        stubs: Sequence[GenerateStub],
         caps: Caps,
         oracle: Callable[[str], Awaitable[bool]] | None = None,
         renders: Renders | None = None,
@@ -97,7 +107,9 @@ class Episode:
         self._caps = caps
         self._facts: dict[str, float] = {}
         self._oracle = oracle
-        self._next = 0
+        self._next = zlib.crc32(f"{task.run_id}:{task.problem.id}".encode())
+        """The replica of the first turn, by problem: problems spread over the replicas, and
+        a group's samples (one problem) meet on one, where they share a prefill."""
         self._started: dict[tuple[str, int], int] = {}
         self.context: int | None = None
         """The base model's context window (set by the worker): a prompt that fills it fails

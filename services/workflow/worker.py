@@ -37,6 +37,7 @@ from marl.v1 import inference_pb2_grpc
 from marl.workflows import EpisodeError, Workflow, resolve
 from services.workflow import openai_proxy
 from services.workflow.episode import Episode, NoReplica, Renders
+from services.workflow.generate_batcher import BatchingStub
 from services.workflow.rollout_sender import RolloutSender
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class EpisodeRunner:
         self._renders: dict[str, Renders] = {}
         self._contexts: dict[str, int | None] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._batching: dict[str, BatchingStub] = {}
         self._replicas: list[str] = []
         self._replicas_at = 0.0
         self._replicas_lock = asyncio.Lock()
@@ -104,7 +106,8 @@ class EpisodeRunner:
                 self._contexts[model_path] = None
         return self._contexts[model_path]
 
-    async def stubs(self) -> list[inference_pb2_grpc.InferenceStub]:
+    async def stubs(self) -> list[BatchingStub]:
+        """One Generate per live replica; a replica's concurrent calls go as one."""
         async with self._replicas_lock:
             if time.monotonic() - self._replicas_at > replicas.HEARTBEAT_S or not self._replicas:
                 live = await replicas.live(self.redis, "inference")
@@ -116,7 +119,9 @@ class EpisodeRunner:
         for addr in self._replicas:
             if addr not in self._channels:
                 self._channels[addr] = auth.aio_channel(addr)
-            out.append(inference_pb2_grpc.InferenceStub(self._channels[addr]))
+                stub = inference_pb2_grpc.InferenceStub(self._channels[addr])
+                self._batching[addr] = BatchingStub(stub)
+            out.append(self._batching[addr])
         return out
 
     def episode(self, task: Task, workflow: Workflow) -> Episode:
@@ -220,6 +225,8 @@ class EpisodeRunner:
             return await asyncio.to_thread(both, False)
 
     async def close(self) -> None:
+        for batching in self._batching.values():
+            await batching.close()
         for ch in self._channels.values():
             await ch.close()
         if self._sandbox is not None:

@@ -364,23 +364,30 @@ def cancel_all(learner: learner_pb2_grpc.LearnerStub) -> None:
             learner.CancelRun(learner_pb2.CancelRunRequest(run_id=run.run_id), timeout=30)
 
 
+GENERATE_FIELDS: dict[str, st.SearchStrategy[Any]] = {
+    "marl.v1.GenerateRequest.adapter": st.one_of(
+        st.just({"name": ADAPTER.name, "version": 0}),
+        message_dict(common_pb2.AdapterRef.DESCRIPTOR)),
+    "marl.v1.GenerateRequest.sampling": st.one_of(
+        st.fixed_dictionaries({  # in range: these must be served (OK)
+            "max_tokens": st.integers(1, 8), "temperature": st.floats(0, 2),
+            "top_p": st.floats(0, 1), "seed": st.integers(0, 1000),
+            "stop_token_ids": st.lists(st.integers(0, 218), max_size=3)}),
+        message_dict(inference_pb2.SamplingParams.DESCRIPTOR)),
+    "marl.v1.GenerateRequest.prompt_token_ids": st.one_of(
+        st.lists(st.integers(0, 218), max_size=20),
+        st.lists(INTS[F.TYPE_INT32], max_size=20),
+        st.lists(st.integers(0, 218), min_size=1000, max_size=1100)),
+}
+
 RPCS: dict[str, tuple[str, Any, float]] = {
     # name: (service kind, request strategy factory, client deadline)
-    "Inference/Generate": ("inference", lambda c: wire(inference_pb2.GenerateRequest, {
-        "marl.v1.GenerateRequest.adapter": st.one_of(
-            st.just({"name": ADAPTER.name, "version": 0}),
-            message_dict(common_pb2.AdapterRef.DESCRIPTOR)),
-        "marl.v1.GenerateRequest.sampling": st.one_of(
-            st.fixed_dictionaries({  # in range: these must be served (OK)
-                "max_tokens": st.integers(1, 8), "temperature": st.floats(0, 2),
-                "top_p": st.floats(0, 1), "seed": st.integers(0, 1000),
-                "stop_token_ids": st.lists(st.integers(0, 218), max_size=3)}),
-            message_dict(inference_pb2.SamplingParams.DESCRIPTOR)),
-        "marl.v1.GenerateRequest.prompt_token_ids": st.one_of(
-            st.lists(st.integers(0, 218), max_size=20),
-            st.lists(INTS[F.TYPE_INT32], max_size=20),
-            st.lists(st.integers(0, 218), min_size=1000, max_size=1100)),
-    }), 120.0),
+    "Inference/Generate": ("inference", lambda c: wire(inference_pb2.GenerateRequest,
+                                                       GENERATE_FIELDS), 120.0),
+    "Inference/GenerateMany": ("inference", lambda c: wire(inference_pb2.GenerateManyRequest, {
+        "marl.v1.GenerateManyRequest.requests": st.lists(
+            message_dict(inference_pb2.GenerateRequest.DESCRIPTOR, 0, GENERATE_FIELDS),
+            max_size=6)}), 120.0),
     "Inference/PushAdapter": ("inference", lambda c: push_streams(c["manifest"], c["payload"]),
                               60.0),
     "Inference/ListAdapters": ("inference", lambda c: wire(inference_pb2.ListAdaptersRequest),

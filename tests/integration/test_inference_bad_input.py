@@ -89,6 +89,42 @@ def test_one_bad_request_does_not_fail_the_good_ones_batched_with_it(stub: Any) 
     assert [c for c, _ in results] == [grpc.StatusCode.OK] * 8
 
 
+def test_generate_many_answers_each_request_as_generate_does(stub: Any) -> None:
+    """GenerateMany (the workers' batched Generate): greedy requests get Generate's tokens,
+    and a refused one gets Generate's code and message while the rest are served."""
+    vocab = model_limits(str(demo_model_dir())).vocab_size
+    good = [request([5 + i, 6, 7 + i], max_tokens=3 + i, temperature=0.0) for i in range(4)]
+    refused = [request([5, vocab + 7, 6]),
+               inference_pb2.GenerateRequest(prompt_token_ids=[5, 6], adapter=common_pb2.AdapterRef(
+                   name="bad-input/never-pushed", version=3), sampling=good[0].sampling)]
+    batch = [good[0], refused[0], good[1], good[2], refused[1], good[3]]
+    outcomes = [o for message in stub.GenerateMany(
+        inference_pb2.GenerateManyRequest(requests=batch), timeout=60) for o in message.outcomes]
+    by_index = {o.index: o for o in outcomes}
+    assert sorted(by_index) == list(range(len(batch))) and len(outcomes) == len(batch)
+    for i, req in enumerate(batch):
+        o = by_index[i]
+        if req in refused:
+            code, details = code_and_details(stub, req)
+            assert (o.code, o.error) == (code.value[0], details), (i, o)
+            assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+        else:
+            alone = stub.Generate(req, timeout=30)
+            assert o.code == 0 and list(o.response.token_ids) == list(alone.token_ids), i
+            assert len(o.response.token_ids) == len(o.response.logprobs) <= req.sampling.max_tokens
+            assert o.response.served_by == ADAPTER
+
+
+def test_generate_many_refuses_an_oversized_call(stub: Any) -> None:
+    from services.inference.server import MAX_GENERATE_MANY
+
+    many = inference_pb2.GenerateManyRequest(requests=[request()] * (MAX_GENERATE_MANY + 1))
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.GenerateMany(many, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"requests: at most {MAX_GENERATE_MANY}" in (err.value.details() or "")
+
+
 @pytest.mark.parametrize("sampling, field", [
     ({"temperature": math.nan}, "sampling.temperature"),
     ({"temperature": math.inf}, "sampling.temperature"),
