@@ -7,7 +7,7 @@ from typing import Any
 
 import grpc
 import pytest
-from workflows_scripted import CharTokenizer, ScriptedEngine, make_episode, make_task
+from workflows_scripted import MATH, CharTokenizer, ScriptedEngine, make_episode, make_task
 
 from marl.config import WorkflowCaps
 from marl.rollout import Task
@@ -189,3 +189,25 @@ def test_rendered_prompts_are_bounded_by_their_tokens(monkeypatch: pytest.Monkey
     assert renders.get("a") == [1, 2, 3] and renders.get("b") == [4, 5]
     renders.put("c", [6])  # over 5 tokens: emptied first
     assert renders.get("a") is None and renders.get("c") == [6]
+
+
+async def test_problems_spread_over_replicas_and_a_group_meets_on_one() -> None:
+    replicas = [ScriptedEngine(lambda role, slot, prompt: "\\boxed{5}") for _ in range(2)]
+    runner = EpisodeRunner(None, "w-test")
+    runner._tokenizers[""] = CharTokenizer()
+
+    async def stubs() -> list[Any]:
+        return list(replicas)
+
+    runner.stubs = stubs  # type: ignore[method-assign]
+    problems = [type(MATH)(id=f"p{k}", prompt=f"What is {k} + 3?", answer=str(k + 3))
+                for k in range(12)]
+    for problem in problems:
+        for sample in range(4):
+            task = make_task("single", problem=problem)
+            task.sample = sample
+            assert (await runner.run(task)).error is None
+    served = [{p.id for p in problems if any(p.prompt in s.prompt for s in r.seen)}
+              for r in replicas]
+    assert served[0] and served[1] and not served[0] & served[1]
+    assert sum(len(r.seen) for r in replicas) == 48
