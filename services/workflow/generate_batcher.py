@@ -74,8 +74,12 @@ class BatchingStub:
             inference_pb2.GenerateManyRequest(requests=call.requests), timeout=call.timeout
         )
 
+        unsettled = len(futures)
+
         def settled(_: asyncio.Future[inference_pb2.GenerateResponse]) -> None:
-            if all(f.done() for f in futures):  # answered, or every caller went away:
+            nonlocal unsettled
+            unsettled -= 1
+            if not unsettled:  # every request answered, or its caller went away:
                 stream.cancel()  # the replica drops the rows nobody waits for
 
         for future in futures:
