@@ -52,6 +52,9 @@ MAX_REQUEST_ID = 4096
 JOIN_CHECK_S = 0.5
 MAX_GENERATE_MANY = 4096
 """Requests in one GenerateMany call (a worker sends what its episodes asked for at once)."""
+GENERATE_MANY_MESSAGE_BYTES = 4 << 20
+"""A GenerateMany reply message takes outcomes done together until it holds this many
+bytes, far inside gRPC's message limit (long answers of a big batch finish together)."""
 
 
 class Refused(Exception):
@@ -139,9 +142,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             sent = 0
             while sent < n:
                 outcomes = [await done.get()]
+                size = outcomes[0].ByteSize()
                 await asyncio.sleep(0)  # the rest of a decode step's rows settle meanwhile
-                while not done.empty():
+                while not done.empty() and size < GENERATE_MANY_MESSAGE_BYTES:
                     outcomes.append(done.get_nowait())
+                    size += outcomes[-1].ByteSize()
                 sent += len(outcomes)
                 yield inference_pb2.GenerateManyResponse(outcomes=outcomes)
         finally:

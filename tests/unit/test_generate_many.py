@@ -1,0 +1,61 @@
+"""InferenceService.GenerateMany's replies: outcomes done together share a message, up to
+a byte budget. In process, on an engine that answers every request at once (the real
+replica is tested in tests/integration/test_inference_bad_input.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from marl.v1 import common_pb2, inference_pb2
+from services.inference import server
+from services.inference.adapters import AdapterRegistry, LoadedVersion
+from services.inference.engine import GenerationRequest, GenerationResult, ModelLimits
+
+
+class EchoEngine:
+    """Answers `max_tokens` copies of the prompt's first token."""
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        n = request.max_tokens
+        return GenerationResult([request.prompt_token_ids[0]] * n, [-0.5] * n, "length")
+
+
+class Context:
+    async def abort(self, code: Any, details: str) -> None:
+        raise AssertionError(f"aborted: {code} {details}")
+
+
+async def replies(n: int, max_tokens: int) -> list[inference_pb2.GenerateManyResponse]:
+    service = server.InferenceService("r-test", ModelLimits(context=512, vocab_size=100))
+
+    async def unload(key: str) -> None:
+        pass
+
+    registry = AdapterRegistry(unload)
+    await registry.added(LoadedVersion("run/p", 1, 1, "0" * 64))
+    service.attach(EchoEngine(), registry)  # type: ignore[arg-type]
+    many = inference_pb2.GenerateManyRequest(requests=[
+        inference_pb2.GenerateRequest(
+            prompt_token_ids=[i + 1, 2], adapter=common_pb2.AdapterRef(name="run/p", version=1),
+            sampling=inference_pb2.SamplingParams(max_tokens=max_tokens))
+        for i in range(n)])
+    return [m async for m in service.GenerateMany(many, Context())]  # type: ignore[arg-type]
+
+
+async def test_outcomes_done_together_share_one_message() -> None:
+    messages = await replies(10, 30)
+    assert len(messages) == 1
+    assert sorted(o.index for o in messages[0].outcomes) == list(range(10))
+    assert all(list(o.response.token_ids) == [o.index + 1] * 30 for o in messages[0].outcomes)
+
+
+async def test_a_message_stops_taking_outcomes_at_the_byte_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    one = (await replies(1, 30))[0].outcomes[0].ByteSize()
+    monkeypatch.setattr(server, "GENERATE_MANY_MESSAGE_BYTES", 3 * one)
+    messages = await replies(10, 30)
+    assert [len(m.outcomes) for m in messages] == [3, 3, 3, 1]
+    assert sorted(o.index for m in messages for o in m.outcomes) == list(range(10))
