@@ -72,15 +72,18 @@ class _BoundedContext:
         self._context.set_details(bounded(details) or "")
 
 
+def unexpected_details(err: Exception) -> str:
+    """The UNKNOWN status message of an exception a handler did not expect, bounded."""
+    return bounded(f"Unexpected {type(err).__name__}: {err}") or ""
+
+
 async def _unexpected(err: Exception, context: grpc.aio.ServicerContext) -> None:
     """What grpc.aio does with an exception a handler lets out (log it, answer UNKNOWN),
     with the message bounded; an abort passes through as it is."""
     if isinstance(err, grpc.aio.AbortError):
         raise err
     log.error("unexpected error in a handler", exc_info=err)
-    await context.abort(
-        grpc.StatusCode.UNKNOWN, bounded(f"Unexpected {type(err).__name__}: {err}") or ""
-    )
+    await context.abort(grpc.StatusCode.UNKNOWN, unexpected_details(err))
 
 
 def _bounded_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:

@@ -25,7 +25,13 @@ from marl.aio_tasks import cancel_until_done
 from marl.heap import release_free_heap
 from marl.http_server import HttpServer
 from marl.prometheus_metrics import ADAPTER_VERSIONS
-from marl.serving import ServiceHost, bounded, configure_logging, serve_until_stopped
+from marl.serving import (
+    ServiceHost,
+    bounded,
+    configure_logging,
+    serve_until_stopped,
+    unexpected_details,
+)
 from marl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.inference.adapters import (
     AdapterNotLoaded,
@@ -132,7 +138,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                           exc_info=err)
                 outcome = inference_pb2.GenerateOutcome(
                     index=index, code=grpc.StatusCode.UNKNOWN.value[0],
-                    error=bounded(f"Unexpected {type(err).__name__}: {err}") or "")
+                    error=unexpected_details(err))
             else:
                 outcome = inference_pb2.GenerateOutcome(index=index, response=response)
             done.put_nowait(outcome)

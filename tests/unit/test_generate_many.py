@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import grpc
 import pytest
 
 from marl.v1 import common_pb2, inference_pb2
@@ -18,6 +19,8 @@ class EchoEngine:
     """Answers `max_tokens` copies of the prompt's first token."""
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
+        if request.prompt_token_ids[0] == 99:
+            raise RuntimeError("engine failed this row")
         n = request.max_tokens
         return GenerationResult([request.prompt_token_ids[0]] * n, [-0.5] * n, "length")
 
@@ -27,7 +30,8 @@ class Context:
         raise AssertionError(f"aborted: {code} {details}")
 
 
-async def replies(n: int, max_tokens: int) -> list[inference_pb2.GenerateManyResponse]:
+async def replies(n: int, max_tokens: int, first: int = 1
+                  ) -> list[inference_pb2.GenerateManyResponse]:
     service = server.InferenceService("r-test", ModelLimits(context=512, vocab_size=100))
 
     async def unload(key: str) -> None:
@@ -38,7 +42,7 @@ async def replies(n: int, max_tokens: int) -> list[inference_pb2.GenerateManyRes
     service.attach(EchoEngine(), registry)  # type: ignore[arg-type]
     many = inference_pb2.GenerateManyRequest(requests=[
         inference_pb2.GenerateRequest(
-            prompt_token_ids=[i + 1, 2], adapter=common_pb2.AdapterRef(name="run/p", version=1),
+            prompt_token_ids=[i + first, 2], adapter=common_pb2.AdapterRef(name="run/p", version=1),
             sampling=inference_pb2.SamplingParams(max_tokens=max_tokens))
         for i in range(n)])
     return [m async for m in service.GenerateMany(many, Context())]  # type: ignore[arg-type]
@@ -59,3 +63,10 @@ async def test_a_message_stops_taking_outcomes_at_the_byte_budget(
     messages = await replies(10, 30)
     assert [len(m.outcomes) for m in messages] == [3, 3, 3, 1]
     assert sorted(o.index for m in messages for o in m.outcomes) == list(range(10))
+
+
+async def test_an_engine_failure_fails_its_request_alone_with_generates_message() -> None:
+    outcomes = {o.index: o for m in await replies(3, 4, first=97) for o in m.outcomes}
+    assert [outcomes[i].code for i in range(3)] == [0, 0, grpc.StatusCode.UNKNOWN.value[0]]
+    assert outcomes[2].error == "Unexpected RuntimeError: engine failed this row"
+    assert list(outcomes[1].response.token_ids) == [98] * 4
