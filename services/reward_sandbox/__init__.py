@@ -1,12 +1,12 @@
 """The reward sandbox: runs untrusted Python against tests, isolated, honest and fast.
 
 How a job flows: the gRPC server (`server`, `service`) validates the request
-(`jobspec`) and hands the job to `executor`, which passes three descriptors to
+(`jobspec`) and hands the job to `executor`, which passes four descriptors to
 a warm jail forked by the single-threaded `zygote`. The jail (`jail`) was
 already confined for the detected tier (`tiers`: `namespaces`, `seccomp`,
-`syscalls`, rlimits); its harness (`harness`) asks the template (`template`)
-for candidate processes (`candidate`) that run the code, and writes one record
-per test back. The server decides the verdicts (`judge`) from plain values
+`syscalls`, rlimits); its harness (`harness`) forks candidate processes
+(`candidate`) that run the code, through the template (`template`) when the
+job has assert programs, and writes one record per test back. The server decides the verdicts (`judge`) from plain values
 (`plain`) and kills the job's whole process group.
 
 Protected (strongest tier, `namespaces`):
@@ -19,10 +19,11 @@ Protected (strongest tier, `namespaces`):
   netlink and datagram sockets, connect and bind), no other process visible
   (PID namespace, no /proc), a read-only minimal root with site-packages
   hidden, an empty environment, `python -I -S`, no capabilities, no ptrace;
-- the reward: expected outputs never enter the jail; assert programs and the
-  per-job nonce live only in the harness, never in a candidate's memory; a
-  candidate's results cross as plain values; a test passes only with a
-  nonce-carrying record written after it ran; an exit, a printed "PASSED", a
+- the reward: expected outputs never enter the jail; assert programs live
+  only in the harness, never in a candidate's memory, and so does each test's
+  nonce until its record is written; a candidate's results cross as plain
+  values; a test passes only with a record carrying its own nonce, written
+  after it ran; an exit, a printed "PASSED", a
   patched builtin or `unittest`, or an always-equal object scores 0.
 
 Not protected: kernel bugs reachable through allowed system calls; reading

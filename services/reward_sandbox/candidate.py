@@ -1,14 +1,16 @@
 """The candidate process: the only place where the submitted code runs.
 
-It is forked from the template (which never saw a secret), confines itself
-(rlimits, no capabilities, the strict seccomp filter) and then either runs the
-code as `__main__` once with a test's stdin ("main" mode), or imports it as
-module `solution` and answers call requests from the harness ("serve" mode).
+It is forked from the template, or, for a job without assert programs, from
+the harness before any nonce it could use was read (see `harness`). It
+confines itself (rlimits, no capabilities, the strict seccomp filter) and then
+either runs the code as `__main__` once with a test's stdin ("main" mode), or
+imports it as module `solution` and answers call requests from the harness
+("serve" mode).
 
 Arguments and results cross as plain values (see `plain`); the candidate never
-sees an expected output, an assert program or the job's nonce, and it has no
-descriptor through which it could write a test record. Whatever it sends back
-is data the harness checks: lying can only fail a test.
+sees an expected output, an assert program or a nonce still to be used, and it
+has no descriptor through which it could write a test record. Whatever it
+sends back is data the harness checks: lying can only fail a test.
 """
 
 from __future__ import annotations

@@ -1,8 +1,12 @@
 """Run one job: hand its descriptors to a jail, collect records, always clean up.
 
-The public job and the secrets go into two memfds, records come back on a
-pipe. Only records carrying this job's nonce count; a test without one is
-TIMEOUT if the job ran out of time and SANDBOX_ERROR otherwise. Whatever
+The public job, the secrets (assert programs) and the nonces go into three
+memfds, records come back on a pipe. Every test has a nonce of its own, and
+so has the done record: the harness reads a test's nonce only once that test
+has run, so no candidate process is ever forked from a memory that holds the
+nonce of a record still to be written. Only the first record carrying its
+test's nonce counts; a test without one is TIMEOUT if the job ran out of time
+and SANDBOX_ERROR otherwise. Whatever
 happens (done, deadline, client cancellation, error) the job's process group
 is SIGKILLed in `finally` and its scratch directory removed, so a cancelled
 call frees its slot within a second and nothing is left behind.
@@ -22,7 +26,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from . import judge, plain
+from . import judge, plain, wire
 from .jobspec import Job
 from .zygote import ZygoteClient
 
@@ -46,9 +50,9 @@ class JobResult:
     tier: str
 
 
-def _memfd(name: str, obj: Any) -> int:
+def _memfd(name: str, data: bytes) -> int:
     fd = os.memfd_create(name, 0)
-    os.write(fd, json.dumps(obj).encode())
+    os.write(fd, data)
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
 
@@ -66,10 +70,11 @@ class Executor:
         budget = job.budget(self.job_overhead)
         if time_left is not None:
             budget = min(budget, time_left)
-        nonce = secrets.token_hex(16)
+        nonces = [secrets.token_hex(wire.Nonces.WIDTH // 2) for _ in range(len(job.tests) + 1)]
         scratch = None if self.tier == "namespaces" else self._scratch()
-        job_fd = _memfd("job", job.public())
-        sec_fd = _memfd("secrets", job.secrets(nonce, self.sabotage))
+        job_fd = _memfd("job", json.dumps(job.public()).encode())
+        sec_fd = _memfd("secrets", json.dumps(job.secrets(self.sabotage)).encode())
+        nonce_fd = _memfd("nonces", "".join(nonces).encode())
         rec_r, rec_w = os.pipe()
         pid: int | None = None
         pidfd: int | None = None
@@ -78,9 +83,10 @@ class Executor:
         timed_out = False
         try:
             try:
-                pid = await self.zygote.spawn({"scratch": scratch}, [job_fd, sec_fd, rec_w])
+                pid = await self.zygote.spawn({"scratch": scratch},
+                                              [job_fd, sec_fd, nonce_fd, rec_w])
             finally:
-                for fd in (job_fd, sec_fd, rec_w):
+                for fd in (job_fd, sec_fd, nonce_fd, rec_w):
                     os.close(fd)
             pidfd = _pidfd(pid)
             cap = 8 * job.limits.output_bytes + (1 << 20)
@@ -88,7 +94,7 @@ class Executor:
                 cap = 1 << 31
             try:
                 async with asyncio.timeout(max(0.0, budget)):
-                    fatal = await self._collect(rec_r, nonce, cap, records)
+                    fatal = await self._collect(rec_r, nonces, cap, records)
             except TimeoutError:
                 timed_out = True
         finally:
@@ -107,7 +113,7 @@ class Executor:
             os.chown(path, NOBODY, NOBODY)
         return path
 
-    async def _collect(self, fd: int, nonce: str, cap: int,
+    async def _collect(self, fd: int, nonces: list[str], cap: int,
                        records: dict[int, dict[str, Any]]) -> str:
         """Read frames until the done record; returns a jail error message, if any.
 
@@ -147,12 +153,12 @@ class Executor:
                     continue
                 if "fatal" in frame:
                     return finish(str(frame["fatal"]))
-                if frame.get("nonce") != nonce:
-                    continue
-                if frame.get("done"):
+                if frame.get("done") is True and frame.get("nonce") == nonces[-1]:
                     return finish("")
-                if isinstance(frame.get("test"), int):
-                    records[frame["test"]] = frame
+                test = frame.get("test")
+                if (isinstance(test, int) and 0 <= test < len(nonces) - 1
+                        and frame.get("nonce") == nonces[test] and test not in records):
+                    records[test] = frame
 
         loop.add_reader(fd, on_readable)
         try:

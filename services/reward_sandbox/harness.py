@@ -1,24 +1,33 @@
 """The harness: runs a job's tests inside the jail and writes one record per test.
 
-It forks the template first, then reads the job's secrets (the nonce and the
-assert programs) from their own descriptor, so no candidate process ever holds
-them. Per test it gets a candidate from the template, enforces the wall-clock
-timeout, reads the candidate's output from memfds it created itself (there is
-no output path for a candidate to plant a symlink on), and writes a record
-carrying the nonce to the server only after the test has finished.
+Per test it gets a candidate process, enforces the wall-clock timeout, reads
+the candidate's output from memfds it created itself (there is no output path
+for a candidate to plant a symlink on), and only once the test has finished
+reads that test's nonce and writes the record carrying it to the server.
 
-Assert programs run here too (see `checks`), never in a candidate. Expected
-outputs of stdio and function-call tests never enter the jail at all.
+Who forks the candidates, so that none is a copy of a memory holding a secret:
+- A job with assert programs: the template (`TemplateSpawner`), forked once
+  the public job is read and before the harness reads the programs. The
+  programs run here (see `checks`) and may ask for a new candidate at any
+  time, so the harness cannot fork those itself.
+- Any other job: the harness itself (`DirectSpawner`), one process fewer per
+  job. Such a job has no secret but its nonces, and a candidate is forked
+  before its own test's nonce, and every later one, has been read; the server
+  counts only the first record per test. So a candidate could at most find the
+  nonces of records already written.
+
+Expected outputs of stdio and function-call tests never enter the jail at all.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from . import checks, plain, template, wire
 from .checks import CandidateGone
@@ -45,12 +54,38 @@ def _decode(data: bytes) -> str:
     return data.decode("utf-8", errors="replace")
 
 
-class Template:
+class Spawner(Protocol):
+    """Forks candidate processes for the harness and reports how they ended."""
+
+    def spawn(self, mode: str, fds: list[int], limits: dict[str, Any]) -> int:
+        """A new candidate running `mode` with `fds` as its 0..3; its pid."""
+
+    def wait_exit(self, pid: int, deadline: float) -> dict[str, Any] | None:
+        """{"status": wait status, "cpu": seconds} once `pid` exited; None at `deadline`."""
+
+    def kill(self, pid: int) -> dict[str, Any] | None:
+        """SIGKILL `pid` (unless it already exited) and wait for it a grace period."""
+
+
+class TemplateSpawner:
     """The harness's end of the template socket."""
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.exits: dict[int, dict[str, Any]] = {}
+
+    @classmethod
+    def start(cls, policy: dict[str, Any], code: str, close: list[int]) -> TemplateSpawner:
+        """Fork the template now; `close`: descriptors it must not hold."""
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:
+            mine.close()
+            for fd in close:
+                os.close(fd)
+            template.serve(theirs, policy, code)
+        theirs.close()
+        return cls(mine)
 
     def _recv(self, deadline: float | None) -> dict[str, Any] | None:
         wait = None if deadline is None else max(0.001, deadline - time.monotonic())
@@ -79,14 +114,53 @@ class Template:
                 return self.exits.get(pid)
         return self.exits[pid]
 
-    def load(self, job_fd: int, scratch: str | None) -> None:
-        """Give the template the public job (the code) and the working directory."""
-        wire.send_msg(self.sock, {"op": "job", "scratch": scratch}, [job_fd])
-
     def kill(self, pid: int) -> dict[str, Any] | None:
         if pid not in self.exits:
             wire.send_msg(self.sock, {"op": "kill", "pid": pid})
         return self.wait_exit(pid, time.monotonic() + _GRACE)
+
+
+class DirectSpawner:
+    """Candidates forked by the harness itself, each watched through a pidfd."""
+
+    def __init__(self, policy: dict[str, Any], code: str):
+        self.policy = policy
+        self.code = code
+        self.pidfds: dict[int, int] = {}
+        self.exits: dict[int, dict[str, Any]] = {}
+
+    def spawn(self, mode: str, fds: list[int], limits: dict[str, Any]) -> int:
+        pid = os.fork()
+        if pid == 0:
+            template.become_candidate({"mode": mode, "limits": limits}, fds, self.code,
+                                      self.policy)
+        self.pidfds[pid] = os.pidfd_open(pid)
+        return pid
+
+    def wait_exit(self, pid: int, deadline: float) -> dict[str, Any] | None:
+        if pid in self.exits:
+            return self.exits[pid]
+        pidfd = self.pidfds[pid]
+        if not select.select([pidfd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            return None
+        _, status, usage = os.wait4(pid, 0)
+        os.close(self.pidfds.pop(pid))
+        self.exits[pid] = {"status": status, "cpu": usage.ru_utime + usage.ru_stime}
+        return self.exits[pid]
+
+    def kill(self, pid: int) -> dict[str, Any] | None:
+        if pid not in self.exits:
+            os.kill(pid, signal.SIGKILL)
+        return self.wait_exit(pid, time.monotonic() + _GRACE)
+
+
+def pidfds_work() -> bool:
+    """Whether this kernel (and any seccomp profile around the server) has pidfd_open."""
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (OSError, AttributeError):
+        return False
+    return True
 
 
 class Candidate:
@@ -99,7 +173,7 @@ class Candidate:
         self.out_pos = 0
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         stdin = _memfd("stdin")
-        self.pid = harness.template.spawn("serve", [stdin, self.out, self.err, theirs.fileno()],
+        self.pid = harness.spawner.spawn("serve", [stdin, self.out, self.err, theirs.fileno()],
                                           harness.limits(harness.serve_tests_left))
         os.close(stdin)
         theirs.close()
@@ -113,7 +187,7 @@ class Candidate:
             raise self._gone("memory" if hello.get("memory") else "runtime_error")
 
     def _gone(self, outcome: str, kill: bool = True) -> CandidateGone:
-        info = self.h.template.kill(self.pid) if kill else self.h.template.wait_exit(
+        info = self.h.spawner.kill(self.pid) if kill else self.h.spawner.wait_exit(
             self.pid, time.monotonic() + _GRACE)
         if outcome == "runtime_error":
             # A candidate that vanished mid-conversation failed, whatever its exit
@@ -160,51 +234,48 @@ class Candidate:
 
 
 class Harness:
+    spawner: Spawner
+
     def __init__(self, policy: dict[str, Any]):
         self.policy = policy
         self.cand: Candidate | None = None
         self.load_failure: str | None = None
         self.deadline = 0.0
 
-    def start_template(self, close: list[int]) -> None:
-        """Fork the template now, before this process ever holds a job or a secret."""
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        pid = os.fork()
-        if pid == 0:
-            mine.close()
-            for fd in close:
-                os.close(fd)
-            template.serve(theirs, self.policy)
-        theirs.close()
-        self.template = Template(mine)
-
     def limits(self, tests: int) -> dict[str, Any]:
         return {**self.job["limits"], "cpu_seconds": self.timeout * max(1, tests)}
 
-    def run(self, job_fd: int, sec_fd: int, rec_fd: int, scratch: str | None) -> None:
+    def run(self, job_fd: int, sec_fd: int, nonce_fd: int, rec_fd: int) -> None:
         """Run every test of the job; one record per test, then the done record."""
-        self.template.load(job_fd, scratch)
         self.job = job = wire.read_json_fd(job_fd)
         self.timeout = float(job["limits"]["timeout_seconds"])
         self.output_bytes = int(job["limits"]["output_bytes"])
         self.serve_tests_left = sum(1 for t in job["tests"] if t["kind"] != "stdio")
-        secrets = wire.read_json_fd(sec_fd)
-        nonce = secrets["nonce"]
+        programs: dict[str, str] = {}
+        if any(t["kind"] == "assert" for t in job["tests"]) or not pidfds_work():
+            self.spawner = TemplateSpawner.start(self.policy, job["code"],
+                                                 close=[sec_fd, nonce_fd, rec_fd])
+            programs = wire.read_json_fd(sec_fd)["programs"]
+        else:
+            self.spawner = DirectSpawner(self.policy, job["code"])
+            os.close(sec_fd)
+        nonces = wire.Nonces(nonce_fd)
         for i, test in enumerate(job["tests"]):
             started = time.monotonic()
             self.deadline = started + self.timeout
-            record = self.run_test(i, test, secrets)
-            record.update(nonce=nonce, test=i, seconds=round(time.monotonic() - started, 4))
+            record = self.run_test(i, test, programs)
+            record.update(nonce=nonces.read(i), test=i,
+                          seconds=round(time.monotonic() - started, 4))
             wire.write_frame(rec_fd, record)
-        wire.write_frame(rec_fd, {"nonce": nonce, "done": True})
+        wire.write_frame(rec_fd, {"nonce": nonces.read(len(job["tests"])), "done": True})
 
-    def run_test(self, i: int, test: dict[str, Any], secrets: dict[str, Any]) -> dict[str, Any]:
+    def run_test(self, i: int, test: dict[str, Any], programs: dict[str, str]) -> dict[str, Any]:
         if test["kind"] == "stdio":
             return self.run_stdio(test)
         self.serve_tests_left -= 1
         if test["kind"] == "call":
             return self.run_call(test)
-        return self.run_assert(test, secrets["programs"][str(i)])
+        return self.run_assert(test, programs[str(i)])
 
     # -- stdio --------------------------------------------------------------
 
@@ -233,13 +304,13 @@ class Harness:
         stdin = _memfd("stdin", test["stdin"].encode())
         out, err = _memfd("stdout"), _memfd("stderr")
         status_r, status_w = os.pipe()
-        pid = self.template.spawn("main", [stdin, out, err, status_w], self.limits(1))
+        pid = self.spawner.spawn("main", [stdin, out, err, status_w], self.limits(1))
         os.close(stdin)
         os.close(status_w)
-        info = self.template.wait_exit(pid, self.deadline)
+        info = self.spawner.wait_exit(pid, self.deadline)
         timed_out = info is None
         if timed_out:
-            self.template.kill(pid)
+            self.spawner.kill(pid)
         status = None
         if not timed_out:
             try:

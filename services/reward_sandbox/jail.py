@@ -11,12 +11,12 @@ exists:
    process stays behind as the group leader until the server kills the group;
    lower tiers: uid 65534 when started as root;
 3. loads the base seccomp filter (`seccomp` and `namespaces` tiers);
-4. becomes non-dumpable, so no candidate can ptrace it or read its memory;
-5. forks the template (the parent of every candidate).
+4. becomes non-dumpable, so no candidate can ptrace it or read its memory.
 
-Then it waits for the job: three descriptors (public job, secrets, record
-pipe) and the scratch directory for tiers below `namespaces`. The harness
-reads the secrets only now, long after the template was forked. After the
+Then it waits for the job: four descriptors (public job, secrets, nonces,
+record pipe) and the scratch directory for tiers below `namespaces`, and
+hands them to the harness (see `harness` for who forks the candidates and
+when the secrets are read). After the
 last record the jail waits to be killed with its whole process group, so
 nothing a job started outlives it. A jail whose set-up failed still takes its
 job and reports the failure on the record pipe.
@@ -51,13 +51,12 @@ def warm(spec: dict[str, Any], sock: socket.socket, uid: int | None = None) -> N
         policy = enter(tier, spec, [sock.fileno()], uid)
         if tier != "none":
             harness = Harness(policy)
-            harness.start_template(close=[sock.fileno()])
     except BaseException as e:  # reported to the job that comes, not lost
         failure = "jail set-up failed: " + "".join(traceback.format_exception_only(e))
     got = wire.recv_msg(sock)
     if got is None:
         os._exit(0)
-    msg, (job_fd, sec_fd, rec_fd) = got
+    msg, (job_fd, sec_fd, nonce_fd, rec_fd) = got
     sock.close()
     try:
         if failure:
@@ -66,9 +65,9 @@ def warm(spec: dict[str, Any], sock: socket.socket, uid: int | None = None) -> N
         if scratch:
             os.chdir(scratch)
         if harness is None:
-            naive.run(wire.read_json_fd(job_fd), rec_fd, sec_fd)
+            naive.run(wire.read_json_fd(job_fd), rec_fd, sec_fd, nonce_fd)
             os._exit(0)
-        harness.run(job_fd, sec_fd, rec_fd, scratch)
+        harness.run(job_fd, sec_fd, nonce_fd, rec_fd)
     except BaseException as e:  # report why the job failed instead of dying silently
         try:
             wire.write_frame(rec_fd, {"fatal": "".join(traceback.format_exception_only(e))})

@@ -2,8 +2,8 @@
 
 - `public()`: code, stdin, function arguments and limits; this is all the jail
   (and so the candidate) gets.
-- `secrets(nonce)`: the nonce and the assert programs; only the harness reads
-  them, after it has forked the template.
+- `secrets()`: the assert programs; only the harness reads them, after it has
+  forked the template. (The nonces are the executor's, see `executor`.)
 - `expected`: expected stdout and return values; they stay in the server.
 
 Every user error is a ValueError naming the field, e.g.
@@ -44,9 +44,8 @@ class Job:
                 "limits": self.limits.__dict__,
                 "response_output_bytes": self.response_output_bytes}
 
-    def secrets(self, nonce: str, sabotage: bool = False) -> dict[str, Any]:
-        out: dict[str, Any] = {"nonce": nonce,
-                               "programs": {str(i): p for i, p in self.programs.items()}}
+    def secrets(self, sabotage: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {"programs": {str(i): p for i, p in self.programs.items()}}
         if sabotage:
             out["expected"] = {str(i): e for i, e in enumerate(self.expected)}
         return out

@@ -21,12 +21,13 @@ from . import judge, wire
 MARKER = "__MARL_RESULT__ "
 
 
-def run(job: dict[str, Any], rec_fd: int, sec_fd: int) -> None:
+def run(job: dict[str, Any], rec_fd: int, sec_fd: int, nonce_fd: int) -> None:
     secrets = wire.read_json_fd(sec_fd)
+    nonces = wire.Nonces(nonce_fd)
     for i, test in enumerate(job["tests"]):
         record = _run_test(job, test, secrets, i)
-        wire.write_frame(rec_fd, {"nonce": secrets["nonce"], "test": i, **record})
-    wire.write_frame(rec_fd, {"nonce": secrets["nonce"], "done": True})
+        wire.write_frame(rec_fd, {"nonce": nonces.read(i), "test": i, **record})
+    wire.write_frame(rec_fd, {"nonce": nonces.read(len(job["tests"])), "done": True})
 
 
 def _run_test(job: dict[str, Any], test: dict[str, Any], secrets: dict[str, Any],

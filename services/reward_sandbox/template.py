@@ -1,10 +1,12 @@
 """The template: forks a fresh candidate process on the harness's request.
 
-It is forked by the harness while the jail is still waiting for its job, long
-before the harness reads the job's secrets, so a candidate, which is a copy of
-the template's memory, can never find the nonce or an assert program in it.
-It reaps candidates and reports each exit (status, CPU time) to the harness,
-and kills a candidate when asked to.
+Only a job with assert programs has one. The harness forks it once it has
+read the public job and before it reads the secrets, so a candidate, which is
+a copy of the template's memory, can never find an assert program (or any
+nonce) in it, however many candidates the assert programs make the harness ask
+for. It reaps candidates and reports each exit (status, CPU time) to the
+harness, and kills a candidate when asked to. `become_candidate` is also what
+the harness's own candidates run (see `harness.DirectSpawner`).
 """
 
 from __future__ import annotations
@@ -20,15 +22,8 @@ from . import candidate, syscalls, wire
 _CHILD_FDS = 4
 
 
-def serve(ctl: socket.socket, policy: dict[str, Any]) -> NoReturn:
+def serve(ctl: socket.socket, policy: dict[str, Any], code: str) -> NoReturn:
     syscalls.set_name("sbx-template")
-    got = wire.recv_msg(ctl)
-    if got is None:
-        os._exit(0)
-    msg, (job_fd,) = got
-    if msg["scratch"]:
-        os.chdir(msg["scratch"])
-    code = wire.read_json_fd(job_fd)["code"]
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -62,15 +57,18 @@ def serve(ctl: socket.socket, policy: dict[str, Any]) -> NoReturn:
             ctl.close()
             os.close(wake_r)
             os.close(wake_w)
-            _become_candidate(msg, fds, code, policy)
+            become_candidate(msg, fds, code, policy)
         for fd in fds:
             os.close(fd)
         live.add(pid)
         wire.send_msg(ctl, {"pid": pid})
 
 
-def _become_candidate(msg: dict[str, Any], fds: list[int], code: str,
-                      policy: dict[str, Any]) -> NoReturn:
+def become_candidate(msg: dict[str, Any], fds: list[int], code: str,
+                     policy: dict[str, Any]) -> NoReturn:
+    """In a freshly forked child: keep only `fds` (as 0..3), confine, run the code.
+
+    `msg`: the spawn request, `mode` ("main" or "serve") and `limits`."""
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)

@@ -40,7 +40,7 @@ LAYERS: dict[str, list[tuple[str, str]]] = {
                         "site-packages on sys.path"),
         ("integrity", "expected outputs never enter the jail; verdicts are decided by the "
                       "server from plain values; a test passes only with a record carrying "
-                      "the job's nonce, written by the harness after the test ran"),
+                      "its own nonce, read and written by the harness after the test ran"),
     ],
     "seccomp": [
         ("seccomp", "no internet, netlink or datagram sockets, no connect/bind, no ptrace or "

@@ -66,6 +66,19 @@ def read_json_fd(fd: int) -> Any:
     return json.loads(b"".join(chunks))
 
 
+class Nonces:
+    """The executor's nonces memfd: a fixed-width hex nonce per test, then the done
+    record's. Each is read from the descriptor only when its record is written."""
+
+    WIDTH = 32
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def read(self, index: int) -> str:
+        return os.pread(self.fd, self.WIDTH, index * self.WIDTH).decode("ascii")
+
+
 class FrameReader:
     """Reads frames from a blocking descriptor with a deadline and a size cap."""
 

@@ -23,9 +23,9 @@ def test_job_splits_public_secret_and_expected() -> None:
     job = jobspec.parse(req, CFG)
     public = repr(job.public())
     assert "SECRET" not in public
-    assert "SECRET-ASSERT" in repr(job.secrets("n"))
-    assert "SECRET-OUT" not in repr(job.secrets("n"))
-    assert "SECRET-VALUE" not in repr(job.secrets("n"))
+    assert "SECRET-ASSERT" in repr(job.secrets())
+    assert "SECRET-OUT" not in repr(job.secrets())
+    assert "SECRET-VALUE" not in repr(job.secrets())
     assert job.expected == ["SECRET-OUT", "SECRET-VALUE", None]
     assert job.limits.timeout_seconds == 2
     assert job.limits.memory_bytes == CFG.default_memory_bytes
