@@ -22,7 +22,7 @@ import glob
 import os
 import signal
 import sys
-from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 from . import syscalls
 
@@ -38,50 +38,51 @@ _PACKAGE_DIRS = ("lib/python3*/site-packages", "lib/python3*/dist-packages",
                  "local/lib/python3*/dist-packages")
 
 
-@dataclass
-class RootPlan:
-    """What the jail's file system contains; computed once by the zygote."""
+class RootPlan(NamedTuple):
+    """What the jail's file system contains; computed once by the zygote.
 
-    dirs: list[str] = field(default_factory=list)
-    files: list[str] = field(default_factory=list)
-    symlinks: dict[str, str] = field(default_factory=dict)
-    hidden: list[str] = field(default_factory=list)
-    skeleton: list[str] = field(default_factory=list)
+    A NamedTuple, not a dataclass: `dataclasses` pulls in `inspect` and `ast`,
+    ~1.1 MB of heap in the zygote that every fork of every job would copy."""
+
+    dirs: list[str]
+    files: list[str]
+    symlinks: dict[str, str]
+    hidden: list[str]
+    skeleton: list[str]
     """Directories to create in the new root, parents first (mount points and their parents)."""
-    devices: list[str] = field(default_factory=list)
+    devices: list[str]
     tmp_bytes: int = 64 * 1024 * 1024
     tmp_inodes: int = 2048
 
     def to_json(self) -> dict[str, object]:
-        return asdict(self)
+        return self._asdict()
 
 
 def plan_root(tmp_bytes: int, tmp_inodes: int) -> RootPlan:
-    plan = RootPlan(tmp_bytes=tmp_bytes, tmp_inodes=tmp_inodes)
     # Both spellings of the interpreter's prefix: sys.path uses the one it was
     # started with, module files may resolve to the real one.
     prefixes = {q for p in (sys.base_prefix, sys.base_exec_prefix)
                 for q in (p, os.path.realpath(p))}
+    dirs: list[str] = []
+    symlinks: dict[str, str] = {}
     for path in [*_SYSTEM_DIRS, *sorted(prefixes)]:
         if os.path.islink(path):
-            plan.symlinks[path] = os.readlink(path)
-        elif os.path.isdir(path) and not any(
-            path.startswith(d + "/") for d in plan.dirs
-        ):
-            plan.dirs.append(path)
-    plan.files = [f for f in _SYSTEM_FILES if os.path.isfile(f)]
-    hidden = {p for root in plan.dirs for pattern in _PACKAGE_DIRS
+            symlinks[path] = os.readlink(path)
+        elif os.path.isdir(path) and not any(path.startswith(d + "/") for d in dirs):
+            dirs.append(path)
+    files = [f for f in _SYSTEM_FILES if os.path.isfile(f)]
+    hidden = {p for root in dirs for pattern in _PACKAGE_DIRS
               for p in glob.glob(os.path.join(root, pattern))
               if os.path.isdir(p) and not os.path.islink(p)}
-    plan.hidden = sorted(hidden)
-    plan.devices = [name for name in _DEVICES if os.path.exists("/dev/" + name)]
+    devices = [name for name in _DEVICES if os.path.exists("/dev/" + name)]
     skeleton: dict[str, None] = {}
-    for path in [*plan.dirs, *(os.path.dirname(f) for f in plan.files), "/dev", "/tmp"]:
+    for path in [*dirs, *(os.path.dirname(f) for f in files), "/dev", "/tmp"]:
         parts = path.strip("/").split("/")
         for i in range(1, len(parts) + 1):
             skeleton["/" + "/".join(parts[:i])] = None
-    plan.skeleton = list(skeleton)
-    return plan
+    return RootPlan(dirs=dirs, files=files, symlinks=symlinks, hidden=sorted(hidden),
+                    skeleton=list(skeleton), devices=devices, tmp_bytes=tmp_bytes,
+                    tmp_inodes=tmp_inodes)
 
 
 def enter(outside_id: int | None = None) -> None:

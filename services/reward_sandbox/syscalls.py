@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import ctypes
 import os
-import platform
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
-MACHINE = platform.machine()
+MACHINE = os.uname().machine
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
