@@ -159,7 +159,7 @@ def main() -> None:
     bare_ms, sand_ms = statistics.median(bare_lat), statistics.median(sand_lat)
     floor_ms = statistics.median(floor_lat)
     http_rate, http_ms = statistics.median(http_tp), statistics.median(http_lat)
-    cores = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0))  # what `taskset` leaves this run, not the machine's
     rows = [
         ("bare `python -c` subprocess", bare_rate, bare_ms),
         (f"sandbox, tier {tier}, via gRPC", sand_rate, sand_ms),
