@@ -100,10 +100,12 @@ def test_a_fresh_candidate_per_test_finds_no_nonce_still_to_be_used(
 
 def test_a_serving_candidate_finds_no_nonce(monkeypatch: pytest.MonkeyPatch) -> None:
     nonces = _nonces(4)
-    code = FIND + "def f():\n    return found()\n"
-    tests = [{"fn_name": "f", "args": [], "expected": "x"} for _ in range(3)]
+    code = FIND + "def f():\n    print(found())\n    return 1\n"
+    tests = [{"fn_name": "f", "args": [], "expected": 1} for _ in range(3)]
     result = run_job(code, tests, nonces, monkeypatch)
-    assert [r.verdict for r in result.results] == ["FAILED"] * 3
+    assert [r.verdict for r in result.results] == ["PASSED"] * 3
+    for r in result.results:
+        assert not set(r.stdout.split()) & set(nonces), r.stdout
 
 
 def test_candidates_of_assert_programs_find_no_nonce(monkeypatch: pytest.MonkeyPatch) -> None:
