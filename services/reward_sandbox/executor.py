@@ -6,10 +6,10 @@ so has the done record: the harness reads a test's nonce only once that test
 has run, so no candidate process is ever forked from a memory that holds the
 nonce of a record still to be written. Only the first record carrying its
 test's nonce counts; a test without one is TIMEOUT if the job ran out of time
-and SANDBOX_ERROR otherwise. Whatever
-happens (done, deadline, client cancellation, error) the job's process group
-is SIGKILLed in `finally` and its scratch directory removed, so a cancelled
-call frees its slot within a second and nothing is left behind.
+and SANDBOX_ERROR otherwise. Whatever happens (done, deadline, client
+cancellation, error) the job's process group is SIGKILLed in `finally` and its
+scratch directory removed, so a cancelled call frees its slot within a second
+and nothing is left behind.
 """
 
 from __future__ import annotations

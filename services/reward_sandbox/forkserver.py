@@ -26,7 +26,7 @@ import socket
 import sys
 from typing import Any
 
-from . import candidate, jail, namespaces, seccomp, syscalls, tiers, wire
+from . import candidate, harness, jail, namespaces, seccomp, syscalls, tiers, wire
 
 JAIL_UID_BASE = 990_000
 """First of the uids the jails run as when the server is root (namespaces tier)."""
@@ -66,6 +66,7 @@ def main() -> None:
     else:
         report = tiers.detect(spec, config["isolation"])
     spec["tier"] = report["tier"]
+    spec["pidfd"] = harness.pidfds_work()
     if spec["tier"] == "namespaces" and os.geteuid() == 0:
         # Jails will run as uids of their own (see _Pool): stage what they cannot
         # reach, once for all of them, in a mount namespace of the zygote's own.

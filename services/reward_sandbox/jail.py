@@ -16,9 +16,8 @@ exists:
 Then it waits for the job: four descriptors (public job, secrets, nonces,
 record pipe) and the scratch directory for tiers below `namespaces`, and
 hands them to the harness (see `harness` for who forks the candidates and
-when the secrets are read). After the
-last record the jail waits to be killed with its whole process group, so
-nothing a job started outlives it. A jail whose set-up failed still takes its
+when the secrets are read). After the last record the jail waits to be killed
+with its whole process group, so nothing a job started outlives it. A jail whose set-up failed still takes its
 job and reports the failure on the record pipe.
 """
 
@@ -50,7 +49,7 @@ def warm(spec: dict[str, Any], sock: socket.socket, uid: int | None = None) -> N
             os.setsid()
         policy = enter(tier, spec, [sock.fileno()], uid)
         if tier != "none":
-            harness = Harness(policy)
+            harness = Harness(policy, direct_spawn=bool(spec.get("pidfd")))
     except BaseException as e:  # reported to the job that comes, not lost
         failure = "jail set-up failed: " + "".join(traceback.format_exception_only(e))
     got = wire.recv_msg(sock)
