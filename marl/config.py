@@ -101,6 +101,12 @@ class GRPOSpec(_Spec):
     micro-batches are packed up to this budget, so the learner's peak memory follows it,
     not the step's sequence count. A sequence longer than the budget gets a micro-batch of
     its own. Memory only, no effect on the math."""
+    shared_prompt_row_tokens: int = Field(2048, ge=0)
+    """Positions per forward row in which the sequences of a micro-batch that have the same
+    prompt run it once, then their completions, each masked from the others
+    (services/learner/prompt_rows.py): a group's samples, Voting's generators. Rows also
+    keep within `max_tokens_per_micro_batch`. 0: one sequence per row. No effect on the
+    math beyond float rounding."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping
     them: far less memory per token of the budget (Qwen3-0.6B shapes, 5120-token

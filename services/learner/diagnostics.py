@@ -29,6 +29,7 @@ The sample costs two forwards over at most SAMPLE_TOKENS_PER_ROLE sequences per 
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections import defaultdict
@@ -37,7 +38,8 @@ from dataclasses import dataclass, field
 import torch
 
 from services.learner.policy import MultiAdapterPolicy
-from services.learner.sequences import Sequence, collate, pack
+from services.learner.prompt_rows import pack_rows
+from services.learner.sequences import Sequence
 
 SAMPLE_TOKENS_PER_ROLE = 32
 
@@ -146,32 +148,30 @@ def sampled_drift(
     micro: int,
     signals: RoleSignals,
     max_tokens: int | None = None,
+    row_tokens: int = 0,
 ) -> None:
     """χ² against π_old and KL to the base model at the sampled tokens, after the update.
 
     Micro-batches as the update packs them (`micro` sequences, `max_tokens` padded
-    tokens); full next-token distributions only at the sampled positions."""
+    positions, prompts shared up to `row_tokens` a row); full next-token distributions
+    only at the sampled positions."""
     by_policy: dict[str, list[int]] = defaultdict(list)
     for i in sorted(picked):
         by_policy[seqs[i].policy].append(i)
     t = temperature if temperature > 0 else 1.0
     for p, idx in by_policy.items():
         policy.activate(p)
-        ordered = sorted(idx, key=lambda i: len(seqs[i].tokens))
-        for chunk in pack(seqs, ordered, micro, max_tokens or 2**62):
-            b = collate([seqs[i] for i in chunk], policy.pad_id)
-            rows = torch.cat(
-                [torch.full((len(picked[i]),), r, dtype=torch.long) for r, i in enumerate(chunk)]
+        for chunk in pack_rows(seqs, idx, micro, max_tokens or 2**62, row_tokens):
+            rows = policy.row_layout([seqs[i] for i in chunk], row_tokens)
+            starts = [0, *itertools.accumulate(rows.lengths)]
+            sel = torch.cat(
+                [torch.tensor(picked[i], dtype=torch.long) + starts[k] for k, i in enumerate(chunk)]
             )
-            # completion token j is predicted at column n_prompt-1+j
-            cols = torch.cat(
-                [torch.tensor(picked[i], dtype=torch.long) + seqs[i].n_prompt - 1 for i in chunk]
-            )
-            feats = policy.features(b.input_ids, b.attention_mask)[rows, cols]
-            base = policy.features(b.input_ids, b.attention_mask, base=True)[rows, cols]
+            feats = policy.row_features(rows)[sel]
+            base = policy.row_features(rows, base=True)[sel]
             logp_all = torch.log_softmax(policy.head(feats).float() / t, -1)
             logq_all = torch.log_softmax(policy.head(base).float() / t, -1)
-            targets = b.input_ids[rows, cols + 1].to(logp_all.device)
+            targets = rows.targets[sel].to(logp_all.device)
             new_all = logp_all.gather(-1, targets[:, None]).squeeze(-1)
             sizes = [len(picked[i]) for i in chunk]
             parts = zip(

@@ -27,9 +27,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from marl.config import LoraSpec, OptimSpec
 from services.learner import fsdp
+from services.learner.prompt_rows import Rows, layout
+from services.learner.sequences import Sequence
 
 LOGIT_CHUNK_BYTES = 128 * 2**20
 """fp32 logits per log-prob chunk (about 220 positions at Qwen3's 152k vocabulary)."""
+
+CUSTOM_MASK_ATTENTION = ("sdpa", "eager")
+"""Attention implementations that take a [B, 1, L, L] additive mask as given."""
 
 R = TypeVar("R")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -217,23 +222,44 @@ class MultiAdapterPolicy:
             return bool(torch.allclose(head(h), want, rtol=1e-4, atol=1e-5))
 
     def features(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, base: bool = False
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        base: bool = False,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """[B, L, D] per-position features that `head` turns into next-token logits: the
         decoder's last hidden state (D = hidden size), or, for a model whose logits are not
         its head applied to that state, the logits themselves (D = vocabulary). `base`:
-        with every adapter disabled (the KL reference)."""
+        with every adapter disabled (the KL reference). `attention_mask` is [B, L] padding
+        or a [B, 1, L, L] additive mask with `position_ids` (prompt_rows.Rows)."""
         if base:
             with self.model.disable_adapter():
-                return self.features(input_ids, attention_mask)
-        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+                return self.features(input_ids, attention_mask, position_ids=position_ids)
+        kwargs: dict[str, Any] = {
+            "input_ids": input_ids.to(self.device),
+            "attention_mask": attention_mask.to(self.device),
+        }
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids.to(self.device)
         if not self._split:
-            return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+            return self.model(**kwargs).logits
         causal: Any = self.model.get_base_model()
-        out = causal.get_decoder()(
-            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
-        )
+        out = causal.get_decoder()(**kwargs, use_cache=False)
         return out.last_hidden_state  # type: ignore[no-any-return]
+
+    def row_features(self, rows: Rows, base: bool = False) -> torch.Tensor:
+        """[N, D] features at `rows`' predicting positions, in its sequence order."""
+        feats = self.features(rows.input_ids, rows.attention_mask, base, rows.position_ids)
+        return feats[rows.rows, rows.cols]
+
+    def row_layout(self, seqs: list[Sequence], row_tokens: int) -> Rows:
+        """prompt_rows.layout for this model; one sequence per row when its attention
+        implementation takes no custom 4D mask (flash-attention)."""
+        causal: Any = self.model.get_base_model()
+        if causal.config._attn_implementation not in CUSTOM_MASK_ATTENTION:
+            row_tokens = 0
+        return layout(seqs, self.pad_id, row_tokens, causal.dtype)
 
     def head(self, features: torch.Tensor) -> torch.Tensor:
         """Next-token logits of selected `features` rows, in the model's dtype."""

@@ -70,34 +70,3 @@ def collate(seqs: list[Sequence], pad_id: int) -> Batch:
         loss_mask[i, s.n_prompt - 1 : len(s.tokens) - 1] = 1
         adv[i, :] = s.advantage
     return Batch(input_ids, attn, input_ids[:, 1:], loss_mask, adv)
-
-
-def pack(seqs: list[Sequence], idx: list[int], max_seqs: int, max_tokens: int) -> list[list[int]]:
-    """`idx` (in order) cut into consecutive micro-batches of at most `max_seqs` sequences
-    whose padded size (sequences x longest) stays within `max_tokens`; a sequence longer
-    than the budget gets one of its own. Sort `idx` by length first for little padding."""
-    out: list[list[int]] = []
-    cur: list[int] = []
-    width = 0
-    for i in idx:
-        n = len(seqs[i].tokens)
-        w = max(width, n)
-        if cur and (len(cur) >= max_seqs or (len(cur) + 1) * w > max_tokens):
-            out.append(cur)
-            cur, w = [], n
-        cur.append(i)
-        width = w
-    if cur:
-        out.append(cur)
-    return out
-
-
-def completion_positions(seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, columns) of `collate(seqs)`'s positions that predict a completion token, in
-    sequence order: sequence i's completion token j is predicted at column n_prompt-1+j."""
-    rows, cols = [], []
-    for r, s in enumerate(seqs):
-        n = len(s.tokens) - s.n_prompt
-        rows.append(torch.full((n,), r, dtype=torch.long))
-        cols.append(torch.arange(s.n_prompt - 1, len(s.tokens) - 1, dtype=torch.long))
-    return torch.cat(rows), torch.cat(cols)

@@ -42,13 +42,8 @@ from services.learner.grpo import (
     token_weights,
 )
 from services.learner.policy import MultiAdapterPolicy
-from services.learner.sequences import (
-    Sequence,
-    build_sequences,
-    collate,
-    completion_positions,
-    pack,
-)
+from services.learner.prompt_rows import pack_rows
+from services.learner.sequences import Sequence, build_sequences
 
 
 @dataclass
@@ -95,18 +90,18 @@ def plan_mini_batches(
 
 
 def _micro_batches(
-    seqs: list[Sequence], idx: list[int], size: int, max_tokens: int
+    seqs: list[Sequence], idx: list[int], size: int, max_tokens: int, row_tokens: int
 ) -> list[list[int]]:
-    """Role-pure micro-batches of similar length, at most `size` sequences and
-    `max_tokens` padded tokens each: little padding, bounded memory, and each role's part
-    of the gradient can be read apart."""
+    """Role-pure micro-batches, at most `size` sequences and `max_tokens` padded positions
+    each, sequences with the same prompt together (they share forward rows up to
+    `row_tokens` positions, prompt_rows.py), then by length: little padding, bounded
+    memory, and each role's part of the gradient can be read apart."""
     by_role: dict[str, list[int]] = defaultdict(list)
     for i in idx:
         by_role[seqs[i].role].append(i)
     out = []
     for role in sorted(by_role):
-        ordered = sorted(by_role[role], key=lambda i: len(seqs[i].tokens))
-        out += pack(seqs, ordered, size, max_tokens)
+        out += pack_rows(seqs, by_role[role], size, max_tokens, row_tokens)
     return out
 
 
@@ -115,16 +110,17 @@ def completion_logprobs(
     chunk: list[Sequence],
     temperature: float,
     entropy: bool = False,
+    row_tokens: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
     """log π of every completion token of `chunk` (one forward), concatenated in sequence
     order, the entropies there if asked, and each sequence's completion length. The
-    decoder runs over the padded batch; logits exist only at completion positions, a
-    chunk at a time (MultiAdapterPolicy.token_logprobs)."""
-    b = collate(chunk, policy.pad_id)
-    rows, cols = completion_positions(chunk)
-    feats = policy.features(b.input_ids, b.attention_mask)[rows, cols]
-    logp, ent = policy.token_logprobs(feats, b.input_ids[rows, cols + 1], temperature, entropy)
-    return logp, ent, [len(s.tokens) - s.n_prompt for s in chunk]
+    decoder runs over the chunk's rows (prompts shared up to `row_tokens` positions a row,
+    prompt_rows.py); logits exist only at completion positions, a chunk at a time
+    (MultiAdapterPolicy.token_logprobs)."""
+    rows = policy.row_layout(chunk, row_tokens)
+    feats = policy.row_features(rows)
+    logp, ent = policy.token_logprobs(feats, rows.targets, temperature, entropy)
+    return logp, ent, rows.lengths
 
 
 def _ranked(
@@ -167,11 +163,14 @@ def _old_logprobs(
     temperature: float,
     micro: int,
     max_tokens: int,
+    row_tokens: int,
     old: list[torch.Tensor | None],
 ) -> None:
-    chunks = _micro_batches(seqs, idx, micro, max_tokens)
+    chunks = _micro_batches(seqs, idx, micro, max_tokens, row_tokens)
     for chunk, real in _ranked(seqs, chunks, policy.rank, policy.world_size):
-        logp, _, lengths = completion_logprobs(policy, [seqs[i] for i in chunk], temperature)
+        logp, _, lengths = completion_logprobs(
+            policy, [seqs[i] for i in chunk], temperature, row_tokens=row_tokens
+        )
         if real:
             for i, part in zip(chunk, logp.split(lengths), strict=True):
                 old[i] = part.clone()
@@ -244,13 +243,16 @@ def grpo_step(
     old: list[torch.Tensor | None] = [None] * len(seqs)
     diag_s = 0.0
     budget = g.max_tokens_per_micro_batch
+    row_tokens = min(g.shared_prompt_row_tokens, budget)
     policy.set_activation_checkpointing(g.activation_checkpointing)
     policy.model.train()
     for p, mbs in plan.items():
         policy.activate(p)
         first = set(mbs[0])
         rest = sorted({i for mb in mbs for i in mb} - first)
-        _old_logprobs(policy, seqs, rest, temperature, g.micro_batch_sequences, budget, old)
+        _old_logprobs(
+            policy, seqs, rest, temperature, g.micro_batch_sequences, budget, row_tokens, old
+        )
         per_epoch = len(mbs) // g.epochs
         for k, mb in enumerate(mbs):
             lengths = [len(seqs[i].tokens) - seqs[i].n_prompt for i in mb]
@@ -259,7 +261,7 @@ def grpo_step(
             before: list[torch.Tensor] | None = None
             chunks = _ranked(
                 seqs,
-                _micro_batches(seqs, mb, g.micro_batch_sequences, budget),
+                _micro_batches(seqs, mb, g.micro_batch_sequences, budget, row_tokens),
                 policy.rank,
                 policy.world_size,
             )
@@ -272,7 +274,11 @@ def grpo_step(
                 diag_s += time.perf_counter() - t0
                 # flat over the chunk's completion tokens: no padding, no prompt positions
                 logp, ent, lengths = completion_logprobs(
-                    policy, [seqs[i] for i in chunk], temperature, entropy=k < per_epoch
+                    policy,
+                    [seqs[i] for i in chunk],
+                    temperature,
+                    entropy=k < per_epoch,
+                    row_tokens=row_tokens,
                 )
                 olds, ws, advs = [], [], []
                 for i, part, n in zip(chunk, logp.split(lengths), lengths, strict=True):
@@ -331,7 +337,15 @@ def grpo_step(
     signals.add_old(seqs, final_old)
     picked = diagnostics.sample_tokens(seqs, diagnostics.SAMPLE_TOKENS_PER_ROLE, rng)
     diagnostics.sampled_drift(
-        policy, seqs, final_old, picked, temperature, g.micro_batch_sequences, signals, budget
+        policy,
+        seqs,
+        final_old,
+        picked,
+        temperature,
+        g.micro_batch_sequences,
+        signals,
+        budget,
+        row_tokens,
     )
     diag_s += time.perf_counter() - t0
     policy.end_step()

@@ -12,6 +12,7 @@ import torch
 
 from services.learner import diagnostics
 from services.learner.diagnostics import RoleSignals, sample_tokens, sampled_drift
+from services.learner.prompt_rows import Rows, layout
 from services.learner.sequences import Sequence
 
 LN = math.log
@@ -26,11 +27,12 @@ class FixedPolicy:
     def activate(self, policy: str) -> None:
         pass
 
-    def features(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, base: bool = False
-    ) -> torch.Tensor:
-        b, length = input_ids.shape
-        return torch.tensor([0.0, 0.0] if base else [LN(3.0), 0.0]).expand(b, length, 2).clone()
+    def row_layout(self, seqs: list[Sequence], row_tokens: int) -> Rows:
+        return layout(seqs, self.pad_id, row_tokens, torch.float32)
+
+    def row_features(self, rows: Rows, base: bool = False) -> torch.Tensor:
+        n = len(rows.rows)
+        return torch.tensor([0.0, 0.0] if base else [LN(3.0), 0.0]).expand(n, 2).clone()
 
     def head(self, features: torch.Tensor) -> torch.Tensor:
         return features

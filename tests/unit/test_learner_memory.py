@@ -17,7 +17,8 @@ from marl.config import parse_spec
 from marl.rollout import AdapterRef, Rollout, Turn
 from services.learner.grpo import token_entropy, token_logprobs
 from services.learner.policy import MultiAdapterPolicy
-from services.learner.sequences import Sequence, collate, pack
+from services.learner.prompt_rows import pack_rows
+from services.learner.sequences import Sequence, collate
 from services.learner.update import completion_logprobs, grpo_step
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,23 +61,29 @@ def rollouts(n: int, prompt: int, completion: int, vocab: int, seed: int = 0) ->
     return out
 
 
-def run_step(model: Path, n: int, grpo: dict[str, object], chunk_bytes: int | None = None):  # type: ignore[no-untyped-def]
+def run_step(  # type: ignore[no-untyped-def]
+    model: Path,
+    n: int,
+    grpo: dict[str, object],
+    chunk_bytes: int | None = None,
+    rollouts_: list[Rollout] | None = None,
+):
     spec = parse_spec({"seed": 1, "lora": {"rank": 4, "alpha": 8},
                        "optim": {"lr": 0.1, "warmup_steps": 0, "schedule": "constant"},
                        "grpo": {"group_size": 4, "mini_batch_size": 8, **grpo}})
     policy = MultiAdapterPolicy(str(model), ["shared"], spec.lora, spec.optim, total_steps=4)
     if chunk_bytes is not None:
         policy.logit_chunk_bytes = chunk_bytes
-    rs = rollouts(n, 6, 10, 500)
+    rs = rollouts_ or rollouts(n, 6, 10, 500)
     result = grpo_step(policy, rs, [r.problem_id for r in rs], {"solver": "shared"}, spec)
     return result, policy.state_dict("shared")
 
 
 def test_pack_respects_both_limits() -> None:
     seqs = [Sequence("p", "r", [1] * n, 1, 0.0, []) for n in (2, 3, 3, 5, 9, 20)]
-    assert pack(seqs, list(range(6)), 8, 10) == [[0, 1, 2], [3], [4], [5]]
-    assert pack(seqs, list(range(6)), 2, 100) == [[0, 1], [2, 3], [4, 5]]
-    assert pack(seqs, [5, 0], 8, 10) == [[5], [0]]  # longer than the budget: alone
+    assert pack_rows(seqs, list(range(6)), 8, 10, 0) == [[0, 1, 2], [3], [4], [5]]
+    assert pack_rows(seqs, list(range(6)), 2, 100, 0) == [[0, 1], [2, 3], [4, 5]]
+    assert pack_rows(seqs, [5, 0], 8, 10, 0) == [[0], [5]]  # longer than the budget: alone
 
 
 def test_completion_logprobs_equal_full_vocabulary_path(small_vocab: Path) -> None:

@@ -1,0 +1,127 @@
+"""Shared-prompt rows: the layout worked out by hand, and the same log-probs, entropies,
+gradients and GRPO step as one sequence per row on a real (tiny Qwen3) decoder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from marl.config import parse_spec
+from services.learner.policy import MultiAdapterPolicy
+from services.learner.prompt_rows import layout, pack_rows, plan_rows
+from services.learner.sequences import Sequence
+from services.learner.update import completion_logprobs
+from tests.unit.test_learner_memory import rollouts, run_step, tiny_model
+
+
+def seq(prompt: list[int], completion: list[int]) -> Sequence:
+    return Sequence("shared", "solver", prompt + completion, len(prompt), 1.0,
+                    [0.0] * len(completion))
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model(tmp_path_factory.mktemp("tiny"), 512)
+
+
+def test_rows_group_equal_prompts_within_the_cap() -> None:
+    seqs = [seq([5, 6], [7, 8]), seq([4], [9]), seq([5, 6], [9]), seq([5, 6], [3, 3, 3])]
+    assert plan_rows(seqs, 100) == [[0, 2, 3], [1]]
+    # [5, 6] + [7, 8] + [9] is 5 positions; [3, 3, 3] would make 8
+    assert plan_rows(seqs, 6) == [[0, 2], [3], [1]]
+    assert plan_rows(seqs, 0) == [[0], [1], [2], [3]]
+
+
+def test_layout_by_hand() -> None:
+    seqs = [seq([5, 6], [7, 8]), seq([4], [9]), seq([5, 6], [9])]
+    rows = layout(seqs, pad_id=0, row_tokens=100, dtype=torch.float32)
+    assert rows.input_ids.tolist() == [[5, 6, 7, 8, 9], [4, 9, 0, 0, 0]]
+    assert rows.position_ids is not None
+    assert rows.position_ids.tolist() == [[0, 1, 2, 3, 2], [0, 1, 0, 0, 0]]
+    allowed = (rows.attention_mask == 0).squeeze(1).int().tolist()
+    assert allowed[0] == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],  # 7 sees the prompt and itself
+        [1, 1, 1, 1, 0],
+        [1, 1, 0, 0, 1],  # 9 sees the prompt, not the other completion
+    ]
+    assert allowed[1] == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [0, 0, 1, 0, 0],  # padding sees itself only
+        [0, 0, 0, 1, 0],
+        [0, 0, 0, 0, 1],
+    ]
+    assert float(rows.attention_mask.min()) == torch.finfo(torch.float32).min
+    # completion tokens in sequence order: 7 and 8 predicted at columns 1 and 2 of row 0,
+    # 9 at column 0 of row 1, the second 9 at column 1 of row 0 (the prompt's last)
+    assert rows.rows.tolist() == [0, 0, 1, 0]
+    assert rows.cols.tolist() == [1, 2, 0, 1]
+    assert rows.targets.tolist() == [7, 8, 9, 9]
+    assert rows.lengths == [2, 1, 1]
+
+
+def test_layout_without_shared_rows_is_the_padded_batch() -> None:
+    seqs = [seq([5, 6], [7, 8]), seq([4], [9])]
+    rows = layout(seqs, pad_id=0, row_tokens=100, dtype=torch.float32)
+    assert rows.position_ids is None
+    assert rows.input_ids.tolist() == [[5, 6, 7, 8], [4, 9, 0, 0]]
+    assert rows.attention_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert rows.cols.tolist() == [1, 2, 0]
+
+
+def test_pack_counts_shared_rows_against_the_budget() -> None:
+    seqs = [seq([5, 6], [7, 8]), seq([4], [9]), seq([5, 6], [9]), seq([5, 6], [3])]
+    # sorted by prompt: [4] first, then the three [5, 6]; one row of 2 + 4 = 6 positions
+    assert pack_rows(seqs, [0, 1, 2, 3], 8, 12, 100) == [[1, 2, 3, 0]]
+    # a budget of 5: [4, 9] alone (2 rows x 3 are 6), then [5, 6, 9, 3] (4 positions);
+    # [7, 8] would make that row 6 wide
+    assert pack_rows(seqs, [0, 1, 2, 3], 8, 5, 100) == [[1], [2, 3], [0]]
+    assert pack_rows(seqs, [0, 1, 2, 3], 2, 100, 100) == [[1, 2], [3, 0]]
+    # no sharing: 4 sequences of up to 4 positions
+    assert pack_rows(seqs, [0, 1, 2, 3], 8, 12, 0) == [[1, 2, 3], [0]]
+
+
+def test_shared_rows_give_the_numbers_of_one_sequence_per_row(small_vocab: Path) -> None:
+    spec = parse_spec({"lora": {"rank": 4, "alpha": 8}})
+    policy = MultiAdapterPolicy(str(small_vocab), ["shared"], spec.lora, spec.optim, 4)
+    for p in policy.parameters("shared"):  # LoRA B starts at 0: give the adapter an effect
+        torch.nn.init.normal_(p, std=0.2)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (7, 4)]
+    seqs = [seq(prompts[k % 2], torch.randint(3, 512, (2 + k,), generator=g).tolist())
+            for k in range(6)]
+    assert len(plan_rows(seqs, 1024)) == 2  # the test would prove nothing unshared
+
+    def run(row_tokens: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        policy.optimizers["shared"].zero_grad()
+        lp, ent, lengths = completion_logprobs(policy, seqs, 0.7, entropy=True,
+                                               row_tokens=row_tokens)
+        assert lengths == [2, 3, 4, 5, 6, 7] and ent is not None
+        (lp * torch.linspace(-1, 1, len(lp))).sum().backward()
+        return lp.detach(), ent, [p.grad.clone() for p in policy.parameters("shared")]  # type: ignore[union-attr]
+
+    want_lp, want_ent, want_grad = run(0)
+    got_lp, got_ent, got_grad = run(1024)
+    torch.testing.assert_close(got_lp, want_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_ent, want_ent, rtol=1e-5, atol=1e-5)
+    for got, want in zip(got_grad, want_grad, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_grpo_step_with_shared_prompts_is_the_step_without(small_vocab: Path) -> None:
+    """Groups of 4 samples of one prompt each: the same losses, signals and adapter."""
+    rs = rollouts(12, 6, 10, 500)
+    for r in rs:  # the group's samples answer one prompt
+        lead = rs[int(r.problem_id[1:]) * 4].turns[0]
+        r.turns[0].prompt_ids = list(lead.prompt_ids)
+    ref, ref_state = run_step(small_vocab, 12, {"shared_prompt_row_tokens": 0}, rollouts_=rs)
+    got, got_state = run_step(small_vocab, 12, {}, rollouts_=rs)
+    for key in ("policy/shared/loss", "policy/shared/grad_norm", "role/solver/entropy",
+                "role/solver/perplexity", "role/solver/chi2", "role/solver/kl_base"):
+        assert got.metrics[key] == pytest.approx(ref.metrics[key], rel=1e-4, abs=1e-6), key
+    for k, v in ref_state.items():  # AdamW at lr 0.1 amplifies rounding where a gradient is ~0
+        torch.testing.assert_close(got_state[k], v, rtol=1e-3, atol=1e-3)
