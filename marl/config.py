@@ -97,7 +97,8 @@ class GRPOSpec(_Spec):
     """At most this many role turns per forward/backward; memory only, no effect on the
     math."""
     max_tokens_per_micro_batch: int = Field(1024, ge=1)
-    """Padded tokens (sequences x longest sequence, prompts included) per forward/backward:
+    """Padded positions (rows x widest row, prompts included; a row is one sequence, or
+    several sharing their prompt: `shared_prompt_row_tokens`) per forward/backward:
     micro-batches are packed up to this budget, so the learner's peak memory follows it,
     not the step's sequence count. A sequence longer than the budget gets a micro-batch of
     its own. Memory only, no effect on the math."""

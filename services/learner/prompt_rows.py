@@ -12,9 +12,10 @@ once per sequence.
 
 On the demo model's arithmetic task (15-token prompts, ~5-token answers), a group of 8 is
 55 positions instead of 160. The mask is dense, [rows, 1, L, L], and attention is
-computed over all of a row, so a row is capped (`grpo.shared_prompt_row_tokens`): long
-completions, where the prompt is a small part of the work, mostly get rows of their own.
-A sequence longer than the cap always has a row to itself, laid out as without sharing.
+computed over all of a row, so a row is capped (`grpo.shared_prompt_row_tokens` and the
+micro-batch budget): completions of hundreds of tokens, where the prompt is a small part
+of the work, share a row with few others or none. A sequence longer than the cap has a
+row to itself.
 """
 
 from __future__ import annotations
@@ -77,54 +78,57 @@ def row_width(seqs: list[Sequence], row: list[int]) -> int:
     return first.n_prompt + sum(len(seqs[i].tokens) - seqs[i].n_prompt for i in row)
 
 
+PROMPT, PADDING = -1, -2
+"""Segment ids of a row's prompt positions and its padding; completions count from 0."""
+
+
 def layout(seqs: list[Sequence], pad_id: int, row_tokens: int, dtype: torch.dtype) -> Rows:
     """The decoder's input for `seqs` (see the module docstring); `dtype`: the model's, for
-    the additive mask."""
+    the additive mask. Built as flat lists and made tensors once: a micro-batch holds up to
+    `grpo.micro_batch_sequences` sequences, and a few small tensor operations per sequence
+    would cost more than the lists."""
     plan = plan_rows(seqs, row_tokens)
     width = max(row_width(seqs, row) for row in plan)
-    n_rows = len(plan)
     shared = any(len(row) > 1 for row in plan)
-    input_ids = torch.full((n_rows, width), pad_id, dtype=torch.long)
-    where: list[tuple[int, torch.Tensor]] = [(0, torch.empty(0))] * len(seqs)
-    if shared:
-        allowed = torch.zeros((n_rows, width, width), dtype=torch.bool)
-        positions = torch.zeros((n_rows, width), dtype=torch.long)
-    else:
-        padding = torch.zeros((n_rows, width), dtype=torch.long)
+    ids: list[list[int]] = []
+    segments: list[list[int]] = []
+    positions: list[list[int]] = []
+    where: list[tuple[int, list[int]]] = [(0, [])] * len(seqs)
     for r, row in enumerate(plan):
-        first = seqs[row[0]]
-        p = first.n_prompt
-        input_ids[r, :p] = torch.tensor(first.tokens[:p], dtype=torch.long)
-        if shared:
-            positions[r, :p] = torch.arange(p)
-            allowed[r, :p, :p] = torch.ones((p, p), dtype=torch.bool).tril()
-        else:
-            padding[r, : len(first.tokens)] = 1
-        at = p
-        for i in row:
+        p = seqs[row[0]].n_prompt
+        row_ids = list(seqs[row[0]].tokens[:p])
+        row_segments = [PROMPT] * p
+        row_positions = list(range(p))
+        for k, i in enumerate(row):
             completion = seqs[i].tokens[p:]
-            n = len(completion)
-            input_ids[r, at : at + n] = torch.tensor(completion, dtype=torch.long)
-            if shared:
-                positions[r, at : at + n] = torch.arange(p, p + n)
-                allowed[r, at : at + n, :p] = True
-                allowed[r, at : at + n, at : at + n] = torch.ones((n, n), dtype=torch.bool).tril()
+            n, at = len(completion), len(row_ids)
             # its first token is predicted at the prompt's last position, token j at its j-1
-            cols = torch.cat([torch.tensor([p - 1]), torch.arange(at, at + n - 1)])
-            where[i] = (r, cols)
-            at += n
-        if shared:
-            pad = torch.arange(at, width)
-            allowed[r, pad, pad] = True  # padding attends to itself: no row of the softmax is empty
+            where[i] = (r, [p - 1, *range(at, at + n - 1)])
+            row_ids += completion
+            row_segments += [k] * n
+            row_positions += range(p, p + n)
+        pad = width - len(row_ids)
+        ids.append(row_ids + [pad_id] * pad)
+        segments.append(row_segments + [PADDING] * pad)
+        positions.append(row_positions + [0] * pad)
+    input_ids = torch.tensor(ids, dtype=torch.long)
+    seg = torch.tensor(segments, dtype=torch.long)
+    rows = torch.tensor([r for r, cols in where for _ in cols], dtype=torch.long)
+    cols = torch.tensor([c for _, cs in where for c in cs], dtype=torch.long)
+    targets = torch.tensor([t for s in seqs for t in s.tokens[s.n_prompt :]], dtype=torch.long)
     lengths = [len(s.tokens) - s.n_prompt for s in seqs]
-    rows = torch.cat([torch.full((len(c),), r, dtype=torch.long) for r, c in where])
-    cols = torch.cat([c for _, c in where])
-    targets = torch.cat([torch.tensor(s.tokens[s.n_prompt :], dtype=torch.long) for s in seqs])
-    if shared:
-        mask = torch.zeros((n_rows, 1, width, width), dtype=dtype)
-        mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
-        return Rows(input_ids, mask, positions, rows, cols, targets, lengths)
-    return Rows(input_ids, padding, None, rows, cols, targets, lengths)
+    if not shared:
+        padding = (seg != PADDING).long()
+        return Rows(input_ids, padding, None, rows, cols, targets, lengths)
+    # query q may attend to key k <= q of the prompt or of q's own completion; padding
+    # attends to itself alone, so that no row of the softmax is empty
+    query, key = seg[:, :, None], seg[:, None, :]
+    causal = torch.ones((width, width), dtype=torch.bool).tril()
+    allowed = causal & ((key == PROMPT) | (key == query))
+    allowed = torch.where(query == PADDING, torch.eye(width, dtype=torch.bool), allowed)
+    mask = torch.zeros((len(plan), 1, width, width), dtype=dtype)
+    mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+    return Rows(input_ids, mask, torch.tensor(positions), rows, cols, targets, lengths)
 
 
 def pack_rows(
