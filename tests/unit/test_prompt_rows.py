@@ -10,7 +10,7 @@ import torch
 
 from marl.config import parse_spec
 from services.learner.policy import MultiAdapterPolicy
-from services.learner.prompt_rows import layout, pack_rows, plan_rows
+from services.learner.prompt_rows import Rows, layout, pack_rows, plan_rows
 from services.learner.sequences import Sequence
 from services.learner.update import completion_logprobs
 from tests.unit.test_learner_memory import rollouts, run_step, tiny_model
@@ -95,6 +95,7 @@ def test_shared_rows_give_the_numbers_of_one_sequence_per_row(small_vocab: Path)
     seqs = [seq(prompts[k % 2], torch.randint(3, 512, (2 + k,), generator=g).tolist())
             for k in range(6)]
     assert len(plan_rows(seqs, 1024)) == 2  # the test would prove nothing unshared
+    assert policy.row_layout(seqs, 1024).position_ids is not None
 
     def run(row_tokens: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         policy.optimizers["shared"].zero_grad()
@@ -112,14 +113,26 @@ def test_shared_rows_give_the_numbers_of_one_sequence_per_row(small_vocab: Path)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_a_grpo_step_with_shared_prompts_is_the_step_without(small_vocab: Path) -> None:
+def test_a_grpo_step_with_shared_prompts_is_the_step_without(
+    small_vocab: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Groups of 4 samples of one prompt each: the same losses, signals and adapter."""
     rs = rollouts(12, 6, 10, 500)
     for r in rs:  # the group's samples answer one prompt
         lead = rs[int(r.problem_id[1:]) * 4].turns[0]
         r.turns[0].prompt_ids = list(lead.prompt_ids)
+    shared_forwards = []
+    row_features = MultiAdapterPolicy.row_features
+
+    def counting(self: MultiAdapterPolicy, rows: Rows, base: bool = False) -> torch.Tensor:
+        shared_forwards.append(rows.position_ids is not None)
+        return row_features(self, rows, base)
+
+    monkeypatch.setattr(MultiAdapterPolicy, "row_features", counting)
     ref, ref_state = run_step(small_vocab, 12, {"shared_prompt_row_tokens": 0}, rollouts_=rs)
+    assert not any(shared_forwards)
     got, got_state = run_step(small_vocab, 12, {}, rollouts_=rs)
+    assert any(shared_forwards)
     for key in ("policy/shared/loss", "policy/shared/grad_norm", "role/solver/entropy",
                 "role/solver/perplexity", "role/solver/chi2", "role/solver/kl_base"):
         assert got.metrics[key] == pytest.approx(ref.metrics[key], rel=1e-4, abs=1e-6), key
