@@ -35,9 +35,9 @@ from marl.demo_model import demo_model_dir
 from marl.rollout import Rollout
 from marl.workflows import policy_of_role
 from services.learner.policy import MultiAdapterPolicy
-from services.learner.prompt_rows import pack_rows, plan_rows, row_width
+from services.learner.prompt_rows import plan_rows, row_width
 from services.learner.sequences import build_sequences
-from services.learner.update import grpo_step
+from services.learner.update import grpo_step, micro_batches
 
 
 def smollm2_dir(out: Path) -> Path:
@@ -53,19 +53,20 @@ def smollm2_dir(out: Path) -> Path:
     return out
 
 
-def positions(rollouts: list[Rollout], spec: RunSpec, row_tokens: int) -> int:
-    """Decoder positions of one pass over the step's micro-batches (rows x widest)."""
-    roles = policy_of_role(spec)
-    seqs = build_sequences(rollouts, [0.0] * len(rollouts), roles)
+def positions(rollouts: list[Rollout], spec: RunSpec) -> int:
+    """Decoder positions of one pass over the step's micro-batches (rows x widest), as
+    grpo_step's π_old pass packs them."""
+    seqs = build_sequences(rollouts, [0.0] * len(rollouts), policy_of_role(spec))
     g = spec.grpo
+    chunks = micro_batches(
+        seqs, list(range(len(seqs))), g.micro_batch_sequences, g.max_tokens_per_micro_batch,
+        g.row_tokens,
+    )
     total = 0
-    for role in sorted({s.role for s in seqs}):
-        idx = [i for i, s in enumerate(seqs) if s.role == role]
-        budget = g.max_tokens_per_micro_batch
-        for chunk in pack_rows(seqs, idx, g.micro_batch_sequences, budget, row_tokens):
-            part = [seqs[i] for i in chunk]
-            plan = plan_rows(part, row_tokens)
-            total += len(plan) * max(row_width(part, row) for row in plan)
+    for chunk in chunks:
+        part = [seqs[i] for i in chunk]
+        plan = plan_rows(part, g.row_tokens)
+        total += len(plan) * max(row_width(part, row) for row in plan)
     return total
 
 
@@ -93,8 +94,8 @@ def main() -> None:
                     ).tolist()
                     t.logprobs = [-1.0] * args.answer_tokens
         spec = make_spec("shared", args.group)
-        off = RunSpec.model_validate(
-            {**spec.model_dump(), "grpo": {**spec.grpo.model_dump(), "shared_prompt_row_tokens": 0}}
+        off = spec.model_copy(
+            update={"grpo": spec.grpo.model_copy(update={"shared_prompt_row_tokens": 0})}
         )
         roles = policy_of_role(spec)
         policies = {
@@ -112,8 +113,7 @@ def main() -> None:
             times[name].append(time.perf_counter() - t0)
             loss[name] = result.metrics["policy/shared/loss"]
     median = {name: statistics.median(ts[1:]) for name, ts in times.items()}
-    row_tokens = min(spec.grpo.shared_prompt_row_tokens, spec.grpo.max_tokens_per_micro_batch)
-    pos = {"shared": positions(rollouts, spec, row_tokens), "unshared": positions(rollouts, off, 0)}
+    pos = {name: positions(rollouts, specs[name]) for name in policies}
     seqs = sum(len(r.turns) for r in rollouts)
     print(f"shared-prompt rows: {args.model}, Voting {args.problems} problems x {args.group} "
           f"({seqs} role-turn sequences), answer tokens: "

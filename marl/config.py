@@ -118,6 +118,11 @@ class GRPOSpec(_Spec):
     """Off-policy steps only (`train.max_staleness` >= 1): each token's behaviour
     correction π_old/π_sampler is truncated at this (services/learner/update.py)."""
 
+    @property
+    def row_tokens(self) -> int:
+        """The cap a shared-prompt row actually gets: within the micro-batch budget too."""
+        return min(self.shared_prompt_row_tokens, self.max_tokens_per_micro_batch)
+
     @model_validator(mode="before")
     @classmethod
     def _renamed(cls, data: Any) -> Any:

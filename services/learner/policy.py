@@ -143,6 +143,7 @@ class MultiAdapterPolicy:
         self.logit_chunk_bytes = LOGIT_CHUNK_BYTES
         self._checkpointing = False
         self._split = self._split_check()
+        self._custom_masks = base.config._attn_implementation in CUSTOM_MASK_ATTENTION
 
     def call(self, fn: Callable[..., R], *args: Any) -> R:
         """`fn(self, *args)`: the policy is its own handle when it lives in this process
@@ -257,9 +258,7 @@ class MultiAdapterPolicy:
         """prompt_rows.layout for this model; one sequence per row when its attention
         implementation takes no custom 4D mask (flash-attention)."""
         causal: Any = self.model.get_base_model()
-        if causal.config._attn_implementation not in CUSTOM_MASK_ATTENTION:
-            row_tokens = 0
-        return layout(seqs, self.pad_id, row_tokens, causal.dtype)
+        return layout(seqs, self.pad_id, row_tokens if self._custom_masks else 0, causal.dtype)
 
     def head(self, features: torch.Tensor) -> torch.Tensor:
         """Next-token logits of selected `features` rows, in the model's dtype."""

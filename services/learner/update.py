@@ -89,7 +89,7 @@ def plan_mini_batches(
     return plan
 
 
-def _micro_batches(
+def micro_batches(
     seqs: list[Sequence], idx: list[int], size: int, max_tokens: int, row_tokens: int
 ) -> list[list[int]]:
     """Role-pure micro-batches, at most `size` sequences and `max_tokens` padded positions
@@ -166,7 +166,7 @@ def _old_logprobs(
     row_tokens: int,
     old: list[torch.Tensor | None],
 ) -> None:
-    chunks = _micro_batches(seqs, idx, micro, max_tokens, row_tokens)
+    chunks = micro_batches(seqs, idx, micro, max_tokens, row_tokens)
     for chunk, real in _ranked(seqs, chunks, policy.rank, policy.world_size):
         logp, _, lengths = completion_logprobs(
             policy, [seqs[i] for i in chunk], temperature, row_tokens=row_tokens
@@ -243,7 +243,7 @@ def grpo_step(
     old: list[torch.Tensor | None] = [None] * len(seqs)
     diag_s = 0.0
     budget = g.max_tokens_per_micro_batch
-    row_tokens = min(g.shared_prompt_row_tokens, budget)
+    row_tokens = g.row_tokens
     policy.set_activation_checkpointing(g.activation_checkpointing)
     policy.model.train()
     for p, mbs in plan.items():
@@ -261,7 +261,7 @@ def grpo_step(
             before: list[torch.Tensor] | None = None
             chunks = _ranked(
                 seqs,
-                _micro_batches(seqs, mb, g.micro_batch_sequences, budget, row_tokens),
+                micro_batches(seqs, mb, g.micro_batch_sequences, budget, row_tokens),
                 policy.rank,
                 policy.world_size,
             )
