@@ -17,8 +17,8 @@ Then it waits for the job: four descriptors (public job, secrets, nonces,
 record pipe) and the scratch directory for tiers below `namespaces`, and
 hands them to the harness (see `harness` for who forks the candidates and
 when the secrets are read). After the last record the jail waits to be killed
-with its whole process group, so nothing a job started outlives it. A jail whose set-up failed still takes its
-job and reports the failure on the record pipe.
+with its whole process group, so nothing a job started outlives it. A jail whose
+set-up failed still takes its job and reports the failure on the record pipe.
 """
 
 from __future__ import annotations
