@@ -74,6 +74,8 @@ def main() -> None:
 
     import marl.rewards.answer_text  # noqa: F401
 
+    # math-verify builds its parsers on first use (~0.3 s of CPU): here, not in a run's step
+    judge("1", "\\frac{1}{2}")
     sys.stdout.write('{"ready": true}\n')
     sys.stdout.flush()
     for line in sys.stdin:

@@ -83,7 +83,7 @@ class EpisodeRunner:
         self._batching: dict[str, BatchingStub] = {}
         self._replicas: list[str] = []
         self._replicas_at = 0.0
-        self._replicas_lock = asyncio.Lock()
+        self._refreshing: asyncio.Task[None] | None = None
         self._sandbox: Any = None
 
     def tokenizer(self, model_path: str) -> Any:
@@ -107,12 +107,16 @@ class EpisodeRunner:
         return self._contexts[model_path]
 
     async def stubs(self) -> list[BatchingStub]:
-        """One Generate per live replica; a replica's concurrent calls go as one."""
-        async with self._replicas_lock:
-            if time.monotonic() - self._replicas_at > replicas.HEARTBEAT_S or not self._replicas:
-                live = await replicas.live(self.redis, "inference")
-                self._replicas = sorted(info["address"] for info in live.values())
-                self._replicas_at = time.monotonic()
+        """One Generate per live replica; a replica's concurrent calls go as one.
+
+        The live replicas are read from Redis at most once per heartbeat, by one shared
+        refresh that every episode asking meanwhile awaits. They all resume in the same
+        turn of the event loop and reach `Generate` together, so their turns go out as
+        one GenerateMany (a lock would hand them on one per loop turn, a call each)."""
+        if time.monotonic() - self._replicas_at > replicas.HEARTBEAT_S or not self._replicas:
+            if self._refreshing is None:
+                self._refreshing = asyncio.create_task(self._refresh_replicas())
+            await asyncio.shield(self._refreshing)
         if not self._replicas:
             raise NoReplica("no live inference replica is registered in Redis")
         out = []
@@ -123,6 +127,14 @@ class EpisodeRunner:
                 self._batching[addr] = BatchingStub(stub)
             out.append(self._batching[addr])
         return out
+
+    async def _refresh_replicas(self) -> None:
+        try:
+            live = await replicas.live(self.redis, "inference")
+            self._replicas = sorted(info["address"] for info in live.values())
+            self._replicas_at = time.monotonic()
+        finally:
+            self._refreshing = None
 
     def episode(self, task: Task, workflow: Workflow) -> Episode:
         caps = workflow.caps_for(WorkflowCaps(**task.caps), task.problem.task)
@@ -225,6 +237,8 @@ class EpisodeRunner:
             return await asyncio.to_thread(both, False)
 
     async def close(self) -> None:
+        if self._refreshing is not None:
+            await cancel_until_done([self._refreshing])
         for batching in self._batching.values():
             await batching.close()
         for ch in self._channels.values():

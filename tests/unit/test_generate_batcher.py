@@ -137,3 +137,43 @@ async def test_the_call_is_cancelled_once_every_caller_went_away(
     assert not servicer.cancelled.is_set() and not callers[1].done()
     callers[1].cancel()
     await asyncio.wait_for(servicer.cancelled.wait(), timeout=5)
+
+
+async def test_episodes_waiting_on_the_replica_list_send_their_turns_as_one_call(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker reads the live replicas from Redis at most once a heartbeat; episodes
+    that ask while it reads all resume in one turn of the event loop, so their turns go
+    to the replica as one GenerateMany, not one call per episode (a real Redis here)."""
+    from marl import replicas, streams
+    from services.workflow.worker import EpisodeRunner
+
+    servicer = RuleServicer()
+    server = grpc.aio.server()
+    inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    r = streams.connect(redis_url)
+    await replicas.announce(r, "inference", "i0", {"address": f"127.0.0.1:{port}"})
+    runner = EpisodeRunner(r, "w-test")
+    asked: list[int] = []
+    live = replicas.live
+
+    async def counted_live(*args: object, **kwargs: object) -> dict[str, dict[str, object]]:
+        asked.append(1)
+        return await live(*args, **kwargs)  # type: ignore[arg-type]
+
+    async def turn(i: int) -> list[int]:
+        stubs = await runner.stubs()
+        return list((await stubs[0].Generate(request(i, 7), timeout=10)).token_ids)
+
+    monkeypatch.setattr(replicas, "live", counted_live)
+    try:
+        answers = await asyncio.gather(*(turn(i) for i in range(1, 25)))
+        assert answers == [[7, i] for i in range(1, 25)]
+        assert asked == [1]
+        assert servicer.calls == [24]
+    finally:
+        await runner.close()
+        await r.aclose()
+        await server.stop(None)

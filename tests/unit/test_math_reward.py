@@ -290,10 +290,10 @@ def test_a_settled_verdict_is_asked_once_a_timeout_every_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     asked = fake_verifiers(monkeypatch, lambda pred: None if pred == "slow" else "wrong")
-    assert [math_reward.check("41", "42") for _ in range(3)] == ["wrong"] * 3
+    assert [math_reward.check("41.5", "42") for _ in range(3)] == ["wrong"] * 3
     assert [math_reward.check("slow", "42") for _ in range(2)] == ["timeout"] * 2
-    assert math_reward.check("41", "42", timeout_s=1.0) == "wrong"  # another limit: asked anew
-    assert asked == ["41", "slow", "slow", "41"]
+    assert math_reward.check("41.5", "42", timeout_s=1.0) == "wrong"  # another limit: asked anew
+    assert asked == ["41.5", "slow", "slow", "41.5"]
 
 
 def test_remembered_only_scores_exact_and_remembered_answers_and_asks_no_worker(
@@ -306,10 +306,34 @@ def test_remembered_only_scores_exact_and_remembered_answers_and_asks_no_worker(
     with pytest.raises(math_reward.Unsettled):
         quick("\\boxed{42.0}", "42")
     with pytest.raises(math_reward.Unsettled):
-        math_reward.any_format_correct("it is 41", "42", remembered_only=True)
+        math_reward.any_format_correct("it is 41.5", "42", remembered_only=True)
+    assert quick("so \\boxed{+042}", "42") == 1.0  # two integers: no worker either
+    assert quick("so \\boxed{41}", "42") == 0.0
+    assert math_reward.any_format_correct("it is 41", "42", remembered_only=True) is False
     assert asked == []
     assert math_reward.score("\\boxed{42.0}", "42") == 1.0  # asks, and remembers
-    assert math_reward.any_format_correct("it is 41", "42") is False
+    assert math_reward.any_format_correct("it is 41.5", "42") is False
     assert quick("\\boxed{42.0}", "42") == 1.0
-    assert math_reward.any_format_correct("it is 41", "42", remembered_only=True) is False
-    assert asked == ["42.0", "41"]
+    assert math_reward.any_format_correct("it is 41.5", "42", remembered_only=True) is False
+    assert asked == ["42.0", "41.5"]
+
+
+INTEGER_PAIRS = [
+    ("7", "7"), ("007", "7"), ("+5", "5"), ("-0", "0"), ("0", "-0"), ("12", "13"),
+    ("-5", "5"), ("066", "66"), (" 42 ", "42"), ("10", "010"), ("-12", "-012"),
+    ("1000000000000000000001", "1000000000000000000000"), ("99999999999999999999", "1e20"),
+    ("4", "4.0"), ("1,000", "1000"), ("٣", "3"), ("5", "5%"),
+]
+
+
+@pytest.mark.parametrize(("pred", "gold"), INTEGER_PAIRS)
+def test_integer_verdicts_are_math_verifys(pred: str, gold: str) -> None:
+    """Integers are compared without a worker, to the verdict math-verify gives; the
+    pairs where either side is no plain integer literal are left to the worker."""
+    from marl.rewards.verifier_worker import judge
+
+    ours = math_reward.integer_verdict(pred, gold)
+    plain = all(math_reward.INTEGER.fullmatch(x.strip()) for x in (pred, gold))
+    assert (ours is not None) == plain
+    if ours is not None:
+        assert ours == judge(gold.strip(), pred.strip())
