@@ -116,6 +116,8 @@ class EpisodeRunner:
         if time.monotonic() - self._replicas_at > replicas.HEARTBEAT_S or not self._replicas:
             if self._refreshing is None:
                 self._refreshing = asyncio.create_task(self._refresh_replicas())
+                # its error reaches every waiter; retrieved here too, for when none is left
+                self._refreshing.add_done_callback(lambda t: t.cancelled() or t.exception())
             await asyncio.shield(self._refreshing)
         if not self._replicas:
             raise NoReplica("no live inference replica is registered in Redis")
