@@ -10,17 +10,19 @@ Voting and Single workflows:
 (c) marl one step ahead (`train.max_staleness: 1`): workers generate step t+1 while the
     learner trains step t.
 
-(b) and (c) each run on a cluster of their own, with the thread split that suits them
-(`marl.launcher.service_threads` over `--cores`): (b)'s inference replica and learner take
-turns and each gets every core; (c)'s run at once and get disjoint shares.
+(b) and (c) each run twice, in the order b c c b, each time on a cluster of its own with
+the thread split that suits it (`marl.launcher.service_threads` over `--cores`): (b)'s
+inference replica and learner take turns and each gets every core; (c)'s run at once and
+get disjoint shares. A machine whose speed drifts over the bench's minutes (a shared VM's
+does) then slows both modes alike, rather than whichever ran second.
 
-Per marl run: median step time over the steps after the first two (warm-up), steps/s,
-rollout tokens/s while the learner waited for rollouts (the generation rate of a
-synchronous run; an overlapped run waits less than it generates), rollout tokens per
-second of the whole run, and the share of step time the
-learner spent waiting for rollouts (generation and reward, which the workers compute
-with it), training, pushing adapters, and the rest (queueing tasks, logging). Then the
-ratios: (b)'s rollout tokens/s over (a)'s, and (c)'s step throughput over (b)'s.
+Per marl mode, over both of its runs' steps after the first two of each (warm-up):
+median step time, steps/s, rollout tokens/s while the learner waited for rollouts (the
+generation rate of a synchronous run; an overlapped run waits less than it generates),
+rollout tokens per second of the whole run, and the share of step time the learner spent
+waiting for rollouts (generation and reward, which the workers compute with it),
+training, pushing adapters, and the rest (queueing tasks, logging). Then the ratios:
+(b)'s rollout tokens/s over (a)'s, and (c)'s step throughput over (b)'s.
 Prints a table, then one JSON object as the very last line.
 
     python bench/e2e.py [--steps 12] [--problems 16] [--group 8] [--workflows voting,single]
@@ -48,6 +50,8 @@ from marl.v1 import learner_pb2, learner_pb2_grpc
 from services.inference.engine import AdapterWeights, GenerationRequest
 
 WARMUP_STEPS = 2
+ORDER = (("sync", 0), ("k1", 1), ("k1", 1), ("sync", 0))
+"""The marl runs, as (mode, train.max_staleness), in the order they run."""
 
 
 def spec(workflow: str, out: Path, args: argparse.Namespace, staleness: int) -> dict[str, Any]:
@@ -93,10 +97,15 @@ def turns_of(out: Path, step: int) -> list[dict[str, Any]]:
     return [t for line in path.read_text().splitlines() for t in json.loads(line)["turns"]]
 
 
-def figures_of(out: Path) -> dict[str, float]:
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if r["step"] > WARMUP_STEPS]
-    tokens = [sum(len(t["completion_ids"]) for t in turns_of(out, r["step"])) for r in steps]
+def figures_of(outs: list[Path]) -> dict[str, float]:
+    """One mode's figures over the steps after warm-up of each of its runs."""
+    steps, tokens = [], []
+    for out in outs:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        records = [r for r in map(json.loads, lines) if r["step"] > WARMUP_STEPS]
+        steps += records
+        tokens += [sum(len(t["completion_ids"]) for t in turns_of(out, r["step"]))
+                   for r in records]
     total = sum(r["time/step_s"] for r in steps)
     waited = sum(r["time/rollout_s"] for r in steps)
     trained = sum(r["time/update_s"] for r in steps)
@@ -143,7 +152,7 @@ async def engine_alone(out: Path, args: argparse.Namespace) -> float:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=12, help="steps of each marl run")
     p.add_argument("--problems", type=int, default=16)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=16)
@@ -161,8 +170,9 @@ def parse_args() -> argparse.Namespace:
 
 def print_table(figures: dict[str, Any]) -> None:
     print(f"\ne2e bench: engine={figures['engine']}, {figures['problems']} problems x group "
-          f"{figures['group']}, <= {figures['max_tokens']} tokens per turn, steps after the "
-          f"first {WARMUP_STEPS} of {figures['steps']}")
+          f"{figures['group']}, <= {figures['max_tokens']} tokens per turn; marl runs in the "
+          f"order {' '.join(run for run, _ in ORDER)}, each mode's steps after the first "
+          f"{WARMUP_STEPS} of each of its runs of {figures['steps']}")
     for run in ("sync", "k1"):
         t = figures[f"{run}_threads"]
         print(f"{run} threads: inference {t['inference']}, learner {t['learner']}")
@@ -192,19 +202,22 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory(prefix="marl-e2e-") as tmp:
         root = Path(tmp)
-        for run, k in (("sync", 0), ("k1", 1)):
+        outs: dict[tuple[str, str], list[Path]] = {}
+        for n, (run, k) in enumerate(ORDER):
             threads = service_threads(args.cores, overlapped=k > 0)
             figures[f"{run}_threads"] = threads
-            cluster = Cluster(root / f"cluster-{run}", str(demo_model_dir()),
+            cluster = Cluster(root / f"cluster-{n}-{run}", str(demo_model_dir()),
                               engine=args.engine, sandbox_replicas=0,
                               workflow_replicas=args.workers, max_lora_rank=args.rank,
                               threads=threads)
             with cluster:
                 for wf in workflows:
-                    run_marl(cluster, spec(wf, root / f"{wf}-{run}", args, k))
+                    out = root / f"{wf}-{n}-{run}"
+                    run_marl(cluster, spec(wf, out, args, k))
+                    outs.setdefault((wf, run), []).append(out)
         for wf in workflows:
-            row: dict[str, Any] = {run: figures_of(root / f"{wf}-{run}") for run in ("sync", "k1")}
-            row["engine_tok_s"] = asyncio.run(engine_alone(root / f"{wf}-sync", args))
+            row: dict[str, Any] = {run: figures_of(outs[wf, run]) for run in ("sync", "k1")}
+            row["engine_tok_s"] = asyncio.run(engine_alone(outs[wf, "sync"][0], args))
             row["sync_vs_engine"] = row["sync"]["rollout_tok_s"] / row["engine_tok_s"]
             row["k1_vs_sync"] = row["k1"]["steps_per_s"] / row["sync"]["steps_per_s"]
             figures[wf] = row
