@@ -114,11 +114,9 @@ class EpisodeRunner:
         turn of the event loop and reach `Generate` together, so their turns go out as
         one GenerateMany (a lock would hand them on one per loop turn, a call each)."""
         if time.monotonic() - self._replicas_at > replicas.HEARTBEAT_S or not self._replicas:
-            if self._refreshing is None:
+            if self._refreshing is None or self._refreshing.done():
                 self._refreshing = asyncio.create_task(self._refresh_replicas())
-                # its error reaches every waiter; retrieved here too, for when none is left
-                self._refreshing.add_done_callback(lambda t: t.cancelled() or t.exception())
-            await asyncio.shield(self._refreshing)
+            await asyncio.shield(self._refreshing)  # its error reaches every waiter
         if not self._replicas:
             raise NoReplica("no live inference replica is registered in Redis")
         out = []
@@ -131,12 +129,9 @@ class EpisodeRunner:
         return out
 
     async def _refresh_replicas(self) -> None:
-        try:
-            live = await replicas.live(self.redis, "inference")
-            self._replicas = sorted(info["address"] for info in live.values())
-            self._replicas_at = time.monotonic()
-        finally:
-            self._refreshing = None
+        live = await replicas.live(self.redis, "inference")
+        self._replicas = sorted(info["address"] for info in live.values())
+        self._replicas_at = time.monotonic()
 
     def episode(self, task: Task, workflow: Workflow) -> Episode:
         caps = workflow.caps_for(WorkflowCaps(**task.caps), task.problem.task)

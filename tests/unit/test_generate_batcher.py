@@ -52,20 +52,31 @@ class RuleServicer(inference_pb2_grpc.InferenceServicer):
 
 
 @pytest.fixture()
-async def served() -> AsyncIterator[tuple[RuleServicer, BatchingStub]]:
+async def rule_replica() -> AsyncIterator[tuple[RuleServicer, str]]:
+    """A RuleServicer served on loopback, and its address."""
     servicer = RuleServicer()
     server = grpc.aio.server()
     inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield servicer, f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)
+
+
+@pytest.fixture()
+async def served(
+    rule_replica: tuple[RuleServicer, str],
+) -> AsyncIterator[tuple[RuleServicer, BatchingStub]]:
+    servicer, address = rule_replica
+    channel = grpc.aio.insecure_channel(address)
     batching = BatchingStub(inference_pb2_grpc.InferenceStub(channel))
     try:
         yield servicer, batching
     finally:
         await batching.close()
         await channel.close()
-        await server.stop(None)
 
 
 def request(*ids: int) -> inference_pb2.GenerateRequest:
@@ -140,7 +151,7 @@ async def test_the_call_is_cancelled_once_every_caller_went_away(
 
 
 async def test_episodes_waiting_on_the_replica_list_send_their_turns_as_one_call(
-    redis_url: str, monkeypatch: pytest.MonkeyPatch
+    rule_replica: tuple[RuleServicer, str], redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A worker reads the live replicas from Redis at most once a heartbeat; episodes
     that ask while it reads all resume in one turn of the event loop, so their turns go
@@ -148,13 +159,9 @@ async def test_episodes_waiting_on_the_replica_list_send_their_turns_as_one_call
     from marl import replicas, streams
     from services.workflow.worker import EpisodeRunner
 
-    servicer = RuleServicer()
-    server = grpc.aio.server()
-    inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    servicer, address = rule_replica
     r = streams.connect(redis_url)
-    await replicas.announce(r, "inference", "i0", {"address": f"127.0.0.1:{port}"})
+    await replicas.announce(r, "inference", "i0", {"address": address})
     runner = EpisodeRunner(r, "w-test")
     asked: list[int] = []
     live = replicas.live
@@ -176,4 +183,3 @@ async def test_episodes_waiting_on_the_replica_list_send_their_turns_as_one_call
     finally:
         await runner.close()
         await r.aclose()
-        await server.stop(None)
