@@ -105,7 +105,9 @@ class Episodes:
 
     async def gather(self, pending: Pending) -> list[Rollout]:
         """The rollouts of a submission, in task order. Rollouts of later submissions that
-        arrive meanwhile are kept for their own gather."""
+        arrive meanwhile are kept for their own gather. Queued tasks of later submissions
+        reach the stream first, even when every rollout of this one is in already: the
+        workers then generate them while the learner trains on this one."""
         try:
             await self.collect({t.id for t in pending.tasks})
             return [self.arrived.pop(t.id) for t in pending.tasks]
@@ -147,9 +149,11 @@ class Episodes:
         adapter version than its task names (left over from a learner that died), is
         dropped."""
         deadline = time.monotonic() + self.spec.train.step_timeout_s
-        while missing := len(wanted - self.arrived.keys()):
+        while True:
             try:
                 await self.add_tasks()
+                if not (missing := len(wanted - self.arrived.keys())):
+                    return
                 entries = await streams.read_group(
                     self.r, self.stream, LEARNER_GROUP, self.consumer, count=1024, block_ms=500
                 )

@@ -5,6 +5,7 @@ retried and then dead-lettered (and their run told), and a vanished group is rec
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -230,5 +231,61 @@ async def test_the_learner_counts_a_step_once_and_reports_dead_letters_and_dupli
         assert isinstance(_run_message(record), learner_pb2.Run)
         assert (info.dead_lettered, info.duplicate_rollouts) == (1, 1)
         assert info.to_dict()["dead_lettered"] == 1
+    finally:
+        await r.aclose()
+
+
+async def test_a_step_whose_rollouts_are_all_in_still_sends_the_next_steps_tasks(
+    redis_url: str,
+) -> None:
+    """With `train.max_staleness: 1` the learner submits step t+1, then gathers step t and
+    trains it. When step t's rollouts were all read already (during step t-1's gather),
+    step t+1's tasks must still reach the workers before the learner trains, or the workers
+    sit idle through the update and the next step waits for a whole generation."""
+    from services.learner.episodes import Episodes
+
+    r = streams.connect(redis_url)
+    spec = RunSpec.model_validate({"grpo": {"group_size": 2}})
+    adapters = {"generator": AdapterRef("run-a/generator", 1)}
+
+    async def never_cancelled() -> None:
+        return None
+
+    async def answer_all(expected: int) -> None:
+        """Waits for `expected` tasks in the stream, then sends all their rollouts in one
+        MULTI/EXEC, so that one read of the learner's gets them all."""
+        entries: list[streams.Entry] = []
+        while len(entries) < expected:
+            entries += await streams.read_group(r, streams.TASKS, streams.WORKERS_GROUP, "w",
+                                                block_ms=100)
+        async with r.pipeline(transaction=True) as pipe:
+            for e in entries:
+                task = Task.from_dict(e.data)
+                rollout = Rollout(task.id, task.run_id, task.step, task.kind, task.problem.id,
+                                  task.sample, [], "x", 1.0, "w", 0.1)
+                pipe.xadd(streams.rollouts_stream("run-a"), {"json": json.dumps(rollout.to_dict())})
+            await pipe.execute()
+        await streams.ack(r, streams.TASKS, streams.WORKERS_GROUP, *(e.id for e in entries))
+
+    def problems(step: int) -> list[Problem]:
+        return [Problem(id=f"p{step}", prompt="q", answer="1")]
+
+    episodes = Episodes("run-a", spec, r, "learner-a", lambda: adapters, never_cancelled)
+    await episodes.open(fresh=True)
+    try:
+        step0 = episodes.submit(problems(0), 0, "train")
+        step1 = episodes.submit(problems(1), 1, "train")
+        worker_a = asyncio.create_task(answer_all(4))
+        assert [x.step for x in await asyncio.wait_for(episodes.gather(step0), 30)] == [0, 0]
+        await worker_a
+        # step 0's gather read step 1's rollouts too: they arrived together
+        assert len(episodes.arrived) == 2
+
+        episodes.submit(problems(2), 2, "train")
+        assert [x.step for x in await asyncio.wait_for(episodes.gather(step1), 30)] == [1, 1]
+        waiting = await streams.read_group(r, streams.TASKS, streams.WORKERS_GROUP, "w",
+                                           block_ms=10)
+        assert [Task.from_dict(e.data).step for e in waiting] == [2, 2]
+        assert episodes.queue == []
     finally:
         await r.aclose()
