@@ -211,3 +211,50 @@ async def test_problems_spread_over_replicas_and_a_group_meets_on_one() -> None:
               for r in replicas]
     assert served[0] and served[1] and not served[0] & served[1]
     assert sum(len(r.seen) for r in replicas) == 48
+
+
+async def test_a_workers_tokenizer_loads_once_off_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first load imports transformers (seconds of CPU): the event loop, which keeps the
+    worker's heartbeat and its other episodes going, must turn throughout; episodes asking
+    meanwhile share the one load; a failed load is tried again by the next episode."""
+    import asyncio
+    import time
+
+    from services.workflow import worker
+
+    loads: list[str] = []
+
+    def slow_load(model_path: str) -> str:
+        loads.append(model_path)
+        time.sleep(0.3)
+        if model_path == "broken":
+            raise OSError(f"no tokenizer files in {model_path}")
+        return f"tokenizer of {model_path}"
+
+    monkeypatch.setattr(worker, "load_tokenizer", slow_load)
+    runner = EpisodeRunner(None, "w-test")
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    ticker = asyncio.create_task(tick())
+    try:
+        got = await asyncio.gather(*(runner.tokenizer("m") for _ in range(5)))
+    finally:
+        ticker.cancel()
+    assert got == ["tokenizer of m"] * 5 and loads == ["m"]
+    assert ticks >= 10
+    assert await runner.tokenizer("m") == "tokenizer of m" and loads == ["m"]
+
+    with pytest.raises(OSError, match="broken"):
+        await asyncio.gather(runner.tokenizer("broken"), runner.tokenizer("broken"))
+    assert loads == ["m", "broken"]
+    with pytest.raises(OSError, match="broken"):
+        await runner.tokenizer("broken")
+    assert loads == ["m", "broken", "broken"]
