@@ -60,13 +60,6 @@ def could_not_run(err: BaseException) -> bool:
     )
 
 
-def load_tokenizer(model_path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    # local files only: a model name must never make a worker reach out to a hub
-    return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-
-
 class Stats:
     def __init__(self) -> None:
         self.done = 0
@@ -84,7 +77,6 @@ class EpisodeRunner:
         self.sandbox_address = sandbox_address
         self.stats = Stats()
         self._tokenizers: dict[str, Any] = {}
-        self._loading: dict[str, asyncio.Task[Any]] = {}
         self._renders: dict[str, Renders] = {}
         self._contexts: dict[str, int | None] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -94,24 +86,14 @@ class EpisodeRunner:
         self._refreshing: asyncio.Task[None] | None = None
         self._sandbox: Any = None
 
-    async def tokenizer(self, model_path: str) -> Any:
-        """The model's tokenizer, loaded once, in a thread, by one load that every episode
-        asking meanwhile awaits. The first load imports transformers (~3 s of CPU): on the
-        event loop it would stall this worker's episodes and its heartbeat for as long."""
-        if model_path in self._tokenizers:
-            return self._tokenizers[model_path]
-        loading = self._loading.get(model_path)
-        if loading is None:
-            loading = asyncio.create_task(asyncio.to_thread(load_tokenizer, model_path))
-            self._loading[model_path] = loading
-            loading.add_done_callback(lambda done: self._loaded(model_path, done))
-        return await asyncio.shield(loading)
+    def tokenizer(self, model_path: str) -> Any:
+        if model_path not in self._tokenizers:
+            from transformers import AutoTokenizer
 
-    def _loaded(self, model_path: str, done: asyncio.Task[Any]) -> None:
-        """Keeps a loaded tokenizer; a failed load is tried again by the next episode."""
-        del self._loading[model_path]
-        if not done.cancelled() and done.exception() is None:
-            self._tokenizers[model_path] = done.result()
+            # local files only: a model name must never make a worker reach out to a hub
+            self._tokenizers[model_path] = AutoTokenizer.from_pretrained(
+                model_path, local_files_only=True)
+        return self._tokenizers[model_path]
 
     def context(self, model_path: str) -> int | None:
         """The model's context window, from its config.json (None if it has none to read)."""
@@ -151,13 +133,13 @@ class EpisodeRunner:
         self._replicas = sorted(info["address"] for info in live.values())
         self._replicas_at = time.monotonic()
 
-    async def episode(self, task: Task, workflow: Workflow) -> Episode:
+    def episode(self, task: Task, workflow: Workflow) -> Episode:
         caps = workflow.caps_for(WorkflowCaps(**task.caps), task.problem.task)
 
         async def oracle(answer: str) -> bool:
             return await self.score(task, answer) >= 1.0
 
-        tokenizer = await self.tokenizer(task.model_path)
+        tokenizer = self.tokenizer(task.model_path)
         if task.model_path not in self._renders:
             self._renders[task.model_path] = Renders(tokenizer)
         episode = Episode(task, tokenizer, [], caps, oracle, self._renders[task.model_path])
@@ -170,7 +152,7 @@ class EpisodeRunner:
         episode: Episode | None = None
         try:
             workflow = resolve(task.workflow)
-            episode = await self.episode(task, workflow)
+            episode = self.episode(task, workflow)
             episode.stubs = await self.stubs()
             final = await episode_run(workflow, episode, task)
             reward, scoring = await self.score_with_facts(task, final)
