@@ -177,6 +177,16 @@ async def test_a_task_that_keeps_failing_reaches_its_run_as_dead_lettered(
         await r.aclose()
 
 
+async def never_cancelled() -> None:
+    return None
+
+
+def answered(task: Task) -> Rollout:
+    """A worker's successful rollout of `task`, with no turns."""
+    return Rollout(task.id, task.run_id, task.step, task.kind, task.problem.id, task.sample,
+                   [], "x", 1.0, "w", 0.1)
+
+
 async def test_the_learner_counts_a_step_once_and_reports_dead_letters_and_duplicates(
     redis_url: str,
 ) -> None:
@@ -189,9 +199,6 @@ async def test_the_learner_counts_a_step_once_and_reports_dead_letters_and_dupli
     r = streams.connect(redis_url)
     spec = RunSpec.model_validate({"grpo": {"group_size": 2}})
     adapters = {"generator": AdapterRef("run-1/generator", 1)}
-
-    async def never_cancelled() -> None:
-        return None
 
     episodes = Episodes("run-1", spec, r, "learner-1", lambda: adapters, never_cancelled,
                         max_queued_tasks=1)
@@ -212,8 +219,7 @@ async def test_the_learner_counts_a_step_once_and_reports_dead_letters_and_dupli
                 if task.sample == 1:
                     rollout = worker.dead_rollout(e, "w")
                 else:
-                    rollout = Rollout(task.id, task.run_id, task.step, task.kind,
-                                      task.problem.id, task.sample, [], "x", 1.0, "w", 0.1)
+                    rollout = answered(task)
                 for _ in range(2 if task.sample == 0 else 1):
                     await streams.add(r, streams.rollouts_stream("run-1"), rollout.to_dict())
                 await streams.ack(r, streams.TASKS, streams.WORKERS_GROUP, e.id)
@@ -248,9 +254,6 @@ async def test_a_step_whose_rollouts_are_all_in_still_sends_the_next_steps_tasks
     spec = RunSpec.model_validate({"grpo": {"group_size": 2}})
     adapters = {"generator": AdapterRef("run-a/generator", 1)}
 
-    async def never_cancelled() -> None:
-        return None
-
     async def answer_all(expected: int) -> None:
         """Waits for `expected` tasks in the stream, then sends all their rollouts in one
         MULTI/EXEC, so that one read of the learner's gets them all."""
@@ -260,9 +263,7 @@ async def test_a_step_whose_rollouts_are_all_in_still_sends_the_next_steps_tasks
                                                 block_ms=100)
         async with r.pipeline(transaction=True) as pipe:
             for e in entries:
-                task = Task.from_dict(e.data)
-                rollout = Rollout(task.id, task.run_id, task.step, task.kind, task.problem.id,
-                                  task.sample, [], "x", 1.0, "w", 0.1)
+                rollout = answered(Task.from_dict(e.data))
                 pipe.xadd(streams.rollouts_stream("run-a"), {"json": json.dumps(rollout.to_dict())})
             await pipe.execute()
         await streams.ack(r, streams.TASKS, streams.WORKERS_GROUP, *(e.id for e in entries))
