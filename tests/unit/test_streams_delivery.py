@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from typing import Any
 
@@ -172,6 +173,44 @@ async def test_a_task_that_keeps_failing_reaches_its_run_as_dead_lettered(
         assert runner.attempts == 3
         assert await r.xlen(streams.dead_letter_stream(streams.TASKS)) == 1
     finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        await r.aclose()
+
+
+async def test_a_worker_importing_its_tokenizer_library_beats_and_takes_no_task(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The import runs in a thread: the heartbeat outlives its TTL meanwhile, and the
+    stream's tasks stay unread for other workers until the worker can start them."""
+    importing, imported = threading.Event(), threading.Event()
+
+    def slow_import() -> None:
+        importing.set()
+        imported.wait(10)
+
+    monkeypatch.setattr(worker, "import_tokenizers", slow_import)
+    r = streams.connect(redis_url)
+    task = Task.for_spec(
+        RunSpec(), "run-1", Problem(id="p", prompt="q", answer="1"), 0, "train", 0,
+        {"generator": AdapterRef("run-1/generator", 1)},
+    )
+    await streams.ensure_group(r, streams.TASKS, streams.WORKERS_GROUP)
+    await streams.add(r, streams.TASKS, task.to_dict())
+    runner = FailingRunner(r, "w1")
+    loop = asyncio.create_task(worker.work_loop(runner, concurrency=4, heartbeat_ttl_s=0.5))
+    try:
+        assert await asyncio.to_thread(importing.wait, 10)
+        await asyncio.sleep(1.5)  # three TTLs
+        assert await r.exists(streams.alive_key("w1"))
+        assert (await r.xpending(streams.TASKS, streams.WORKERS_GROUP))["pending"] == 0
+        imported.set()
+        deadline = time.monotonic() + 10
+        while runner.attempts == 0:
+            assert time.monotonic() < deadline, "the worker took no task after its import"
+            await asyncio.sleep(0.05)
+    finally:
+        imported.set()
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
         await r.aclose()
