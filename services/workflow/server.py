@@ -116,19 +116,6 @@ class WorkflowService(workflow_pb2_grpc.WorkflowServicer):
         )
 
 
-def warm_up() -> None:
-    """What a worker's first episodes would otherwise do on its event loop, stalling its
-    heartbeat and every other episode: start the math verifier's workers (about a second
-    each) and import transformers' tokenizer classes (~3 s of CPU; a tokenizer's load
-    after it takes milliseconds). `ready` runs it in a thread before the worker reports
-    SERVING, so before its loop heartbeats or takes a task."""
-    from transformers import AutoTokenizer  # noqa: F401
-
-    from marl.rewards import math as math_reward
-
-    math_reward.warm_up()
-
-
 async def _serve(
     port: int,
     host: str,
@@ -156,8 +143,10 @@ async def _serve(
         await http.start()
 
     async def ready() -> None:
+        from marl.rewards import math as math_reward
+
         await r.ping()
-        await asyncio.to_thread(warm_up)
+        await asyncio.to_thread(math_reward.warm_up)
 
     async def loop() -> None:
         await work_loop(

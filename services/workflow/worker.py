@@ -291,6 +291,13 @@ def dead_rollout(entry: streams.Entry, worker_id: str) -> Rollout:
     )
 
 
+def import_tokenizers() -> None:
+    """Import transformers' tokenizer classes: ~3 s of CPU, which an episode's first
+    tokenizer load would otherwise spend on the event loop, stalling the heartbeat (TTL
+    5 s) and every other episode. The load itself then takes milliseconds."""
+    from transformers import AutoTokenizer  # noqa: F401
+
+
 async def work_loop(
     runner: EpisodeRunner,
     concurrency: int = 512,
@@ -357,6 +364,8 @@ async def work_loop(
     backoff = 0.1
     try:
         await streams.ensure_group(r, streams.TASKS, streams.WORKERS_GROUP)
+        # before the first read: a worker takes no task it cannot start yet
+        await asyncio.to_thread(import_tokenizers)
         while not stopping():
             raise_if_cancelled()  # a cancel that redis-py lost mid-command (see aio_tasks)
             free = min(concurrency - len(running), 64)

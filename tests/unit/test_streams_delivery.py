@@ -132,14 +132,6 @@ async def test_forget_dead_consumers_keeps_live_and_holding_ones(redis_url: str)
         await r.aclose()
 
 
-def a_task() -> Task:
-    """run-1's task for problem p: sample 0 of step 0."""
-    return Task.for_spec(
-        RunSpec(), "run-1", Problem(id="p", prompt="q", answer="1"), 0, "train", 0,
-        {"generator": AdapterRef("run-1/generator", 1)},
-    )
-
-
 class FailingRunner(worker.EpisodeRunner):
     """A worker whose every episode hits a bug."""
 
@@ -156,7 +148,10 @@ async def test_a_task_that_keeps_failing_reaches_its_run_as_dead_lettered(
     redis_url: str,
 ) -> None:
     r = streams.connect(redis_url)
-    task = a_task()
+    task = Task.for_spec(
+        RunSpec(), "run-1", Problem(id="p", prompt="q", answer="1"), 0, "train", 0,
+        {"generator": AdapterRef("run-1/generator", 1)},
+    )
     await streams.ensure_group(r, streams.TASKS, streams.WORKERS_GROUP)
     await streams.ensure_group(r, streams.rollouts_stream("run-1"), "learner")
     await streams.add(r, streams.TASKS, task.to_dict())
@@ -183,62 +178,41 @@ async def test_a_task_that_keeps_failing_reaches_its_run_as_dead_lettered(
         await r.aclose()
 
 
-async def test_a_worker_warms_up_before_it_reports_serving_or_takes_a_task(
+async def test_a_worker_importing_its_tokenizer_library_beats_and_takes_no_task(
     redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The warm-up (transformers' import: seconds of CPU) runs in a thread before the
-    worker's loop starts: meanwhile the worker reports NOT_SERVING and leaves the stream's
-    task to others (holding nothing, it needs no heartbeat yet); then it takes the task."""
-    import os
-    import signal
+    """The import runs in a thread: the heartbeat outlives its TTL meanwhile, and the
+    stream's tasks stay unread for other workers until the worker can start them."""
+    importing, imported = threading.Event(), threading.Event()
 
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    def slow_import() -> None:
+        importing.set()
+        imported.wait(10)
 
-    from marl import auth
-    from marl.redis_server import free_port
-    from marl.serving import wait_healthy
-    from services.workflow import server
-
-    warming, warmed = threading.Event(), threading.Event()
-
-    def slow_warm_up() -> None:
-        warming.set()
-        warmed.wait(10)
-
-    monkeypatch.setattr(server, "warm_up", slow_warm_up)
+    monkeypatch.setattr(worker, "import_tokenizers", slow_import)
     r = streams.connect(redis_url)
-    await streams.ensure_group(r, streams.TASKS, streams.WORKERS_GROUP)
-    entry_id = await streams.add(r, streams.TASKS, a_task().to_dict())
-
-    async def last_delivered() -> str:
-        (group,) = await r.xinfo_groups(streams.TASKS)
-        return str(group["last-delivered-id"])
-
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    serving = asyncio.create_task(
-        server._serve(port, "127.0.0.1", redis_url, None, 4, heartbeat_ttl_s=0.5, drain_s=1.0)
+    task = Task.for_spec(
+        RunSpec(), "run-1", Problem(id="p", prompt="q", answer="1"), 0, "train", 0,
+        {"generator": AdapterRef("run-1/generator", 1)},
     )
+    await streams.ensure_group(r, streams.TASKS, streams.WORKERS_GROUP)
+    await streams.add(r, streams.TASKS, task.to_dict())
+    runner = FailingRunner(r, "w1")
+    loop = asyncio.create_task(worker.work_loop(runner, concurrency=4, heartbeat_ttl_s=0.5))
     try:
-        assert await asyncio.to_thread(warming.wait, 10)
-        await asyncio.sleep(1.5)  # three heartbeat TTLs
-        async with auth.aio_channel(address) as channel:
-            health = await health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=2
-            )
-        assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
-        assert await last_delivered() == "0-0"
-        warmed.set()
-        await wait_healthy(address, timeout=10)
+        assert await asyncio.to_thread(importing.wait, 10)
+        await asyncio.sleep(1.5)  # three TTLs
+        assert await r.exists(streams.alive_key("w1"))
+        assert (await r.xpending(streams.TASKS, streams.WORKERS_GROUP))["pending"] == 0
+        imported.set()
         deadline = time.monotonic() + 10
-        while await last_delivered() != entry_id:
-            assert time.monotonic() < deadline, "the worker took no task after its warm-up"
+        while runner.attempts == 0:
+            assert time.monotonic() < deadline, "the worker took no task after its import"
             await asyncio.sleep(0.05)
     finally:
-        warmed.set()
-        if not serving.done():
-            os.kill(os.getpid(), signal.SIGTERM)  # the worker's own stop handler
-        await asyncio.wait_for(serving, 30)
+        imported.set()
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
         await r.aclose()
 
 

@@ -211,23 +211,3 @@ async def test_problems_spread_over_replicas_and_a_group_meets_on_one() -> None:
               for r in replicas]
     assert served[0] and served[1] and not served[0] & served[1]
     assert sum(len(r.seen) for r in replicas) == 48
-
-
-def test_a_workers_warm_up_imports_the_tokenizer_classes_its_episodes_load() -> None:
-    """In a fresh interpreter: the worker's module leaves transformers to the warm-up, and
-    the warm-up imports what `AutoTokenizer.from_pretrained` needs (seconds of CPU)."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys\n"
-        "from unittest import mock\n"
-        "from services.workflow import server\n"
-        "before = 'transformers.models.auto.tokenization_auto' in sys.modules\n"
-        "with mock.patch('marl.rewards.math.warm_up'):\n"
-        "    server.warm_up()\n"
-        "print(before, 'transformers.models.auto.tokenization_auto' in sys.modules)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, check=True)
-    assert out.stdout.split() == ["False", "True"]
