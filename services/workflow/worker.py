@@ -294,7 +294,9 @@ def dead_rollout(entry: streams.Entry, worker_id: str) -> Rollout:
 def import_tokenizers() -> None:
     """Import transformers' tokenizer classes: ~3 s of CPU, which an episode's first
     tokenizer load would otherwise spend on the event loop, stalling the heartbeat (TTL
-    5 s) and every other episode. The load itself then takes milliseconds."""
+    5 s) and every other episode. The load itself then takes milliseconds. Not in the
+    server's `ready` (with the math verifier's warm-up): the worker would report SERVING
+    that much later, and a replacement for a lost worker would join that much later."""
     from transformers import AutoTokenizer  # noqa: F401
 
 
