@@ -16,6 +16,7 @@ attention) keeps its batch closed: newcomers wait until the running rows finish.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,6 +185,7 @@ class RunningBatch:
         self.device = next(model.parameters()).device
         self.rows: list[Row] = []
         self._state: _State | None = None
+        self._cache_name = cache_argument(model)
         self._open = True
         """False while the rows' cache cannot take more rows (see the module docstring)."""
 
@@ -226,7 +228,7 @@ class RunningBatch:
         out = self._forward(self.rows, state.next_ids, mask, state.next_pos, state.cache)
         state.mask = mask
         state.next_pos = state.next_pos + 1
-        state.cache = out.past_key_values
+        state.cache = out[self._cache_name]
         return self._drop_finished(self._sample_into(self.rows, state, out.logits[:, -1, :]))
 
     def drop(self, rows: list[Row]) -> None:
@@ -260,7 +262,7 @@ class RunningBatch:
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
         out = self._forward(distinct, ids, mask, positions, None)
-        state = _State(out.past_key_values, mask, ids[:, -1:], positions[:, -1:] + 1,
+        state = _State(out[self._cache_name], mask, ids[:, -1:], positions[:, -1:] + 1,
                        *self._sampling(distinct))
         logits = out.logits[:, -1, :]
         if n < len(rows):
@@ -291,10 +293,10 @@ class RunningBatch:
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
         )
+        kwargs[self._cache_name] = cache
         if self.lora is None:
             return self.model(**kwargs)
         with self.lora.route([r.adapter for r in rows]):
@@ -323,6 +325,12 @@ class RunningBatch:
         self._state.trim()
         self.rows = [self.rows[i] for i in keep]
         return finished
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """What the model's forward calls its KV cache, in and out: `cache` from transformers
+    5.24 on (which warns on the old name and will drop it), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def decode_all(

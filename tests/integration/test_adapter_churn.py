@@ -3,7 +3,8 @@
 
 Shown: every response is served by the version it asked for, no request fails, the
 replica keeps only the newest `retention` versions (one retired while requests still
-hold it stays until they finish: counted and printed, timing decides how often), and
+hold it stays until they finish, however many pushes that takes: counted and printed,
+timing decides how often), and
 its memory returns to its level once the versions are unloaded: 30 leaked versions
 would add about 45 MiB, the tolerance is 16 MiB (the heap's own drift reached 9 MiB in
 a full suite on 2 cores with one kept busy).
@@ -136,8 +137,11 @@ class Churn:
             await self.push(v)
             self.allowed[:] = [v - 1, v]
             listed = await self.listed()
-            self.held_while_retired += listed.get(v - 2, 0) > 0
-            assert {v - 1, v} <= set(listed) <= {v - 2, v - 1, v}, (v, listed)
+            self.held_while_retired += any(u < v - 1 for u in listed)
+            # Retired versions stay while requests hold them, however long that takes (on a
+            # loaded machine one retired two pushes ago was still held); once released they
+            # go: the check after the clients stop sees only the newest RETENTION.
+            assert {v - 1, v} <= set(listed) and max(listed) == v, (v, listed)
         stop.set()
         await asyncio.gather(*clients)
         listed = await self.listed()

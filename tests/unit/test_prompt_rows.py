@@ -133,8 +133,12 @@ def test_a_grpo_step_with_shared_prompts_is_the_step_without(
     assert not any(shared_forwards)
     got, got_state = run_step(small_vocab, 12, {}, rollouts_=rs)
     assert any(shared_forwards)
+    # The loss is a mean of O(1) terms that cancel to ~1e-2 (advantages sum to zero), so its
+    # float32 rounding is ~1e-6 absolute, and which way it goes depends on the BLAS kernels
+    # the host's CPU gets (MKL_CBWR=COMPATIBLE passes at 1e-6, an AVX-512 EPYC does not).
+    # A completion that sees another's tokens moves it by orders of magnitude more.
     for key in ("policy/shared/loss", "policy/shared/grad_norm", "role/solver/entropy",
                 "role/solver/perplexity", "role/solver/chi2", "role/solver/kl_base"):
-        assert got.metrics[key] == pytest.approx(ref.metrics[key], rel=1e-4, abs=1e-6), key
+        assert got.metrics[key] == pytest.approx(ref.metrics[key], rel=1e-4, abs=1e-5), key
     for k, v in ref_state.items():  # AdamW at lr 0.1 amplifies rounding where a gradient is ~0
         torch.testing.assert_close(got_state[k], v, rtol=1e-3, atol=1e-3)
