@@ -9,7 +9,13 @@ import torch
 
 from services.inference.engine import GenerationRequest
 from services.inference.multi_lora import MultiLoRA
-from services.inference.running_batch import Row, RunningBatch, decode_all, make_row
+from services.inference.running_batch import (
+    Row,
+    RunningBatch,
+    cache_argument,
+    decode_all,
+    make_row,
+)
 from tests.unit.test_multi_lora import TARGETS, adapter, tiny_model
 
 EOS: list[int] = []  # the random model may emit any token: decode to each row's budget
@@ -173,3 +179,19 @@ def test_rows_sharing_a_prompt_and_adapter_are_prefilled_once(
         assert row.tokens == tokens
         assert row.logprobs == pytest.approx(logprobs, abs=1e-4)
     assert rows[0].tokens != rows[1].tokens  # seeds 1 and 2 sample apart
+
+
+def test_the_kv_cache_goes_by_the_name_the_model_forward_takes() -> None:
+    """transformers 5.24 renamed `past_key_values` to `cache` (the old name warns, and goes
+    in 5.40); the project allows 5.2 on, so the batch asks the model which it takes."""
+
+    class Before(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, past_key_values: object = None) -> None:
+            pass
+
+    class After(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, cache: object = None) -> None:
+            pass
+
+    assert cache_argument(Before()) == "past_key_values"
+    assert cache_argument(After()) == "cache"
