@@ -132,6 +132,14 @@ async def test_forget_dead_consumers_keeps_live_and_holding_ones(redis_url: str)
         await r.aclose()
 
 
+def a_task() -> Task:
+    """run-1's task for problem p: sample 0 of step 0."""
+    return Task.for_spec(
+        RunSpec(), "run-1", Problem(id="p", prompt="q", answer="1"), 0, "train", 0,
+        {"generator": AdapterRef("run-1/generator", 1)},
+    )
+
+
 class FailingRunner(worker.EpisodeRunner):
     """A worker whose every episode hits a bug."""
 
@@ -148,10 +156,7 @@ async def test_a_task_that_keeps_failing_reaches_its_run_as_dead_lettered(
     redis_url: str,
 ) -> None:
     r = streams.connect(redis_url)
-    task = Task.for_spec(
-        RunSpec(), "run-1", Problem(id="p", prompt="q", answer="1"), 0, "train", 0,
-        {"generator": AdapterRef("run-1/generator", 1)},
-    )
+    task = a_task()
     await streams.ensure_group(r, streams.TASKS, streams.WORKERS_GROUP)
     await streams.ensure_group(r, streams.rollouts_stream("run-1"), "learner")
     await streams.add(r, streams.TASKS, task.to_dict())
@@ -191,10 +196,7 @@ async def test_a_worker_importing_its_tokenizer_library_beats_and_takes_no_task(
 
     monkeypatch.setattr(worker, "import_tokenizers", slow_import)
     r = streams.connect(redis_url)
-    task = Task.for_spec(
-        RunSpec(), "run-1", Problem(id="p", prompt="q", answer="1"), 0, "train", 0,
-        {"generator": AdapterRef("run-1/generator", 1)},
-    )
+    task = a_task()
     await streams.ensure_group(r, streams.TASKS, streams.WORKERS_GROUP)
     await streams.add(r, streams.TASKS, task.to_dict())
     runner = FailingRunner(r, "w1")
