@@ -13,7 +13,8 @@ Voting and Single workflows:
 (b) and (c) each run twice, in the order b c c b, each time on a cluster of its own with
 the thread split that suits it (`marl.launcher.service_threads` over `--cores`): (b)'s
 inference replica and learner take turns and each gets every core; (c)'s run at once and
-get disjoint shares. A machine whose speed drifts over the bench's minutes (a shared VM's
+get disjoint shares, until the rollouts queued ahead are in and the learner's update takes
+every core (`services.learner.threads`; `--no-burst` keeps the shares throughout). A machine whose speed drifts over the bench's minutes (a shared VM's
 does) then slows both modes alike, rather than whichever ran second.
 
 Per marl mode, over both of its runs' steps after the first two of each (warm-up):
@@ -110,6 +111,7 @@ def figures_of(outs: list[Path]) -> dict[str, float]:
     waited = sum(r["time/rollout_s"] for r in steps)
     trained = sum(r["time/update_s"] for r in steps)
     pushed = sum(r["time/push_s"] for r in steps)
+    burst = sum(r.get("time/update_burst_s", 0.0) for r in steps)
     return {
         "step_s": statistics.median(r["time/step_s"] for r in steps),
         "steps_per_s": len(steps) / total,
@@ -119,6 +121,7 @@ def figures_of(outs: list[Path]) -> dict[str, float]:
         "share_rollout_wait": waited / total,
         "share_update": trained / total,
         "share_push": pushed / total,
+        "update_share_burst": burst / max(trained, 1e-9),
         "share_other": 1 - (waited + trained + pushed) / total,
         "reward": statistics.mean(r["train/reward_mean"] for r in steps),
     }
@@ -162,6 +165,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--workflows", default="voting,single")
     p.add_argument("--cores", type=int, default=DEFAULT_CORES,
                    help="cores the services share out (marl.launcher.service_threads)")
+    p.add_argument("--no-burst", action="store_true",
+                   help="K=1's update keeps its share of the cores throughout (the baseline "
+                   "of services.learner.threads)")
     args = p.parse_args()
     if args.steps <= WARMUP_STEPS:
         p.error(f"--steps must be over the {WARMUP_STEPS} warm-up steps")
@@ -175,7 +181,8 @@ def print_table(figures: dict[str, Any]) -> None:
           f"{WARMUP_STEPS} of each of its runs of {figures['steps']}")
     for run in ("sync", "k1"):
         t = figures[f"{run}_threads"]
-        print(f"{run} threads: inference {t['inference']}, learner {t['learner']}")
+        print(f"{run} threads: inference {t['inference']}, learner {t['learner']} "
+              f"({t['learner_burst']} once the rollouts queued ahead are in)")
     head = ("workflow", "run", "step s", "steps/s", "tok/s waited", "tok/s", "wait", "train",
             "push", "other", "reward")
     print("{:<9} {:<10} {:>7} {:>8} {:>13} {:>7} {:>6} {:>6} {:>6} {:>6} {:>7}".format(*head))
@@ -189,7 +196,8 @@ def print_table(figures: dict[str, Any]) -> None:
                   f"{f['share_update']:>6.2f} {f['share_push']:>6.2f} {f['share_other']:>6.2f} "
                   f"{f['reward']:>7.3f}")
         print(f"{wf:<9} sync rollout tok/s / engine alone: {row['sync_vs_engine']:.2f}x; "
-              f"K=1 / sync steps/s: {row['k1_vs_sync']:.2f}x")
+              f"K=1 / sync steps/s: {row['k1_vs_sync']:.2f}x; K=1 update time with every "
+              f"core: {row['k1']['update_share_burst']:.0%}")
 
 
 def main() -> None:
@@ -205,6 +213,8 @@ def main() -> None:
         outs: dict[tuple[str, str], list[Path]] = {}
         for n, (run, k) in enumerate(ORDER):
             threads = service_threads(args.cores, overlapped=k > 0)
+            if args.no_burst:
+                threads["learner_burst"] = threads["learner"]
             figures[f"{run}_threads"] = threads
             cluster = Cluster(root / f"cluster-{n}-{run}", str(demo_model_dir()),
                               engine=args.engine, sandbox_replicas=0,

@@ -96,6 +96,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             runs_dir=cfg.runs_dir,
             http_port=cfg.http_port,
             max_queued_tasks=cfg.max_queued_tasks,
+            burst_threads=cfg.burst_threads,
         )
     else:
         from services.reward_sandbox import server as sandbox

@@ -43,12 +43,15 @@ def service_threads(cores: int, overlapped: bool) -> dict[str, int]:
     (`train.max_staleness` 0) generates, then trains: the inference replica and the
     learner take turns, and each gets every core. An overlapped run (>= 1) generates and
     trains at once: they get disjoint shares, so that neither's OpenMP pool spins on the
-    other's cores (OMP_SPIN_COUNT)."""
+    other's cores (OMP_SPIN_COUNT). `learner_burst`: the threads the learner's update takes
+    once every rollout queued ahead is in and the inference share idles
+    (`services.learner.threads`): every core."""
     if overlapped:
         inference, learner = max(1, cores // 2), max(1, cores - cores // 2)
     else:
         inference = learner = max(1, cores)
-    return {"inference": inference, "learner": learner, "workflow": 1, "sandbox": 1}
+    return {"inference": inference, "learner": learner, "learner_burst": max(1, cores),
+            "workflow": 1, "sandbox": 1}
 
 
 def how_it_ended(code: int | None) -> str:
@@ -136,6 +139,8 @@ class Cluster:
             TRANSFORMERS_OFFLINE="1",
             PYTHONUNBUFFERED="1",
         )
+        if kind == "learner" and "learner_burst" in self.threads:
+            env["MARL_LEARNER_BURST_THREADS"] = str(self.threads["learner_burst"])
         cmd = [sys.executable, "-m", "marl.cli", "serve", kind, "--port", str(port), *extra]
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(

@@ -118,6 +118,11 @@ class LearnerConfig(_RedisConfig):
     max_queued_tasks: int = Field(default=4096, ge=1, le=1_000_000)
     """Tasks waiting in (or held from) the tasks stream past which a step adds no more
     until workers catch up: the bound on queued work."""
+    burst_threads: int = Field(default=0, ge=0, le=1024)
+    """Runs with `train.max_staleness` >= 1, on a machine the learner shares with inference:
+    torch threads an update may take once every rollout queued ahead is in (the cores
+    generation then leaves idle). 0: the learner's own threads (OMP_NUM_THREADS) throughout;
+    leave it so where the learner has cores of its own (a pod with a CPU limit)."""
     http_port: int | None = Field(default=None, ge=0, le=65535)
     """Port of the HTTP server (Prometheus /metrics); none when unset."""
 

@@ -143,25 +143,28 @@ class Episodes:
         for (_, pending), entry_id in zip(batch, added, strict=True):
             pending.ids.append(entry_id)
 
-    async def collect(self, wanted: set[str]) -> None:
+    async def collect(self, wanted: set[str], stop: asyncio.Event | None = None) -> None:
         """Read rollouts until every task id of `wanted` has one in `arrived`, adding queued
         tasks as the stream has room. A rollout of no submitted task, or served by another
         adapter version than its task names (left over from a learner that died), is
-        dropped."""
+        dropped. With `stop` (reading ahead while the learner trains): also return once it
+        is set, within ~50 ms, and leave the step's deadline to the gather that follows."""
         deadline = time.monotonic() + self.spec.train.step_timeout_s
-        while True:
+        block_ms = 500 if stop is None else 50
+        while stop is None or not stop.is_set():
             try:
                 await self.add_tasks()
                 if not (missing := len(wanted - self.arrived.keys())):
                     return
                 entries = await streams.read_group(
-                    self.r, self.stream, LEARNER_GROUP, self.consumer, count=1024, block_ms=500
+                    self.r, self.stream, LEARNER_GROUP, self.consumer, count=1024,
+                    block_ms=block_ms,
                 )
             except (RedisConnectionError, RedisTimeoutError) as err:
                 # Redis is down past the client's own retries: wait it out within the
                 # step's deadline (AOF brings back what it had acknowledged)
                 log.warning("redis unreachable while collecting rollouts: %s; retrying", err)
-                if time.monotonic() > deadline:
+                if stop is None and time.monotonic() > deadline:
                     raise RunFailed(f"redis unreachable for the whole step: {err}") from err
                 await asyncio.sleep(1.0)
                 continue
@@ -180,9 +183,9 @@ class Episodes:
             if entries:
                 ids = [e.id for e in entries]
                 await streams.ack(self.r, self.stream, LEARNER_GROUP, *ids, delete=True)
-            else:
+            elif stop is None:
                 await self.check_cancel()
-            if time.monotonic() > deadline:
+            if stop is None and time.monotonic() > deadline:
                 raise RunFailed(
                     f"only {len(wanted) - missing}/{len(wanted)} rollouts arrived within "
                     f"train.step_timeout_s={self.spec.train.step_timeout_s:.0f}s; "

@@ -79,6 +79,10 @@ def return_freed_memory() -> None:
         pass
 
 
+def _keep_threads() -> None:
+    pass
+
+
 class MultiAdapterPolicy:
     def __init__(
         self,
@@ -144,6 +148,8 @@ class MultiAdapterPolicy:
         self._checkpointing = False
         self._split = self._split_check()
         self._custom_masks = base.config._attn_implementation in CUSTOM_MASK_ATTENTION
+        self.pace: Callable[[], None] = _keep_threads
+        """Called before every forward, on the thread that runs it (threads.ThreadBurst.pace)."""
 
     def call(self, fn: Callable[..., R], *args: Any) -> R:
         """`fn(self, *args)`: the policy is its own handle when it lives in this process
@@ -237,6 +243,7 @@ class MultiAdapterPolicy:
         if base:
             with self.model.disable_adapter():
                 return self.features(input_ids, attention_mask, position_ids=position_ids)
+        self.pace()
         kwargs: dict[str, Any] = {
             "input_ids": input_ids.to(self.device),
             "attention_mask": attention_mask.to(self.device),

@@ -259,7 +259,11 @@ async def _keep_lease(store: RunStore, run_id: str, learner_id: str) -> None:
 
 
 async def run_loop(
-    r: aioredis.Redis, store: RunStore, learner_id: str, max_queued_tasks: int = 4096
+    r: aioredis.Redis,
+    store: RunStore,
+    learner_id: str,
+    max_queued_tasks: int = 4096,
+    burst_threads: int = 0,
 ) -> None:
     """Take queued runs, and runs whose learner died, one at a time and train them."""
     torch_thread = TorchThread("learner")
@@ -288,6 +292,7 @@ async def run_loop(
                 extra_sinks=sinks,
                 max_queued_tasks=max_queued_tasks,
                 torch_thread=torch_thread,
+                burst_threads=burst_threads,
             )
             await executor.execute()
         except RunCancelled:
@@ -313,6 +318,7 @@ async def _serve(
     runs_dir: Path,
     http_port: int | None = None,
     max_queued_tasks: int = 4096,
+    burst_threads: int = 0,
 ) -> None:
     name = learner_pb2.DESCRIPTOR.services_by_name["Learner"].full_name
     server = ServiceHost([name], host, port)
@@ -331,7 +337,7 @@ async def _serve(
         await r.ping()
 
     async def loop() -> None:
-        await run_loop(r, store, learner_id, max_queued_tasks)
+        await run_loop(r, store, learner_id, max_queued_tasks, burst_threads)
 
     async def on_stop() -> None:
         if http is not None:
@@ -348,8 +354,17 @@ def run(
     runs_dir: str = "runs",
     http_port: int | None = None,
     max_queued_tasks: int = 4096,
+    burst_threads: int = 0,
 ) -> None:
     configure_logging("learner")
     asyncio.run(
-        _serve(port, host, redis_url, Path(runs_dir).resolve(), http_port, max_queued_tasks)
+        _serve(
+            port,
+            host,
+            redis_url,
+            Path(runs_dir).resolve(),
+            http_port,
+            max_queued_tasks,
+            burst_threads,
+        )
     )

@@ -14,6 +14,7 @@ after that checkpoint cut back and a fresh range of adapter versions.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from pathlib import Path
@@ -50,6 +51,7 @@ from services.learner.validator import Validator
 if TYPE_CHECKING:
     from marl.data.problem import Problem
     from services.learner.ranks import PolicyHandle
+    from services.learner.threads import ThreadBurst
 
 __all__ = [
     "DataSampler",
@@ -76,7 +78,10 @@ class RunExecutor:
         extra_sinks: list[MetricsSink] | None = None,
         max_queued_tasks: int = 4096,
         torch_thread: TorchThread | None = None,
+        burst_threads: int = 0,
     ):
+        """`burst_threads`: torch threads the update may take once every rollout queued
+        ahead is in (`threads.ThreadBurst`); 0, or a synchronous run: its own share."""
         self.run_id = run_id
         self.torch = torch_thread or TorchThread("learner")
         """Where the policy's torch work runs: the learner process's one torch thread."""
@@ -117,12 +122,16 @@ class RunExecutor:
         )
         """Role drift alarms over every logged record (a resumed run replays those kept)."""
         self.guard = Guard(spec)
+        self.burst_threads = burst_threads
+        self.burst: ThreadBurst | None = None
 
     async def execute(self) -> None:
         await self.adapters.start()
         try:
             await self.train()
         finally:
+            if self.burst is not None:
+                await self.torch.run(self.burst.start_step)
             await self.adapters.close()
             for sink in self.sinks:
                 await sink.close()
@@ -130,7 +139,9 @@ class RunExecutor:
                 self.torch.close()
 
     async def train(self) -> None:
+        from services.learner.policy import MultiAdapterPolicy
         from services.learner.ranks import close_policy, open_policy
+        from services.learner.threads import ThreadBurst
 
         spec = self.spec
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -145,6 +156,11 @@ class RunExecutor:
             )
         await self.episodes.open(fresh=self.takeover > 0)
         policy = await self.torch.run(open_policy, spec, sorted(set(self.roles.values())))
+        burst = ThreadBurst.of_this_process(self.burst_threads)
+        # a synchronous run's update has every core anyway; the ranks' threads are theirs
+        if burst.enabled and spec.train.max_staleness > 0 and isinstance(policy, MultiAdapterPolicy):
+            self.burst = burst
+            policy.pace = burst.pace
         try:
             await self.train_with(policy, train, val)
         finally:
@@ -194,8 +210,9 @@ class RunExecutor:
             t1 = time.monotonic()
             current = {ref.name: ref.version for ref in self.adapters.refs().values()}
             trained, staleness = drop_stale(rollouts, current, spec.train.max_staleness)
-            result = await self.torch.run(
-                policy.call,
+            result, burst_s = await self.update(
+                policy,
+                ahead,
                 grpo_step,
                 trained,
                 [r.problem_id for r in trained],
@@ -230,11 +247,38 @@ class RunExecutor:
                     "time/rollout_s": t1 - t0,
                     "time/update_s": t2 - t1,
                     "time/push_s": t3 - t2,
+                    **({} if self.burst is None else {"time/update_burst_s": burst_s}),
                     "time/step_s": time.monotonic() - t0,
                 }
             )
             await self.log(done, record, policy, checkpointer)
             release_free_heap()
+
+    async def update(
+        self, policy: PolicyHandle, ahead: dict[int, tuple[Pending, int]], *call: Any
+    ) -> tuple[Any, float]:
+        """`policy.call(*call)` (the step's update) and the seconds of it run with the burst
+        of threads: while it runs, the rollouts of the steps queued `ahead` are read, and
+        once all are in the update takes the cores their generation leaves idle."""
+        if self.burst is None:
+            return await self.torch.run(policy.call, *call), 0.0
+        burst = self.burst
+        await self.torch.run(burst.start_step)
+        wanted = {t.id for pending, _ in ahead.values() for t in pending.tasks}
+        stop = asyncio.Event()
+
+        async def read_ahead() -> None:
+            await self.episodes.collect(wanted, stop)
+            if wanted <= self.episodes.arrived.keys():
+                burst.rollouts_in()
+
+        reader = asyncio.create_task(read_ahead())
+        try:
+            result = await self.torch.run(policy.call, *call)
+            return result, burst.burst_seconds()
+        finally:
+            stop.set()
+            await reader
 
     async def check_cancel(self) -> None:
         if await self.store.cancel_requested(self.run_id):

@@ -1,6 +1,7 @@
 """Bounded staleness (`train.max_staleness`) on real processes and a real Redis: with K = 1
 the learner trains step t while workers generate step t+1, every trained turn is at most
-one version behind, and `staleness_scope: turn` episodes take a newer version mid-episode.
+one version behind, the update takes the inference replica's core once step t+1's rollouts
+are in, and `staleness_scope: turn` episodes take a newer version mid-episode.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 from learner_runs import demo_model_dir, rows, submit, voting_spec, wait_end
 
-from marl.launcher import Cluster
+from marl.launcher import Cluster, service_threads
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -23,8 +24,10 @@ STEPS = 6
 def started_cluster(root: Path, workers: int, episodes_each: int) -> Iterator[Cluster]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MARL_WORKFLOW_CONCURRENCY", str(episodes_each))
+        # the split an overlapped run gets: inference 1 thread, learner 1, or 2 once the
+        # rollouts queued ahead are in
         c = Cluster(root, str(demo_model_dir()), engine="transformers", sandbox_replicas=0,
-                    workflow_replicas=workers)
+                    workflow_replicas=workers, threads=service_threads(2, overlapped=True))
         c.start()
     yield c
     c.stop()
@@ -73,6 +76,9 @@ def test_one_step_ahead_trains_turns_at_most_one_version_old(
         assert r["train/stale_dropped"] == 0
         assert r["train/staleness_max"] <= 1
         assert 0 < r["train/importance_weight_mean"] <= 2.0
+        assert 0 <= r["time/update_burst_s"] <= r["time/update_s"]
+    # the last step has nothing queued ahead: its whole update has both cores
+    assert records[-1]["time/update_burst_s"] > 0
     # the learner trained step s (logged as s + 1) with version s; step s's tasks were
     # queued while it trained step s - 1, with version s - 1: one version behind
     for step in range(2, STEPS + 1):
@@ -92,6 +98,7 @@ def test_synchronous_run_is_on_policy(cluster: Cluster, tmp_path: Path) -> None:
     for r in (r for r in rows(out) if r["step"] > 0):
         assert r["train/staleness_max"] == 0
         assert "train/importance_weight_mean" not in r
+        assert "time/update_burst_s" not in r  # a synchronous update has every core anyway
     for step in range(1, STEPS + 1):
         versions = {t["adapter"]["version"] for r in logged_rollouts(out, step)
                     for t in r["turns"]}

@@ -331,3 +331,44 @@ async def test_a_step_whose_rollouts_are_all_in_still_sends_the_next_steps_tasks
         assert episodes.queue == []
     finally:
         await r.aclose()
+
+
+async def test_reading_ahead_stops_when_told_and_leaves_the_rest_to_the_gather(
+    redis_url: str,
+) -> None:
+    """While the learner trains, `collect(..., stop)` reads the queued steps' rollouts (so
+    the learner knows when generation is over). Told to stop, it returns within a read's
+    block (50 ms), with no error even past the step's deadline, and what it read stays for
+    the gather."""
+    from services.learner.episodes import Episodes
+
+    r = streams.connect(redis_url)
+    spec = RunSpec.model_validate({"grpo": {"group_size": 2}, "train": {"step_timeout_s": 0.1}})
+    adapters = {"generator": AdapterRef("run-s/generator", 1)}
+    episodes = Episodes("run-s", spec, r, "learner-s", lambda: adapters, never_cancelled)
+    await episodes.open(fresh=True)
+    try:
+        pending = episodes.submit([Problem(id="p", prompt="q", answer="1")], 0, "train")
+        wanted = {t.id for t in pending.tasks}
+        stop = asyncio.Event()
+        reader = asyncio.create_task(episodes.collect(wanted, stop))
+        first = (await streams.read_group(r, streams.TASKS, streams.WORKERS_GROUP, "w",
+                                          count=1, block_ms=1000))[0]
+        await streams.add(r, streams.rollouts_stream("run-s"),
+                          answered(Task.from_dict(first.data)).to_dict())
+        await asyncio.sleep(0.3)  # past the step's 0.1 s deadline
+        assert not reader.done()
+        stop.set()
+        t0 = time.monotonic()
+        await asyncio.wait_for(reader, 1)
+        assert time.monotonic() - t0 < 0.3
+        assert set(episodes.arrived) == {Task.from_dict(first.data).id}
+
+        second = (await streams.read_group(r, streams.TASKS, streams.WORKERS_GROUP, "w",
+                                           block_ms=1000))[0]
+        await streams.add(r, streams.rollouts_stream("run-s"),
+                          answered(Task.from_dict(second.data)).to_dict())
+        got = await asyncio.wait_for(episodes.gather(pending), 5)
+        assert [x.sample for x in got] == [0, 1]
+    finally:
+        await r.aclose()

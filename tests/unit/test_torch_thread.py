@@ -52,4 +52,5 @@ def test_service_threads_share_cores_out_only_when_overlapped(
 ) -> None:
     threads = service_threads(cores, overlapped)
     assert (threads["inference"], threads["learner"]) == (inference, learner)
+    assert threads["learner_burst"] == max(1, cores)
     assert threads["workflow"] == threads["sandbox"] == 1
