@@ -293,7 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--overlapped",
         action="store_true",
         help="for runs with train.max_staleness >= 1: inference and learner get disjoint "
-        "shares of --cores instead of all of them each",
+        "shares of --cores instead of all of them each (the learner's update takes them all "
+        "once the rollouts queued ahead are in)",
     )
     p.set_defaults(fn=cmd_up)
 
