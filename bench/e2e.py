@@ -14,8 +14,9 @@ Voting and Single workflows:
 the thread split that suits it (`marl.launcher.service_threads` over `--cores`): (b)'s
 inference replica and learner take turns and each gets every core; (c)'s run at once and
 get disjoint shares, until the rollouts queued ahead are in and the learner's update takes
-every core (`services.learner.threads`; `--no-burst` keeps the shares throughout). A machine whose speed drifts over the bench's minutes (a shared VM's
-does) then slows both modes alike, rather than whichever ran second.
+every core (`services.learner.threads`; `--no-burst` keeps the shares throughout). A
+machine whose speed drifts over the bench's minutes (a shared VM's does) then slows both
+modes alike, rather than whichever ran second.
 
 Per marl mode, over both of its runs' steps after the first two of each (warm-up):
 median step time, steps/s, rollout tokens/s while the learner waited for rollouts (the
