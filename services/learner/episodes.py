@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -149,7 +150,7 @@ class Episodes:
         adapter version than its task names (left over from a learner that died), is
         dropped. With `stop` (reading ahead while the learner trains): also return once it
         is set, within ~50 ms, and leave the step's deadline to the gather that follows."""
-        deadline = time.monotonic() + self.spec.train.step_timeout_s
+        deadline = time.monotonic() + self.spec.train.step_timeout_s if stop is None else math.inf
         block_ms = 500 if stop is None else 50
         while stop is None or not stop.is_set():
             try:
@@ -164,7 +165,7 @@ class Episodes:
                 # Redis is down past the client's own retries: wait it out within the
                 # step's deadline (AOF brings back what it had acknowledged)
                 log.warning("redis unreachable while collecting rollouts: %s; retrying", err)
-                if stop is None and time.monotonic() > deadline:
+                if time.monotonic() > deadline:
                     raise RunFailed(f"redis unreachable for the whole step: {err}") from err
                 await asyncio.sleep(1.0)
                 continue
@@ -185,7 +186,7 @@ class Episodes:
                 await streams.ack(self.r, self.stream, LEARNER_GROUP, *ids, delete=True)
             elif stop is None:
                 await self.check_cancel()
-            if stop is None and time.monotonic() > deadline:
+            if time.monotonic() > deadline:
                 raise RunFailed(
                     f"only {len(wanted) - missing}/{len(wanted)} rollouts arrived within "
                     f"train.step_timeout_s={self.spec.train.step_timeout_s:.0f}s; "

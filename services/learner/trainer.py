@@ -212,7 +212,7 @@ class RunExecutor:
             trained, staleness = drop_stale(rollouts, current, spec.train.max_staleness)
             result, burst_s = await self.update(
                 policy,
-                ahead,
+                {t.id for pending, _ in ahead.values() for t in pending.tasks},
                 grpo_step,
                 trained,
                 [r.problem_id for r in trained],
@@ -254,22 +254,19 @@ class RunExecutor:
             await self.log(done, record, policy, checkpointer)
             release_free_heap()
 
-    async def update(
-        self, policy: PolicyHandle, ahead: dict[int, tuple[Pending, int]], *call: Any
-    ) -> tuple[Any, float]:
+    async def update(self, policy: PolicyHandle, ahead: set[str], *call: Any) -> tuple[Any, float]:
         """`policy.call(*call)` (the step's update) and the seconds of it run with the burst
-        of threads: while it runs, the rollouts of the steps queued `ahead` are read, and
+        of threads: while it runs, the rollouts of the tasks queued `ahead` are read, and
         once all are in the update takes the cores their generation leaves idle."""
         if self.burst is None:
             return await self.torch.run(policy.call, *call), 0.0
         burst = self.burst
         await self.torch.run(burst.start_step)
-        wanted = {t.id for pending, _ in ahead.values() for t in pending.tasks}
         stop = asyncio.Event()
 
         async def read_ahead() -> None:
-            await self.episodes.collect(wanted, stop)
-            if wanted <= self.episodes.arrived.keys():
+            await self.episodes.collect(ahead, stop)
+            if ahead <= self.episodes.arrived.keys():
                 burst.rollouts_in()
 
         reader = asyncio.create_task(read_ahead())

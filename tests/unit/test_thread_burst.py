@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from test_grpo_minibatch import new_policy, spec, step, voting_batch
 
 from marl.torch_thread import TorchThread
 from services.learner.threads import ThreadBurst
@@ -49,10 +50,6 @@ def test_a_burst_no_larger_than_the_share_is_off() -> None:
 def test_an_update_paces_before_its_forwards_and_bursts_midway(model_dir: Path) -> None:
     """A whole GRPO step (old log-probs, mini-batches, drift sample) on the torch thread:
     `pace` runs before each forward, so a burst asked for midway is taken midway."""
-    from test_grpo_minibatch import ROLES, new_policy, spec, voting_batch
-
-    from services.learner.update import grpo_step
-
     s = spec(mini_batch_size=8)
     worker = TorchThread("test")
     policy = worker.call(new_policy, model_dir, "shared", s)
@@ -69,8 +66,7 @@ def test_an_update_paces_before_its_forwards_and_bursts_midway(model_dir: Path) 
     rollouts = voting_batch()
     try:
         worker.call(burst.start_step)
-        worker.call(grpo_step, policy, rollouts, [r.problem_id for r in rollouts],
-                    ROLES["shared"], s)
+        worker.call(step, policy, rollouts, "shared", s)
     finally:
         worker.close()
     # 32 sequences in micro-batches of 5: 7 forwards for the old log-probs alone
