@@ -25,6 +25,7 @@ from transformers.cache_utils import DynamicLayer
 
 from services.inference.engine import GenerationRequest, GenerationResult
 from services.inference.multi_lora import MultiLoRA
+from services.inference.sampling import row_uniforms, sample
 
 
 @dataclass
@@ -36,7 +37,6 @@ class Row:
     """None: the bare base model."""
     stops: frozenset[int]
     tag: Any = None
-    generator: torch.Generator | None = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: str | None = None
@@ -60,44 +60,10 @@ class Row:
 
 
 def make_row(
-    request: GenerationRequest,
-    adapter: str | None,
-    eos_token_ids: list[int],
-    device: torch.device,
-    tag: Any = None,
+    request: GenerationRequest, adapter: str | None, eos_token_ids: list[int], tag: Any = None
 ) -> Row:
-    generator = None
-    if request.seed is not None:
-        generator = torch.Generator(device=device).manual_seed(request.seed)
     stops = frozenset(eos_token_ids) | frozenset(request.stop_token_ids)
-    return Row(request, adapter, stops, tag, generator)
-
-
-def sample(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_p: torch.Tensor,
-    generators: list[torch.Generator | None],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row sampling; returns (token ids, their log-probs under the sampling distribution)."""
-    logits = logits.float()
-    greedy = temperature <= 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
-    logp = torch.log_softmax(scaled, dim=-1)
-    if bool((top_p < 1).any()):
-        sorted_lp, idx = torch.sort(logp, dim=-1, descending=True)
-        cum = sorted_lp.exp().cumsum(-1)
-        drop_sorted = (cum - sorted_lp.exp()) >= top_p[:, None]
-        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
-        logp = torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
-    uniform = torch.rand(logp.shape, device=logp.device)  # rows without a seed: one draw
-    for i, gen in enumerate(generators):
-        if gen is not None:
-            uniform[i] = torch.rand(logp.shape[-1], generator=gen, device=logp.device)
-    gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-20)))
-    sampled = torch.argmax(logp + gumbel, dim=-1)
-    tokens = torch.where(greedy, torch.argmax(logp, dim=-1), sampled)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    return Row(request, adapter, stops, tag)
 
 
 def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
@@ -304,8 +270,9 @@ class RunningBatch:
 
     def _sample_into(self, rows: list[Row], state: _State, logits: torch.Tensor) -> list[Row]:
         """Sample each row's next token into `state.next_ids`; returns the rows it finished."""
-        tokens, logps = sample(logits, state.temperature, state.top_p,
-                               [r.generator for r in rows])
+        uniforms = row_uniforms([r.request.seed for r in rows], [len(r.tokens) for r in rows],
+                                logits.device)
+        tokens, logps = sample(logits, state.temperature, state.top_p, uniforms)
         state.next_ids = tokens[:, None]
         finished = []
         for row, tok, lp in zip(rows, tokens.tolist(), logps.tolist(), strict=True):
@@ -343,8 +310,7 @@ def decode_all(
 ) -> list[GenerationResult]:
     """Decode `requests` as one batch to the end (no joins): tests and one-off callers."""
     batch = RunningBatch(model, lora, pad_token_id)
-    device = batch.device
-    rows = [make_row(r, a, eos_token_ids, device) for r, a in zip(requests, adapters, strict=True)]
+    rows = [make_row(r, a, eos_token_ids) for r, a in zip(requests, adapters, strict=True)]
     batch.admit(rows)
     while batch.rows:
         batch.step()

@@ -229,7 +229,7 @@ class TransformersEngine:
                 p.settle(KeyError(f"adapter {key} was unloaded"))
                 continue
             adapter = None if key == BASE else key
-            rows.append(make_row(p.request, adapter, self.eos_token_ids, self.device, tag=p))
+            rows.append(make_row(p.request, adapter, self.eos_token_ids, tag=p))
         if not rows:
             return
         try:

@@ -60,7 +60,7 @@ def test_rows_joining_mid_batch_decode_as_alone(
     finished: list[Row] = []
     step = 0
     while step == 0 or batch.rows:
-        joining = [make_row(r, a, EOS, batch.device) for at, r, a in plan if at == step]
+        joining = [make_row(r, a, EOS) for at, r, a in plan if at == step]
         if joining:
             finished += batch.admit(joining)
             rows += joining
@@ -80,8 +80,8 @@ def test_a_finished_row_leaves_and_its_padding_is_trimmed(
     model, lora = model_and_lora
     batch = RunningBatch(model, lora, pad_token_id=0)
     long_prompt, short = request(list(range(1, 11)), 3), request([5, 6], 8)
-    batch.admit([make_row(long_prompt, None, EOS, batch.device),
-                 make_row(short, None, EOS, batch.device)])
+    batch.admit([make_row(long_prompt, None, EOS),
+                 make_row(short, None, EOS)])
     assert batch._state is not None and batch._state.mask.shape == (2, 10)
     assert batch.step() == []
     (done,) = batch.step()
@@ -98,7 +98,7 @@ def test_a_row_that_finishes_on_its_first_token_never_joins(
         model_and_lora: tuple[torch.nn.Module, MultiLoRA]) -> None:
     model, lora = model_and_lora
     batch = RunningBatch(model, lora, pad_token_id=0)
-    one = make_row(request([1, 2], 1, "a"), "a", EOS, batch.device)
+    one = make_row(request([1, 2], 1, "a"), "a", EOS)
     assert batch.admit([one]) == [one] and batch.rows == []
     assert one.finish == "length" and len(one.tokens) == 1
 
@@ -109,8 +109,8 @@ def test_a_stop_token_ends_its_row_only(
     first, _ = alone(model_and_lora, request([3, 4, 5], 6), None)
     stopper = GenerationRequest([3, 4, 5], "__base__", 6, 0.0, stop_token_ids=[first[2]])
     batch = RunningBatch(model, lora, pad_token_id=0)
-    rows = [make_row(stopper, None, EOS, batch.device),
-            make_row(request([3, 4, 5], 6), None, EOS, batch.device)]
+    rows = [make_row(stopper, None, EOS),
+            make_row(request([3, 4, 5], 6), None, EOS)]
     batch.admit(rows)
     while batch.rows:
         batch.step()
@@ -166,7 +166,7 @@ def test_rows_sharing_a_prompt_and_adapter_are_prefilled_once(
         lambda _m, _a, kwargs: widths.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
     try:
         batch = RunningBatch(model, lora, pad_token_id=0)
-        rows = [make_row(r, a, EOS, batch.device) for r, a in plan]
+        rows = [make_row(r, a, EOS) for r, a in plan]
         batch.admit(rows)
         while batch.rows:
             batch.step()
