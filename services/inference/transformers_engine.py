@@ -49,17 +49,32 @@ class _Pending:
 
     def settle(self, outcome: GenerationResult | BaseException) -> None:
         """Resolve the caller's future from any thread."""
-        self.loop.call_soon_threadsafe(_settle, self.future, outcome)
+        settle_all([(self, outcome)])
 
 
-def _settle(future: asyncio.Future[GenerationResult],
-            outcome: GenerationResult | BaseException) -> None:
-    if future.done():
-        return
-    if isinstance(outcome, BaseException):
-        future.set_exception(outcome)
-    else:
-        future.set_result(outcome)
+def settle_all(outcomes: list[tuple[_Pending, GenerationResult | BaseException]]) -> None:
+    """Resolve many callers' futures from any thread, with one wake-up of each event loop.
+
+    A decode step often finishes most of the batch at once. A wake-up per row made the
+    engine thread trade the GIL with the waking loop ~128 times before its next step
+    (~8 ms of wall time for 128 rows, against ~0.05 ms for one wake-up)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[GenerationResult],
+                                                      GenerationResult | BaseException]]] = {}
+    for pending, outcome in outcomes:
+        by_loop.setdefault(pending.loop, []).append((pending.future, outcome))
+    for loop, settled in by_loop.items():
+        loop.call_soon_threadsafe(_settle, settled)
+
+
+def _settle(settled: list[tuple[asyncio.Future[GenerationResult],
+                                GenerationResult | BaseException]]) -> None:
+    for future, outcome in settled:
+        if future.done():
+            continue
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
 
 
 class TransformersEngine:
@@ -197,11 +212,9 @@ class TransformersEngine:
                 finished = batch.step()
             except Exception as err:
                 log.exception("decode step of %d rows failed", len(batch.rows))
-                for row in batch.clear():
-                    row.tag.settle(err)
+                settle_all([(row.tag, err) for row in batch.clear()])
                 continue
-            for row in finished:
-                row.tag.settle(row.result())
+            settle_all([(row.tag, row.result()) for row in finished])
 
     def _admitting(self) -> bool:
         """Whether waiting requests join now. Joining a running batch costs a forward of
@@ -244,8 +257,7 @@ class TransformersEngine:
             log.exception("request failed")
             rows[0].tag.settle(err)
             return
-        for row in finished:
-            row.tag.settle(row.result())
+        settle_all([(row.tag, row.result()) for row in finished])
 
     async def close(self) -> None:
         if self._driver is not None:
