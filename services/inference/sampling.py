@@ -4,9 +4,9 @@ Each row's token comes from softmax(logits / temperature), cut to its top-p nucl
 inverse transform sampling: one uniform u per row picks the token whose interval of the
 cumulative distribution holds u. Gumbel-max (the argmax of the log-probs plus noise), its
 predecessor here, needs a uniform per vocabulary entry and two logarithms of each: with
-128 rows of a 49,152-token vocabulary (SmolLM2's) that was ~160 ms of a ~590 ms decode
-step on 2 cores, twice the unseeded cost because a seeded row drew its noise from its own
-`torch.Generator`. The cumulative sum is taken in two levels (`_draw`): sums of blocks of
+128 rows of a 49,152-token vocabulary (SmolLM2's) that was 110-150 ms of a ~600 ms decode
+step on 2 cores, more than the unseeded cost because a seeded row drew its noise from its
+own `torch.Generator` (bench/sampling.py). The cumulative sum is taken in two levels (`_draw`): sums of blocks of
 `BLOCK` tokens locate u's block, and only that block is summed token by token. That is
 cheaper than a cumulative sum along the whole vocabulary, and more exact: a float32 one
 rounds every token's interval to the precision of the mass before it (~1e-7), so tokens
@@ -43,10 +43,12 @@ def row_uniforms(
 ) -> torch.Tensor:
     """One float64 uniform per row: seeded rows' from (seed, index), the rest at random."""
     uniforms = torch.rand(len(seeds), dtype=torch.float64)
-    seeded = [i for i, s in enumerate(seeds) if s is not None]
+    seeded = [(i, s, n) for i, (s, n) in enumerate(zip(seeds, indices, strict=True))
+              if s is not None]
     if seeded:
-        values = [seeded_uniform(seeds[i], indices[i]) for i in seeded]  # type: ignore[arg-type]
-        uniforms[torch.tensor(seeded)] = torch.tensor(values, dtype=torch.float64)
+        values = [seeded_uniform(s, n) for _, s, n in seeded]
+        uniforms[torch.tensor([i for i, _, _ in seeded])] = torch.tensor(values,
+                                                                          dtype=torch.float64)
     return uniforms.to(device)
 
 
