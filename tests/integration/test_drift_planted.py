@@ -15,6 +15,13 @@ Measured (12:50 UTC, 10 steps): the plain Voting-SP and Voting-IP demo runs fire
 (validation 0 -> 0.72); with the generator's lr at 1e-2 (the aggregator's 1e-3) the
 generator's χ² went 0.07 -> 5.75 (21.8x its first window at step 6, the aggregator's 1.0x)
 and validation 0 -> 0.08. Slow (`make test-drift`): three 10-step runs.
+
+The raised learning rate's χ² is chaotic on the demo model: since the engine samples by
+inverse CDF (other tokens for the same seed), seeds 0-2 at 1e-2 gave a generator χ² that
+stayed within 0.01-0.46 (seeds 0, 2: no alarm) or went 0.09 -> 1.26 -> 34.45 (seed 1: 4.12x
+at step 7, the aggregator's 1.0x); at 2e-2 only seed 0 fired (perplexity 37.9x). The run
+uses seed 1, so this test shows the alarm firing end to end on a run that amplifies; the
+alarm's arithmetic is tested on its own in tests/unit/test_alarms.py.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ RUNS: dict[str, dict[str, Any]] = {
     "generator_lr": {
         "workflow": "voting",
         "policy": "isolated",
+        "seed": 1,
         "optim": {**DEMO_SPEC["optim"], "policy_lr": {"generator": 1e-2}},
     },
 }
