@@ -122,6 +122,19 @@ def start_learner(cluster: Cluster) -> None:
     asyncio.run(cluster._wait([replacement], 300))
 
 
+def wait_for_rows(out: Path, n: int) -> None:
+    """Until the run's metrics.jsonl holds `n` steps (polled often: a demo step is short)."""
+    deadline = time.monotonic() + 300
+    while not (out / "metrics.jsonl").exists() or len(rows(out)) < n:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def assert_killed_mid_run(out: Path) -> None:
+    """The kill came before the last step was logged; otherwise the test resumed nothing."""
+    assert [r["step"] for r in rows(out)] in ([0, 1], [0, 1, 2]), rows(out)
+
+
 def assert_resumed_equals_uninterrupted(uninterrupted: list[dict], out: Path) -> None:
     resumed = rows(out)
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]  # each step once: cut back, re-run
@@ -144,12 +157,10 @@ def test_sigkill_mid_step_resumes_under_the_same_run_id(
     killed = c.workdir / "killed_mid_step"
     run_id = submit(c, resume_spec(demo_model_dir(), killed))
     # step 1 is logged (its checkpoint written): step 2's rollouts are under way
-    deadline = time.monotonic() + 300
-    while not (killed / "metrics.jsonl").exists() or len(rows(killed)) < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
-    time.sleep(0.5)
+    wait_for_rows(killed, 2)
+    time.sleep(0.1)
     kill_learner(c)
+    assert_killed_mid_run(killed)
     start_learner(c)
     run = wait_end(c, run_id)
     assert run.state == "SUCCEEDED", run.error
@@ -240,12 +251,11 @@ def test_marl_up_restarts_a_killed_learner_and_submitted_runs_resume(tmp_path: P
 
         mid_step = tmp_path / "mid_step"
         run_id = submit_cli(mid_step)
-        deadline = time.monotonic() + 300
-        while len(rows(mid_step)) < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
-        time.sleep(0.5)
-        wait_succeeded(run_id, kill_learner_pid())
+        wait_for_rows(mid_step, 2)
+        time.sleep(0.1)
+        killed_pid = kill_learner_pid()
+        assert_killed_mid_run(mid_step)
+        wait_succeeded(run_id, killed_pid)
         assert_resumed_equals_uninterrupted(uninterrupted, mid_step)
 
         in_write = tmp_path / "up_killed_in_write"
