@@ -74,6 +74,7 @@ def sample(
     if len(nucleus):  # in a batch of its own: a row samples alike in any batch
         tokens[nucleus], total[nucleus] = _nucleus(
             weights[nucleus], top_p[nucleus], uniforms[nucleus])
+    tokens = tokens.clamp_max(vocab - 1)  # padding is drawn only from NaN weights
     if bool(greedy.any()):
         tokens = torch.where(greedy, logits.argmax(-1), tokens)
     chosen = logits.gather(-1, tokens[:, None]).squeeze(-1)
@@ -87,7 +88,9 @@ def _nucleus(
     """`_draw` over each row's top-p nucleus, in order of decreasing probability."""
     ordered, order = weights.sort(stable=True, dim=-1, descending=True)
     mass = ordered.cumsum(-1, dtype=torch.float64)
-    kept = ordered.masked_fill((mass - ordered) >= top_p.double()[:, None] * mass[:, -1:], 0.0)
+    drop = (mass - ordered) >= top_p.double()[:, None] * mass[:, -1:]
+    drop[:, 0] = False  # the most likely token, however small top-p (a float32 0)
+    kept = ordered.masked_fill(drop, 0.0)
     positions, total = _draw(kept, uniforms)
     return order.gather(-1, positions[:, None]).squeeze(-1), total
 
@@ -107,12 +110,14 @@ def _draw(weights: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, 
     total = block_cdf[:, -1:]
     zero = torch.zeros_like(total)
     target = torch.minimum(uniforms.to(total)[:, None] * total, torch.nextafter(total, zero))
-    block = torch.searchsorted(block_cdf, target, right=True)  # its cdf is > target
+    # its cdf is > target; clamped for weights no distribution has (NaN from a broken model)
+    block = torch.searchsorted(block_cdf, target, right=True).clamp_max(width // BLOCK - 1)
     start = block_cdf.gather(-1, (block - 1).clamp_min(0)).masked_fill(block == 0, 0.0)
     inner = blocks.gather(1, block[:, :, None].expand(rows, 1, BLOCK)).squeeze(1)
     inner_cdf = inner.cumsum(-1, dtype=torch.float64)
     inner_total = inner_cdf[:, -1:]
     rest = (target - start) / block_mass.gather(-1, block) * inner_total
     position = torch.searchsorted(
-        inner_cdf, torch.minimum(rest, torch.nextafter(inner_total, zero)), right=True)
+        inner_cdf, torch.minimum(rest, torch.nextafter(inner_total, zero)), right=True
+    ).clamp_max(BLOCK - 1)
     return (block * BLOCK + position).squeeze(-1), total.squeeze(-1)

@@ -106,3 +106,18 @@ def test_greedy_rows_take_the_argmax_beside_sampled_rows() -> None:
                               torch.tensor([0.0, 0.0], dtype=torch.float64))
     assert tokens.tolist() == [1, 0]
     assert logprobs.tolist() == pytest.approx(torch.log_softmax(logits[0], -1)[[1, 0]].tolist())
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token() -> None:
+    """gRPC carries top-p as a double: 5e-324 passes the server's (0, 1) check and is 0 in
+    float32. The fuzzer found the nucleus left empty (an IndexError in the draw)."""
+    tokens, logprobs = draw([0.1, 0.4, 0.2, 0.3], [0.0, 0.5, 0.9999], top_p=5e-324)
+    assert tokens == [1, 1, 1] and logprobs == [0.0, 0.0, 0.0]
+
+
+def test_logits_no_distribution_has_still_give_a_token_id_in_range() -> None:
+    logits = torch.tensor([[float("nan")] * 300, [0.0] * 299 + [float("inf")]])
+    for top_p in (1.0, 0.5):
+        tokens, _ = sample(logits, torch.ones(2), torch.full((2,), top_p),
+                           torch.tensor([0.3, 0.9], dtype=torch.float64))
+        assert all(0 <= t < 300 for t in tokens.tolist())
