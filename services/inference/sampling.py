@@ -6,11 +6,11 @@ cumulative distribution holds u. Gumbel-max (the argmax of the log-probs plus no
 predecessor here, needs a uniform per vocabulary entry and two logarithms of each: with
 128 rows of a 49,152-token vocabulary (SmolLM2's) that was 110-150 ms of a ~600 ms decode
 step on 2 cores, more than the unseeded cost because a seeded row drew its noise from its
-own `torch.Generator` (bench/sampling.py). The cumulative sum is taken in two levels (`_draw`): sums of blocks of
-`BLOCK` tokens locate u's block, and only that block is summed token by token. That is
-cheaper than a cumulative sum along the whole vocabulary, and more exact: a float32 one
-rounds every token's interval to the precision of the mass before it (~1e-7), so tokens
-below that would get no interval or twice theirs.
+own `torch.Generator` (bench/sampling.py). The cumulative sum is taken in two levels
+(`_draw`): sums of blocks of `BLOCK` tokens locate u's block, and only that block is
+summed token by token. That is cheaper than a cumulative sum along the whole vocabulary,
+and more exact: a float32 one rounds every token's interval to the precision of the mass
+before it (~1e-7), so tokens below that would get no interval or twice theirs.
 
 A seeded row's uniform is `seeded_uniform(seed, index)`: the SplitMix64 output number
 `index + 1` of a generator seeded with the row's seed, `index` being how many tokens the
