@@ -23,8 +23,12 @@ median step time, steps/s, rollout tokens/s while the learner waited for rollout
 generation rate of a synchronous run; an overlapped run waits less than it generates),
 rollout tokens per second of the whole run, and the share of step time the learner spent
 waiting for rollouts (generation and reward, which the workers compute with it),
-training, pushing adapters, and the rest (queueing tasks, logging). Then the ratios:
-(b)'s rollout tokens/s over (a)'s, and (c)'s step throughput over (b)'s.
+training, pushing adapters, and the rest (queueing tasks, logging), and the cores the
+services kept busy (CPU seconds of every service process and Redis over the same steps'
+wall seconds, from /proc). Then the ratios: (b)'s rollout tokens/s over (a)'s, and (c)'s
+step throughput over (b)'s beside its ceiling, `--cores` over (b)'s busy cores: the
+most any overlap can gain if it does the same work, since it can only fill the cores
+(b) leaves idle (it can beat that a little by doing the work on fewer threads).
 Prints a table, then one JSON object as the very last line.
 
     python bench/e2e.py [--steps 12] [--problems 16] [--group 8] [--workflows voting,single]
@@ -39,6 +43,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -81,17 +86,57 @@ def spec(workflow: str, out: Path, args: argparse.Namespace, staleness: int) -> 
     }
 
 
-def run_marl(cluster: Cluster, body: dict[str, Any]) -> None:
+def cpu_seconds(roots: Iterable[int]) -> float:
+    """CPU time (user + system) of the processes `roots` and all their descendants, living
+    and reaped: a reaped child's time is in its parent's cutime/cstime (Linux /proc)."""
+    parent, ticks = {}, {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        parent[int(entry.name)] = int(fields[1])
+        ticks[int(entry.name)] = sum(int(f) for f in fields[11:15])
+    tree, frontier = set(), [r for r in roots if r in ticks]
+    while frontier:
+        pid = frontier.pop()
+        tree.add(pid)
+        frontier += [c for c, pp in parent.items() if pp == pid and c not in tree]
+    return sum(ticks[pid] for pid in tree) / os.sysconf("SC_CLK_TCK")
+
+
+def cluster_pids(cluster: Cluster) -> list[int]:
+    pids = [p.proc.pid for p in cluster.processes]
+    if cluster.redis is not None and cluster.redis.proc is not None:
+        pids.append(cluster.redis.proc.pid)
+    return pids
+
+
+def run_marl(cluster: Cluster, body: dict[str, Any]) -> float:
+    """Runs `body` to the end; returns the cores its services kept busy on average over
+    the steps after warm-up (CPU seconds of every service process, Redis included, over
+    wall seconds, from the moment step WARMUP_STEPS is logged to the moment the last is)."""
     stub = learner_pb2_grpc.LearnerStub(grpc.insecure_channel(cluster.endpoints()["learner"]))
     request = learner_pb2.SubmitRunRequest(spec_yaml=yaml.safe_dump(body))
     run_id = stub.SubmitRun(request, timeout=60).run_id
+    pids = cluster_pids(cluster)
+    window: list[tuple[float, float]] = []
     while True:
         run = stub.GetRun(learner_pb2.GetRunRequest(run_id=run_id), timeout=30)
+        if not window and run.step >= WARMUP_STEPS:
+            window.append((time.perf_counter(), cpu_seconds(pids)))
+        elif len(window) == 1 and run.step >= run.total_steps:
+            window.append((time.perf_counter(), cpu_seconds(pids)))
         if run.state in ("SUCCEEDED", "FAILED", "CANCELLED"):
             break
-        time.sleep(0.5)
+        time.sleep(0.05)
     if run.state != "SUCCEEDED":
         raise SystemExit(f"run {run_id} ended {run.state}: {run.error}")
+    (wall0, cpu0), (wall1, cpu1) = window
+    return (cpu1 - cpu0) / (wall1 - wall0)
 
 
 def turns_of(out: Path, step: int) -> list[dict[str, Any]]:
@@ -185,8 +230,9 @@ def print_table(figures: dict[str, Any]) -> None:
         print(f"{run} threads: inference {t['inference']}, learner {t['learner']} "
               f"({t['learner_burst']} once the rollouts queued ahead are in)")
     head = ("workflow", "run", "step s", "steps/s", "tok/s waited", "tok/s", "wait", "train",
-            "push", "other", "reward")
-    print("{:<9} {:<10} {:>7} {:>8} {:>13} {:>7} {:>6} {:>6} {:>6} {:>6} {:>7}".format(*head))
+            "push", "other", "reward", "cores")
+    print("{:<9} {:<10} {:>7} {:>8} {:>13} {:>7} {:>6} {:>6} {:>6} {:>6} {:>7} {:>6}".format(
+        *head))
     for wf in figures["workflows"]:
         row = figures[wf]
         print(f"{wf:<9} {'engine':<10} {'':>7} {'':>8} {row['engine_tok_s']:>13.0f}")
@@ -195,10 +241,11 @@ def print_table(figures: dict[str, Any]) -> None:
             print(f"{wf:<9} {run:<10} {f['step_s']:>7.3f} {f['steps_per_s']:>8.3f} "
                   f"{f['rollout_tok_s']:>13.0f} {f['tok_s']:>7.0f} {f['share_rollout_wait']:>6.2f} "
                   f"{f['share_update']:>6.2f} {f['share_push']:>6.2f} {f['share_other']:>6.2f} "
-                  f"{f['reward']:>7.3f}")
+                  f"{f['reward']:>7.3f} {f['cores_busy']:>6.2f}")
         print(f"{wf:<9} sync rollout tok/s / engine alone: {row['sync_vs_engine']:.2f}x; "
-              f"K=1 / sync steps/s: {row['k1_vs_sync']:.2f}x; K=1 update time with every "
-              f"core: {row['k1']['update_share_burst']:.0%}")
+              f"K=1 / sync steps/s: {row['k1_vs_sync']:.2f}x (ceiling {figures['cores']} "
+              f"cores / sync's busy cores: {row['overlap_ceiling']:.2f}x); K=1 update time "
+              f"with every core: {row['k1']['update_share_burst']:.0%}")
 
 
 def main() -> None:
@@ -207,11 +254,12 @@ def main() -> None:
     figures: dict[str, Any] = {
         "engine": args.engine, "steps": args.steps, "problems": args.problems,
         "group": args.group, "max_tokens": args.max_tokens, "rank": args.rank,
-        "workers": args.workers, "workflows": workflows,
+        "workers": args.workers, "workflows": workflows, "cores": args.cores,
     }
     with tempfile.TemporaryDirectory(prefix="marl-e2e-") as tmp:
         root = Path(tmp)
         outs: dict[tuple[str, str], list[Path]] = {}
+        busy: dict[tuple[str, str], list[float]] = {}
         for n, (run, k) in enumerate(ORDER):
             threads = service_threads(args.cores, overlapped=k > 0)
             if args.no_burst:
@@ -224,10 +272,14 @@ def main() -> None:
             with cluster:
                 for wf in workflows:
                     out = root / f"{wf}-{n}-{run}"
-                    run_marl(cluster, spec(wf, out, args, k))
+                    cores = run_marl(cluster, spec(wf, out, args, k))
                     outs.setdefault((wf, run), []).append(out)
+                    busy.setdefault((wf, run), []).append(cores)
         for wf in workflows:
             row: dict[str, Any] = {run: figures_of(outs[wf, run]) for run in ("sync", "k1")}
+            for run in ("sync", "k1"):
+                row[run]["cores_busy"] = statistics.mean(busy[wf, run])
+            row["overlap_ceiling"] = args.cores / row["sync"]["cores_busy"]
             row["engine_tok_s"] = asyncio.run(engine_alone(outs[wf, "sync"][0], args))
             row["sync_vs_engine"] = row["sync"]["rollout_tok_s"] / row["engine_tok_s"]
             row["k1_vs_sync"] = row["k1"]["steps_per_s"] / row["sync"]["steps_per_s"]
