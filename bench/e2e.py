@@ -25,10 +25,10 @@ rollout tokens per second of the whole run, and the share of step time the learn
 waiting for rollouts (generation and reward, which the workers compute with it),
 training, pushing adapters, and the rest (queueing tasks, logging), the cores the
 services kept busy (CPU seconds of every service process and Redis over the same steps'
-wall seconds, from /proc) and the CPU seconds a step cost. Then the ratios: (b)'s rollout
-tokens/s over (a)'s; (c)'s step throughput over (b)'s, and what it would be if (c)'s CPU
-work per step filled every one of `--cores` cores (the part of the gap that is idle
-cores rather than work).
+wall seconds, from /proc) and the CPU seconds a step cost, in all and by kind of service.
+Then the ratios: (b)'s rollout tokens/s over (a)'s; (c)'s step throughput over (b)'s, and
+what it would be if (c)'s CPU work per step filled every one of `--cores` cores (the
+part of the gap that is idle cores rather than work).
 Prints a table, then one JSON object as the very last line.
 
     python bench/e2e.py [--steps 12] [--problems 16] [--group 8] [--workflows voting,single]
@@ -108,35 +108,43 @@ def cpu_seconds(roots: Iterable[int]) -> float:
     return sum(ticks[pid] for pid in tree) / os.sysconf("SC_CLK_TCK")
 
 
-def cluster_pids(cluster: Cluster) -> list[int]:
-    pids = [p.proc.pid for p in cluster.processes]
+def cluster_pids(cluster: Cluster) -> dict[str, list[int]]:
+    """The cluster's processes by kind (inference, workflow, learner, redis)."""
+    pids: dict[str, list[int]] = {}
+    for p in cluster.processes:
+        pids.setdefault(p.kind, []).append(p.proc.pid)
     if cluster.redis is not None and cluster.redis.proc is not None:
-        pids.append(cluster.redis.proc.pid)
+        pids["redis"] = [cluster.redis.proc.pid]
     return pids
 
 
-def run_marl(cluster: Cluster, body: dict[str, Any]) -> float:
-    """Runs `body` to the end; returns the cores its services kept busy on average over
-    the steps after warm-up (CPU seconds of every service process, Redis included, over
-    wall seconds, from the moment step WARMUP_STEPS is logged to the moment the last is)."""
+def run_marl(cluster: Cluster, body: dict[str, Any]) -> tuple[float, dict[str, float]]:
+    """Runs `body` to the end. Returns, over the steps after warm-up (from the moment step
+    WARMUP_STEPS is logged to the moment the last one is), the cores its services kept
+    busy on average (CPU seconds of every service process, Redis included, over wall
+    seconds) and each kind of service's CPU seconds per step."""
     stub = learner_pb2_grpc.LearnerStub(grpc.insecure_channel(cluster.endpoints()["learner"]))
     request = learner_pb2.SubmitRunRequest(spec_yaml=yaml.safe_dump(body))
     run_id = stub.SubmitRun(request, timeout=60).run_id
     pids = cluster_pids(cluster)
-    window: list[tuple[float, float]] = []
+    window: list[tuple[float, int, dict[str, float]]] = []
     while True:
         run = stub.GetRun(learner_pb2.GetRunRequest(run_id=run_id), timeout=30)
-        if not window and run.step >= WARMUP_STEPS:
-            window.append((time.perf_counter(), cpu_seconds(pids)))
-        elif len(window) == 1 and run.step >= run.total_steps:
-            window.append((time.perf_counter(), cpu_seconds(pids)))
+        if (not window and run.step >= WARMUP_STEPS) or (
+            len(window) == 1 and run.step >= run.total_steps
+        ):
+            cpu = {kind: cpu_seconds(of_kind) for kind, of_kind in pids.items()}
+            window.append((time.perf_counter(), run.step, cpu))
         if run.state in ("SUCCEEDED", "FAILED", "CANCELLED"):
             break
         time.sleep(0.05)
     if run.state != "SUCCEEDED":
         raise SystemExit(f"run {run_id} ended {run.state}: {run.error}")
-    (wall0, cpu0), (wall1, cpu1) = window
-    return (cpu1 - cpu0) / (wall1 - wall0)
+    (wall0, step0, cpu0), (wall1, step1, cpu1) = window
+    spent = {kind: cpu1[kind] - cpu0[kind] for kind in pids}
+    return sum(spent.values()) / (wall1 - wall0), {
+        kind: seconds / (step1 - step0) for kind, seconds in spent.items()
+    }
 
 
 def turns_of(out: Path, step: int) -> list[dict[str, Any]]:
@@ -246,6 +254,10 @@ def print_table(figures: dict[str, Any]) -> None:
               f"K=1 / sync steps/s: {row['k1_vs_sync']:.2f}x ({row['k1_vs_sync_cores_full']:.2f}x "
               f"if K=1's work kept all {figures['cores']} cores busy); K=1 update time with "
               f"every core: {row['k1']['update_share_burst']:.0%}")
+        for run in ("sync", "k1"):
+            kinds = row[run]["cpu_s_per_step_by_service"]
+            print(f"{wf:<9} {run} CPU s per step by service: "
+                  + ", ".join(f"{kind} {seconds:.3f}" for kind, seconds in kinds.items()))
 
 
 def main() -> None:
@@ -260,6 +272,7 @@ def main() -> None:
         root = Path(tmp)
         outs: dict[tuple[str, str], list[Path]] = {}
         busy: dict[tuple[str, str], list[float]] = {}
+        by_kind: dict[tuple[str, str], list[dict[str, float]]] = {}
         for n, (run, k) in enumerate(ORDER):
             threads = service_threads(args.cores, overlapped=k > 0)
             if args.no_burst:
@@ -272,15 +285,20 @@ def main() -> None:
             with cluster:
                 for wf in workflows:
                     out = root / f"{wf}-{n}-{run}"
-                    cores = run_marl(cluster, spec(wf, out, args, k))
+                    cores, cpu = run_marl(cluster, spec(wf, out, args, k))
                     outs.setdefault((wf, run), []).append(out)
                     busy.setdefault((wf, run), []).append(cores)
+                    by_kind.setdefault((wf, run), []).append(cpu)
         for wf in workflows:
             row: dict[str, Any] = {run: figures_of(outs[wf, run]) for run in ("sync", "k1")}
             for run in ("sync", "k1"):
                 f = row[run]
                 f["cores_busy"] = statistics.mean(busy[wf, run])
                 f["cpu_s_per_step"] = f["cores_busy"] / f["steps_per_s"]
+                f["cpu_s_per_step_by_service"] = {
+                    kind: statistics.mean(c[kind] for c in by_kind[wf, run])
+                    for kind in by_kind[wf, run][0]
+                }
             row["k1_vs_sync_cores_full"] = (
                 args.cores / row["k1"]["cpu_s_per_step"] / row["sync"]["steps_per_s"]
             )
