@@ -5,7 +5,9 @@ Voting and Single workflows:
 
 (a) engine alone: every turn prompt of (b)'s steps, each step's as one batch, generated
     by an in-process engine with (b)'s final adapter loaded; no workflow order, no
-    learner, no Redis: the ceiling on rollout tokens/s;
+    learner, no Redis: the ceiling on rollout tokens/s. Measured twice, after the first
+    marl run and after the last, and averaged: like the marl modes' order below, so
+    that a machine whose speed drifts moves the ceiling as it moves them;
 (b) marl synchronous (`train.max_staleness: 0`), every service its own process;
 (c) marl one step ahead (`train.max_staleness: 1`): workers generate step t+1 while the
     learner trains step t.
@@ -243,7 +245,9 @@ def print_table(figures: dict[str, Any]) -> None:
           .format(*head))
     for wf in figures["workflows"]:
         row = figures[wf]
-        print(f"{wf:<9} {'engine':<10} {'':>7} {'':>8} {row['engine_tok_s']:>13.0f}")
+        runs = " and ".join(f"{rate:.0f}" for rate in row["engine_tok_s_runs"])
+        print(f"{wf:<9} {'engine':<10} {'':>7} {'':>8} {row['engine_tok_s']:>13.0f}"
+              f"   (mean of {runs}: after the first marl run and after the last)")
         for run in ("sync", "k1"):
             f = row[run]
             print(f"{wf:<9} {run:<10} {f['step_s']:>7.3f} {f['steps_per_s']:>8.3f} "
@@ -273,6 +277,7 @@ def main() -> None:
         outs: dict[tuple[str, str], list[Path]] = {}
         busy: dict[tuple[str, str], list[float]] = {}
         by_kind: dict[tuple[str, str], list[dict[str, float]]] = {}
+        engine: dict[str, list[float]] = {wf: [] for wf in workflows}
         for n, (run, k) in enumerate(ORDER):
             threads = service_threads(args.cores, overlapped=k > 0)
             if args.no_burst:
@@ -289,6 +294,9 @@ def main() -> None:
                     outs.setdefault((wf, run), []).append(out)
                     busy.setdefault((wf, run), []).append(cores)
                     by_kind.setdefault((wf, run), []).append(cpu)
+            if n in (0, len(ORDER) - 1):
+                for wf in workflows:
+                    engine[wf].append(asyncio.run(engine_alone(outs[wf, "sync"][0], args)))
         for wf in workflows:
             row: dict[str, Any] = {run: figures_of(outs[wf, run]) for run in ("sync", "k1")}
             for run in ("sync", "k1"):
@@ -302,7 +310,8 @@ def main() -> None:
             row["k1_vs_sync_cores_full"] = (
                 args.cores / row["k1"]["cpu_s_per_step"] / row["sync"]["steps_per_s"]
             )
-            row["engine_tok_s"] = asyncio.run(engine_alone(outs[wf, "sync"][0], args))
+            row["engine_tok_s_runs"] = engine[wf]
+            row["engine_tok_s"] = statistics.mean(engine[wf])
             row["sync_vs_engine"] = row["sync"]["rollout_tok_s"] / row["engine_tok_s"]
             row["k1_vs_sync"] = row["k1"]["steps_per_s"] / row["sync"]["steps_per_s"]
             figures[wf] = row
