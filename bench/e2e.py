@@ -45,12 +45,13 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import yaml
+from cpu_use import cpu_seconds
 
 from marl.demo_model import demo_model_dir
 from marl.episode_cli import load_checkpoint
@@ -88,28 +89,6 @@ def spec(workflow: str, out: Path, args: argparse.Namespace, staleness: int) -> 
     }
 
 
-def cpu_seconds(roots: Iterable[int]) -> float:
-    """CPU time (user + system) of the processes `roots` and all their descendants, living
-    and reaped: a reaped child's time is in its parent's cutime/cstime (Linux /proc)."""
-    parent, ticks = {}, {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        parent[int(entry.name)] = int(fields[1])
-        ticks[int(entry.name)] = sum(int(f) for f in fields[11:15])
-    tree, frontier = set(), [r for r in roots if r in ticks]
-    while frontier:
-        pid = frontier.pop()
-        tree.add(pid)
-        frontier += [c for c, pp in parent.items() if pp == pid and c not in tree]
-    return sum(ticks[pid] for pid in tree) / os.sysconf("SC_CLK_TCK")
-
-
 def cluster_pids(cluster: Cluster) -> dict[str, list[int]]:
     """The cluster's processes by kind (inference, workflow, learner, redis)."""
     pids: dict[str, list[int]] = {}
@@ -120,11 +99,19 @@ def cluster_pids(cluster: Cluster) -> dict[str, list[int]]:
     return pids
 
 
-def run_marl(cluster: Cluster, body: dict[str, Any]) -> tuple[float, dict[str, float]]:
-    """Runs `body` to the end. Returns, over the steps after warm-up (from the moment step
-    WARMUP_STEPS is logged to the moment the last one is), the cores its services kept
-    busy on average (CPU seconds of every service process, Redis included, over wall
-    seconds) and each kind of service's CPU seconds per step."""
+@dataclass
+class CpuUse:
+    """What a run's services spent over its steps after warm-up."""
+
+    cores_busy: float
+    """CPU seconds of every service process, Redis included, over wall seconds."""
+    per_step: dict[str, float]
+    """CPU seconds per step by kind of service."""
+
+
+def run_marl(cluster: Cluster, body: dict[str, Any]) -> CpuUse | None:
+    """Runs `body` to the end; its CPU use from the moment step WARMUP_STEPS is logged to
+    the moment the last one is (None for a run with no step after those)."""
     stub = learner_pb2_grpc.LearnerStub(grpc.insecure_channel(cluster.endpoints()["learner"]))
     request = learner_pb2.SubmitRunRequest(spec_yaml=yaml.safe_dump(body))
     run_id = stub.SubmitRun(request, timeout=60).run_id
@@ -132,9 +119,7 @@ def run_marl(cluster: Cluster, body: dict[str, Any]) -> tuple[float, dict[str, f
     window: list[tuple[float, int, dict[str, float]]] = []
     while True:
         run = stub.GetRun(learner_pb2.GetRunRequest(run_id=run_id), timeout=30)
-        if (not window and run.step >= WARMUP_STEPS) or (
-            len(window) == 1 and run.step >= run.total_steps
-        ):
+        if run.step >= (run.total_steps if window else WARMUP_STEPS) and len(window) < 2:
             cpu = {kind: cpu_seconds(of_kind) for kind, of_kind in pids.items()}
             window.append((time.perf_counter(), run.step, cpu))
         if run.state in ("SUCCEEDED", "FAILED", "CANCELLED"):
@@ -142,11 +127,12 @@ def run_marl(cluster: Cluster, body: dict[str, Any]) -> tuple[float, dict[str, f
         time.sleep(0.05)
     if run.state != "SUCCEEDED":
         raise SystemExit(f"run {run_id} ended {run.state}: {run.error}")
+    if len(window) < 2 or window[1][1] == window[0][1]:
+        return None
     (wall0, step0, cpu0), (wall1, step1, cpu1) = window
     spent = {kind: cpu1[kind] - cpu0[kind] for kind in pids}
-    return sum(spent.values()) / (wall1 - wall0), {
-        kind: seconds / (step1 - step0) for kind, seconds in spent.items()
-    }
+    return CpuUse(sum(spent.values()) / (wall1 - wall0),
+                  {kind: seconds / (step1 - step0) for kind, seconds in spent.items()})
 
 
 def turns_of(out: Path, step: int) -> list[dict[str, Any]]:
@@ -275,8 +261,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="marl-e2e-") as tmp:
         root = Path(tmp)
         outs: dict[tuple[str, str], list[Path]] = {}
-        busy: dict[tuple[str, str], list[float]] = {}
-        by_kind: dict[tuple[str, str], list[dict[str, float]]] = {}
+        use: dict[tuple[str, str], list[CpuUse]] = {}
         engine: dict[str, list[float]] = {wf: [] for wf in workflows}
         for n, (run, k) in enumerate(ORDER):
             threads = service_threads(args.cores, overlapped=k > 0)
@@ -290,10 +275,10 @@ def main() -> None:
             with cluster:
                 for wf in workflows:
                     out = root / f"{wf}-{n}-{run}"
-                    cores, cpu = run_marl(cluster, spec(wf, out, args, k))
+                    cpu = run_marl(cluster, spec(wf, out, args, k))
+                    assert cpu is not None  # parse_args wants steps after the warm-up
                     outs.setdefault((wf, run), []).append(out)
-                    busy.setdefault((wf, run), []).append(cores)
-                    by_kind.setdefault((wf, run), []).append(cpu)
+                    use.setdefault((wf, run), []).append(cpu)
             if n in (0, len(ORDER) - 1):
                 for wf in workflows:
                     engine[wf].append(asyncio.run(engine_alone(outs[wf, "sync"][0], args)))
@@ -301,12 +286,13 @@ def main() -> None:
             row: dict[str, Any] = {run: figures_of(outs[wf, run]) for run in ("sync", "k1")}
             for run in ("sync", "k1"):
                 f = row[run]
-                f["cores_busy"] = statistics.mean(busy[wf, run])
-                f["cpu_s_per_step"] = f["cores_busy"] / f["steps_per_s"]
+                runs = use[wf, run]
+                f["cores_busy"] = statistics.mean(u.cores_busy for u in runs)
                 f["cpu_s_per_step_by_service"] = {
-                    kind: statistics.mean(c[kind] for c in by_kind[wf, run])
-                    for kind in by_kind[wf, run][0]
+                    kind: statistics.mean(u.per_step[kind] for u in runs)
+                    for kind in runs[0].per_step
                 }
+                f["cpu_s_per_step"] = sum(f["cpu_s_per_step_by_service"].values())
             row["k1_vs_sync_cores_full"] = (
                 args.cores / row["k1"]["cpu_s_per_step"] / row["sync"]["steps_per_s"]
             )

@@ -1,4 +1,4 @@
-"""bench/e2e.py's CPU accounting: a service's children count, living or reaped."""
+"""bench/cpu_use.py, the benches' CPU accounting: a service's children count, living or reaped."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from e2e import cpu_seconds  # noqa: E402
+from cpu_use import cpu_seconds  # noqa: E402
 
 BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
 PARENT = (
