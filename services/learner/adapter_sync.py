@@ -108,8 +108,12 @@ class AdapterSync:
 
     async def push(self, policy: Any) -> None:
         """Publish the current version of every adapter, push it to every live replica and
-        wait for all acks. Publishing first means a replica that joins meanwhile either is
-        one of these targets or waits for this version before it serves."""
+        wait for all acks."""
+        await self.send(await self.snapshot(policy))
+
+    async def snapshot(self, policy: Any) -> dict[str, Published]:
+        """The current version of every adapter as it will be pushed: taken on the torch
+        thread, so a later update queued there cannot change what is sent."""
         current = {}
         for p in self.policy_names:
             payload = await self.torch.run(_serialized, policy, p)
@@ -123,6 +127,12 @@ class AdapterSync:
                 payload,
             )
             current[p] = Published(self.versions[p], manifest, payload)
+        return current
+
+    async def send(self, current: dict[str, Published]) -> None:
+        """Publish a snapshot, push it to every live replica and wait for all acks.
+        Publishing first means a replica that joins meanwhile either is one of these
+        targets or waits for this version before it serves."""
         self.current = current
         await self.publish()
         targets = await self.replicas()
@@ -130,8 +140,8 @@ class AdapterSync:
             *(
                 self._push_to(rid, info["address"], p)
                 for rid, info in targets.items()
-                for p in self.policy_names
-                if (rid, p, self.versions[p]) not in self._acked
+                for p, pub in current.items()
+                if (rid, p, pub.version) not in self._acked
             ),
             return_exceptions=True,
         )
@@ -141,10 +151,10 @@ class AdapterSync:
                 unreachable.append(str(result))
             elif isinstance(result, BaseException):
                 raise result
-        for p in self.policy_names:
-            if not any((rid, p, self.versions[p]) in self._acked for rid in targets):
+        for p, pub in current.items():
+            if not any((rid, p, pub.version) in self._acked for rid in targets):
                 raise RunFailed(
-                    f"no inference replica took {self.adapter_name(p)}@{self.versions[p]}: "
+                    f"no inference replica took {self.adapter_name(p)}@{pub.version}: "
                     + "; ".join(unreachable)
                 )
 

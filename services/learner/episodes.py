@@ -45,6 +45,12 @@ class Pending:
 
     tasks: list[Task]
     ids: list[str] = field(default_factory=list)
+    after: asyncio.Event | None = None
+    """Set once the adapter versions the tasks name are on the replicas: until then they
+    wait in the learner's queue (None: they are already)."""
+
+    def ready(self) -> bool:
+        return self.after is None or self.after.is_set()
 
 
 class Episodes:
@@ -73,6 +79,7 @@ class Episodes:
         """Every submitted task not yet gathered, by id."""
         self.arrived: dict[str, Rollout] = {}
         """Rollouts of `expected` tasks read so far."""
+        self._adding = asyncio.Lock()
 
     async def open(self, fresh: bool) -> None:
         """Create the streams' groups; `fresh` drops rollouts a previous learner of this run
@@ -93,12 +100,16 @@ class Episodes:
             self.adapters(),
         )
 
-    def submit(self, problems: list[Problem], step: int, kind: str) -> Pending:
+    def submit(
+        self, problems: list[Problem], step: int, kind: str, after: asyncio.Event | None = None
+    ) -> Pending:
         """Queue every problem group_size times (train) or once (val) with the adapter
-        versions current now; the tasks reach the stream as it has room, while any
-        earlier submission is gathered."""
+        versions current now; the tasks reach the stream as it has room (and once `after`
+        is set), while any earlier submission is gathered."""
         n = self.spec.grpo.group_size if kind == "train" else 1
-        pending = Pending([self.make_task(p, step, kind, s) for p in problems for s in range(n)])
+        pending = Pending(
+            [self.make_task(p, step, kind, s) for p in problems for s in range(n)], after=after
+        )
         for t in pending.tasks:
             self.expected[t.id] = t
             self.queue.append((t, pending))
@@ -126,13 +137,20 @@ class Episodes:
         return await self.gather(self.submit(problems, step, kind))
 
     async def add_tasks(self) -> None:
-        """Move queued tasks to the tasks stream while the stream has room."""
-        if not self.queue:
+        """Move queued tasks whose adapter versions are out to the tasks stream, in order,
+        while the stream has room."""
+        async with self._adding:  # the collector and a push that just landed may both call
+            await self._add_tasks()
+
+    async def _add_tasks(self) -> None:
+        if not self.queue or not self.queue[0][1].ready():
             return
         room = self.max_queued_tasks - await streams.lag(
             self.r, streams.TASKS, streams.WORKERS_GROUP
         )
-        batch, self.queue[:] = self.queue[: max(room, 0)], self.queue[max(room, 0) :]
+        ready = next((k for k, (_, p) in enumerate(self.queue) if not p.ready()), len(self.queue))
+        take = min(max(room, 0), ready)
+        batch, self.queue[:] = self.queue[:take], self.queue[take:]
         if not batch:
             return
         # one MULTI/EXEC: a worker blocked on the stream wakes once to all of them, not to

@@ -7,6 +7,14 @@ diagnostics.py); `AdapterSync` pushes version t+1 of every adapter to every live
 inference replica; the validator and the checkpointer act when they are due;
 the record goes to every metrics sink.
 
+With `train.max_staleness` >= 1 a step with no checkpoint or validation due does not
+wait for its push and its record: it snapshots the adapters' weights and the next
+update starts while `finish` sends them, releases the tasks queued behind them (they
+name the new versions, so they wait in the learner's queue until every push is acked)
+and logs the record. At most one such step is in flight; its errors surface when the
+next update ends. A step whose record fires an alarm the guard acts on (stop or
+rollback) runs the synchronous way.
+
 A run whose learner died is taken over by this code too (`takeover`): it
 resumes from the last checkpoint under the same run id, with the metrics logged
 after that checkpoint cut back and a fresh range of adapter versions.
@@ -30,11 +38,11 @@ from marl.heap import release_free_heap
 from marl.model_id import base_model_id
 from marl.torch_thread import TorchThread
 from marl.workflows import policy_of_role
-from services.learner.adapter_sync import AdapterSync
+from services.learner.adapter_sync import AdapterSync, Published
 from services.learner.checkpoint import Checkpointer
 from services.learner.episodes import Episodes, Pending
 from services.learner.errors import ReplicaUnreachable, RunCancelled, RunFailed
-from services.learner.guard import Guard, GuardStopped
+from services.learner.guard import Action, Guard, GuardStopped
 from services.learner.metrics import (
     JsonlSink,
     MetricsSink,
@@ -50,6 +58,7 @@ from services.learner.validator import Validator
 
 if TYPE_CHECKING:
     from marl.data.problem import Problem
+    from marl.rollout import Rollout
     from services.learner.ranks import PolicyHandle
     from services.learner.threads import ThreadBurst
 
@@ -197,62 +206,119 @@ class RunExecutor:
             await self.log(0, await validator.run(0))
         ahead: dict[int, tuple[Pending, int]] = {}
         """Submitted steps not yet trained -> their tasks and the data position before them."""
-        for step in range(start, spec.train.steps):
-            await self.check_cancel()
-            t0 = time.monotonic()
-            # this step's tasks, and the next max_staleness steps' with today's versions
-            for s in range(step, min(step + spec.train.max_staleness + 1, spec.train.steps)):
-                if s not in ahead:
-                    position = sampler.position
-                    problems = sampler.next(spec.train.problems_per_step)
-                    ahead[s] = (self.episodes.submit(problems, s, "train"), position)
-            rollouts = await self.episodes.gather(ahead.pop(step)[0])
-            t1 = time.monotonic()
-            current = {ref.name: ref.version for ref in self.adapters.refs().values()}
-            trained, staleness = drop_stale(rollouts, current, spec.train.max_staleness)
-            result, burst_s = await self.update(
-                policy,
-                {t.id for pending, _ in ahead.values() for t in pending.tasks},
-                grpo_step,
-                trained,
-                [r.problem_id for r in trained],
-                self.roles,
-                spec,
-            )
-            t2 = time.monotonic()
-            done = step + 1
-            self.adapters.set_step(done)
-            await self.adapters.push(policy)
-            t3 = time.monotonic()
-            self.rollout_log.write(done, rollouts)
-            record: dict[str, Any] = {
-                **rollout_metrics(rollouts),
-                **role_signatures(rollouts, spec.workflow),  # what the drift alarms read
-                **result.metrics,
-                **staleness,
-            }
-            if validator.due(done):
-                record.update(await validator.run(done))
-            accuracy = record.get("val/accuracy")
-            if checkpointer.due(done, accuracy):
-                state = {
-                    # the steps submitted ahead are drawn again on resume
-                    "data_position": ahead[done][1] if done in ahead else sampler.position,
-                    "versions": self.adapters.versions,
-                    "rollbacks": self.guard.rollbacks,
-                }
-                await self.torch.run(checkpointer.save, done, policy, state, accuracy)
-            record.update(
-                {
+        finishing: asyncio.Task[None] | None = None
+        """The last step's push and record, still running beside this step (K >= 1)."""
+        pushed: asyncio.Event | None = None
+        """Set once that push is acked: tasks queued meanwhile name its versions."""
+        try:
+            for step in range(start, spec.train.steps):
+                await self.check_cancel()
+                t0 = time.monotonic()
+                # this step's tasks, and the next max_staleness steps' with today's versions
+                for s in range(step, min(step + spec.train.max_staleness + 1, spec.train.steps)):
+                    if s not in ahead:
+                        position = sampler.position
+                        problems = sampler.next(spec.train.problems_per_step)
+                        ahead[s] = (self.episodes.submit(problems, s, "train", pushed), position)
+                rollouts = await self.episodes.gather(ahead.pop(step)[0])
+                t1 = time.monotonic()
+                current = {ref.name: ref.version for ref in self.adapters.refs().values()}
+                trained, staleness = drop_stale(rollouts, current, spec.train.max_staleness)
+                result, burst_s = await self.update(
+                    policy,
+                    {t.id for pending, _ in ahead.values() for t in pending.tasks},
+                    grpo_step,
+                    trained,
+                    [r.problem_id for r in trained],
+                    self.roles,
+                    spec,
+                )
+                t2 = time.monotonic()
+                if finishing is not None:
+                    await finishing
+                    finishing = pushed = None
+                done = step + 1
+                self.adapters.set_step(done)
+                record: dict[str, Any] = {
+                    **rollout_metrics(rollouts),
+                    **role_signatures(rollouts, spec.workflow),  # what the drift alarms read
+                    **result.metrics,
+                    **staleness,
                     "time/rollout_s": t1 - t0,
                     "time/update_s": t2 - t1,
-                    "time/push_s": t3 - t2,
                     **({} if self.burst is None else {"time/update_burst_s": burst_s}),
-                    "time/step_s": time.monotonic() - t0,
                 }
-            )
-            await self.log(done, record, policy, checkpointer)
-            release_free_heap()
+                if spec.train.max_staleness > 0 and not (
+                    validator.due(done) or checkpointer.due(done, None)
+                ):
+                    full, action = self.judge(done, record)
+                    if action is None:
+                        snapshot = await self.adapters.snapshot(policy)
+                        full["time/push_s"] = time.monotonic() - t2
+                        full["time/step_s"] = time.monotonic() - t0
+                        pushed = asyncio.Event()
+                        finishing = asyncio.create_task(
+                            self.finish(done, full, rollouts, snapshot, pushed)
+                        )
+                        continue
+                    await self.adapters.push(policy)
+                    full["time/push_s"] = time.monotonic() - t2
+                    self.rollout_log.write(done, rollouts)
+                    await self.act(done, full, action, policy, checkpointer)
+                    full["time/step_s"] = time.monotonic() - t0
+                    await self.write(done, full, action)
+                    release_free_heap()
+                    continue
+                await self.adapters.push(policy)
+                t3 = time.monotonic()
+                self.rollout_log.write(done, rollouts)
+                if validator.due(done):
+                    record.update(await validator.run(done))
+                accuracy = record.get("val/accuracy")
+                if checkpointer.due(done, accuracy):
+                    state = {
+                        # the steps submitted ahead are drawn again on resume
+                        "data_position": ahead[done][1] if done in ahead else sampler.position,
+                        "versions": self.adapters.versions,
+                        "rollbacks": self.guard.rollbacks,
+                    }
+                    await self.torch.run(checkpointer.save, done, policy, state, accuracy)
+                record["time/push_s"] = t3 - t2
+                record["time/step_s"] = time.monotonic() - t0
+                await self.log(done, record, policy, checkpointer)
+                release_free_heap()
+            if finishing is not None:
+                await finishing
+        except RunCancelled:
+            if finishing is not None:
+                await finishing  # the step it trained is logged, as a synchronous run's is
+            raise
+        finally:
+            if finishing is not None and not finishing.done():
+                finishing.cancel()
+                await asyncio.gather(finishing, return_exceptions=True)
+
+    async def finish(
+        self,
+        step: int,
+        full: dict[str, Any],
+        rollouts: list[Rollout],
+        snapshot: dict[str, Published],
+        pushed: asyncio.Event,
+    ) -> None:
+        """An overlapped step's push and record, while the next step trains: the adapters
+        go out, the tasks queued meanwhile follow them to the workers, the step is logged.
+        The step's `time/step_s` and `time/push_s` end where the next step starts (the
+        push's snapshot of the weights); the rest of the push, which no step waits for, is
+        `time/push_overlapped_s`."""
+        sent = time.monotonic()
+        await self.adapters.send(snapshot)
+        pushed.set()
+        await self.episodes.add_tasks()
+        full["time/push_overlapped_s"] = time.monotonic() - sent
+        self.rollout_log.write(step, rollouts)
+        await self.write(step, full, None)
+        release_free_heap()
 
     async def update(self, policy: PolicyHandle, ahead: set[str], *call: Any) -> tuple[Any, float]:
         """`policy.call(*call)` (the step's update) and the seconds of it run with the burst
@@ -295,13 +361,27 @@ class RunExecutor:
         policy: PolicyHandle | None = None,
         checkpointer: Checkpointer | None = None,
     ) -> None:
+        full, action = self.judge(step, record)
+        await self.act(step, full, action, policy, checkpointer)
+        await self.write(step, full, action)
+
+    def judge(self, step: int, record: dict[str, Any]) -> tuple[dict[str, Any], Action | None]:
+        """The step's full record with the alarms it fires, and what the guard does."""
         full = {"step": step, **record}
         fired = self.alarms.update(full)
         full["alarms"] = [str(a) for a in fired]
-        action = self.guard.decide(fired)
-        stop = None
+        return full, self.guard.decide(fired)
+
+    async def act(
+        self,
+        step: int,
+        full: dict[str, Any],
+        action: Action | None,
+        policy: PolicyHandle | None,
+        checkpointer: Checkpointer | None,
+    ) -> None:
+        """The guard's action on the policy; noted in the record."""
         if action is not None and action.kind == "stop":
-            stop = action
             full["guard"] = f"stop: {action.alarm}"
         elif action is not None and policy is not None and checkpointer is not None:
             done = await self.torch.run(self.guard.roll_back, policy, checkpointer)
@@ -312,7 +392,10 @@ class RunExecutor:
                 self.adapters.version_base += self.spec.train.steps + 1
                 self.adapters.set_step(step)
                 await self.adapters.push(policy)
+
+    async def write(self, step: int, full: dict[str, Any], action: Action | None) -> None:
+        """The record to every sink; a stop the guard called ends the run after it."""
         for sink in self.sinks:
             await sink.write(step, full)
-        if stop is not None:
-            raise GuardStopped(stop.alarm, stop.why)
+        if action is not None and action.kind == "stop":
+            raise GuardStopped(action.alarm, action.why)

@@ -93,6 +93,29 @@ def test_one_step_ahead_trains_turns_at_most_one_version_old(
         assert state["data_position"] == 4 * step, (step, state)
 
 
+def test_overlapped_push_and_record_keep_the_version_pattern(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Steps with no checkpoint or validation due push their adapters and log their
+    record while the next step trains (`RunExecutor.finish`); the next step's tasks wait
+    for the push's ack. The versions that served each step and the records' order are
+    those of the run above, whose every step checkpoints and so does neither."""
+    out, _ = run(cluster, tmp_path, "overlap", max_staleness=1, checkpoint_interval=100)
+    records = [r for r in rows(out) if r["step"] > 0]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for r in records:
+        assert r["train/episode_errors"] == 0
+        assert r["train/stale_dropped"] == 0
+        assert r["train/staleness_max"] <= 1
+    # steps 1..STEPS-1 overlapped; the last checkpoints (and validates), so waits for it
+    assert all(r["time/push_overlapped_s"] > 0 for r in records[:-1])
+    assert "time/push_overlapped_s" not in records[-1]
+    for step in range(2, STEPS + 1):
+        versions = {t["adapter"]["version"] for r in logged_rollouts(out, step)
+                    for t in r["turns"]}
+        assert versions == {step - 2}, (step, versions)
+
+
 def test_synchronous_run_is_on_policy(cluster: Cluster, tmp_path: Path) -> None:
     out, _ = run(cluster, tmp_path, "k0")
     for r in (r for r in rows(out) if r["step"] > 0):

@@ -372,3 +372,40 @@ async def test_reading_ahead_stops_when_told_and_leaves_the_rest_to_the_gather(
         assert [x.sample for x in got] == [0, 1]
     finally:
         await r.aclose()
+
+
+async def test_tasks_naming_a_version_still_being_pushed_wait_for_its_ack(
+    redis_url: str,
+) -> None:
+    """An overlapped step queues the next step's tasks while their adapter version is still
+    being pushed (`submit(..., after)`): they stay in the learner's queue, and so does any
+    submission behind them, until the push's event is set; then they go out in order."""
+    from services.learner.episodes import Episodes
+
+    r = streams.connect(redis_url)
+    spec = RunSpec.model_validate({"grpo": {"group_size": 2}})
+    adapters = {"generator": AdapterRef("run-g/generator", 1)}
+    episodes = Episodes("run-g", spec, r, "learner-g", lambda: adapters, never_cancelled)
+    await episodes.open(fresh=True)
+
+    async def in_stream() -> list[int]:
+        got = await streams.read_group(r, streams.TASKS, streams.WORKERS_GROUP, "w",
+                                       block_ms=10)
+        return [Task.from_dict(e.data).step for e in got]
+
+    try:
+        pushed = asyncio.Event()
+        episodes.submit([Problem(id="p0", prompt="q", answer="1")], 0, "train")
+        episodes.submit([Problem(id="p1", prompt="q", answer="1")], 1, "train", pushed)
+        episodes.submit([Problem(id="p2", prompt="q", answer="1")], 2, "train")
+        await episodes.add_tasks()
+        assert await in_stream() == [0, 0]
+        await episodes.add_tasks()
+        assert await in_stream() == []
+        assert len(episodes.queue) == 4
+        pushed.set()
+        await episodes.add_tasks()
+        assert await in_stream() == [1, 1, 2, 2]
+        assert episodes.queue == []
+    finally:
+        await r.aclose()
