@@ -116,6 +116,29 @@ def test_overlapped_push_and_record_keep_the_version_pattern(
         assert versions == {step - 2}, (step, versions)
 
 
+def test_a_guard_stop_on_an_overlapped_step_stops_there(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """A step whose record fires an alarm the guard acts on does not overlap: the run stops
+    at that step, with its record written, before another update is logged. At K = 1 the
+    learner's π_old is a version ahead of the sampler from the second step on, so a
+    `sampler_mismatch` threshold of 1e-4 nats fires there (the first step's gap is the
+    engines' rounding alone, ~1e-7)."""
+    out = tmp_path / "stop"
+    spec = voting_spec("stop", out, steps=STEPS, group=4, problems=4)
+    spec["train"].update(max_staleness=1, checkpoint_interval=100)
+    spec["alarms"] = {"logprob_gap_max": 1e-4}
+    spec["guard"] = {"on_alarm": {"sampler_mismatch": "stop"}}
+    result = wait_end(cluster, submit(cluster, spec))
+    assert result.state == "FAILED"
+    assert "stopped by guard.on_alarm.sampler_mismatch=stop" in result.error
+    records = rows(out)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert "guard" not in records[1] and "time/push_overlapped_s" in records[1]
+    assert records[2]["guard"].startswith("stop: sampler_mismatch")
+    assert "time/push_overlapped_s" not in records[2]
+
+
 def test_synchronous_run_is_on_policy(cluster: Cluster, tmp_path: Path) -> None:
     out, _ = run(cluster, tmp_path, "k0")
     for r in (r for r in rows(out) if r["step"] > 0):
