@@ -64,21 +64,15 @@ def run(cluster: Cluster, tmp_path: Path, name: str, problems: int = 4,
     return out, run_id
 
 
-def test_one_step_ahead_trains_turns_at_most_one_version_old(
-    cluster: Cluster, tmp_path: Path
-) -> None:
-    out, run_id = run(cluster, tmp_path, "k1", max_staleness=1, checkpoint_interval=1,
-                      checkpoints_kept=STEPS)
+def one_version_behind(out: Path) -> list[dict[str, Any]]:
+    """A K = 1 run's step records, checked: in order, no errors, nothing stale, and each
+    step's turns served by exactly one version behind the one that trained them."""
     records = [r for r in rows(out) if r["step"] > 0]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for r in records:
         assert r["train/episode_errors"] == 0
         assert r["train/stale_dropped"] == 0
         assert r["train/staleness_max"] <= 1
-        assert 0 < r["train/importance_weight_mean"] <= 2.0
-        assert 0 <= r["time/update_burst_s"] <= r["time/update_s"]
-    # the last step has nothing queued ahead: its whole update has both cores
-    assert records[-1]["time/update_burst_s"] > 0
     # the learner trained step s (logged as s + 1) with version s; step s's tasks were
     # queued while it trained step s - 1, with version s - 1: one version behind
     for step in range(2, STEPS + 1):
@@ -86,6 +80,20 @@ def test_one_step_ahead_trains_turns_at_most_one_version_old(
                     for t in r["turns"]}
         assert versions == {step - 2}, (step, versions)
     assert {t["adapter"]["version"] for r in logged_rollouts(out, 1) for t in r["turns"]} == {0}
+    return records
+
+
+def test_one_step_ahead_trains_turns_at_most_one_version_old(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    out, run_id = run(cluster, tmp_path, "k1", max_staleness=1, checkpoint_interval=1,
+                      checkpoints_kept=STEPS)
+    records = one_version_behind(out)
+    for r in records:
+        assert 0 < r["train/importance_weight_mean"] <= 2.0
+        assert 0 <= r["time/update_burst_s"] <= r["time/update_s"]
+    # the last step has nothing queued ahead: its whole update has both cores
+    assert records[-1]["time/update_burst_s"] > 0
     # each checkpoint's data position is where its next step's problems start, though the
     # learner had drawn that step's problems already: a resumed run queues them again
     for step in range(1, STEPS + 1):
@@ -101,19 +109,10 @@ def test_overlapped_push_and_record_keep_the_version_pattern(
     for the push's ack. The versions that served each step and the records' order are
     those of the run above, whose every step checkpoints and so does neither."""
     out, _ = run(cluster, tmp_path, "overlap", max_staleness=1, checkpoint_interval=100)
-    records = [r for r in rows(out) if r["step"] > 0]
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    for r in records:
-        assert r["train/episode_errors"] == 0
-        assert r["train/stale_dropped"] == 0
-        assert r["train/staleness_max"] <= 1
+    records = one_version_behind(out)
     # steps 1..STEPS-1 overlapped; the last checkpoints (and validates), so waits for it
     assert all(r["time/push_overlapped_s"] > 0 for r in records[:-1])
     assert "time/push_overlapped_s" not in records[-1]
-    for step in range(2, STEPS + 1):
-        versions = {t["adapter"]["version"] for r in logged_rollouts(out, step)
-                    for t in r["turns"]}
-        assert versions == {step - 2}, (step, versions)
 
 
 def test_a_guard_stop_on_an_overlapped_step_stops_there(
