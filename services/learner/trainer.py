@@ -248,10 +248,11 @@ class RunExecutor:
                     "time/update_s": t2 - t1,
                     **({} if self.burst is None else {"time/update_burst_s": burst_s}),
                 }
+                judged = None
                 if spec.train.max_staleness > 0 and not (
                     validator.due(done) or checkpointer.due(done, None)
                 ):
-                    full, action = self.judge(done, record)
+                    judged = full, action = self.judge(done, record)
                     if action is None:
                         snapshot = await self.adapters.snapshot(policy)
                         full["time/push_s"] = time.monotonic() - t2
@@ -261,14 +262,6 @@ class RunExecutor:
                             self.finish(done, full, rollouts, snapshot, pushed)
                         )
                         continue
-                    await self.adapters.push(policy)
-                    full["time/push_s"] = time.monotonic() - t2
-                    self.rollout_log.write(done, rollouts)
-                    await self.act(done, full, action, policy, checkpointer)
-                    full["time/step_s"] = time.monotonic() - t0
-                    await self.write(done, full, action)
-                    release_free_heap()
-                    continue
                 await self.adapters.push(policy)
                 t3 = time.monotonic()
                 self.rollout_log.write(done, rollouts)
@@ -285,7 +278,7 @@ class RunExecutor:
                     await self.torch.run(checkpointer.save, done, policy, state, accuracy)
                 record["time/push_s"] = t3 - t2
                 record["time/step_s"] = time.monotonic() - t0
-                await self.log(done, record, policy, checkpointer)
+                await self.log(done, record, policy, checkpointer, judged)
                 release_free_heap()
             if finishing is not None:
                 await finishing
@@ -360,27 +353,12 @@ class RunExecutor:
         record: dict[str, Any],
         policy: PolicyHandle | None = None,
         checkpointer: Checkpointer | None = None,
+        judged: tuple[dict[str, Any], Action | None] | None = None,
     ) -> None:
-        full, action = self.judge(step, record)
-        await self.act(step, full, action, policy, checkpointer)
-        await self.write(step, full, action)
-
-    def judge(self, step: int, record: dict[str, Any]) -> tuple[dict[str, Any], Action | None]:
-        """The step's full record with the alarms it fires, and what the guard does."""
-        full = {"step": step, **record}
-        fired = self.alarms.update(full)
-        full["alarms"] = [str(a) for a in fired]
-        return full, self.guard.decide(fired)
-
-    async def act(
-        self,
-        step: int,
-        full: dict[str, Any],
-        action: Action | None,
-        policy: PolicyHandle | None,
-        checkpointer: Checkpointer | None,
-    ) -> None:
-        """The guard's action on the policy; noted in the record."""
+        """The record through the alarms, the guard's action, then every sink. `judged`:
+        what `judge` made of the record before its last fields were added."""
+        full, action = self.judge(step, record) if judged is None else judged
+        full.update(record)
         if action is not None and action.kind == "stop":
             full["guard"] = f"stop: {action.alarm}"
         elif action is not None and policy is not None and checkpointer is not None:
@@ -392,6 +370,14 @@ class RunExecutor:
                 self.adapters.version_base += self.spec.train.steps + 1
                 self.adapters.set_step(step)
                 await self.adapters.push(policy)
+        await self.write(step, full, action)
+
+    def judge(self, step: int, record: dict[str, Any]) -> tuple[dict[str, Any], Action | None]:
+        """The step's full record with the alarms it fires, and what the guard does."""
+        full = {"step": step, **record}
+        fired = self.alarms.update(full)
+        full["alarms"] = [str(a) for a in fired]
+        return full, self.guard.decide(fired)
 
     async def write(self, step: int, full: dict[str, Any], action: Action | None) -> None:
         """The record to every sink; a stop the guard called ends the run after it."""
