@@ -55,6 +55,7 @@ from cpu_use import cpu_seconds
 
 from marl.demo_model import demo_model_dir
 from marl.episode_cli import load_checkpoint
+from marl.heap import keep_freed_heap_until_trimmed
 from marl.launcher import DEFAULT_CORES, Cluster, service_threads
 from marl.v1 import learner_pb2, learner_pb2_grpc
 from services.inference.engine import AdapterWeights, GenerationRequest
@@ -307,4 +308,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    keep_freed_heap_until_trimmed()  # this process's engine allocates as the service's does
     main()

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from marl import adapter_io
+from marl.heap import keep_freed_heap_until_trimmed
 from marl.model_id import base_model_id
 from marl.redis_server import free_port
 from marl.serving import wait_healthy
@@ -369,4 +370,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    keep_freed_heap_until_trimmed()  # this process's engine allocates as the service's does
     main()

@@ -6,6 +6,15 @@ that allocates differently sized batches from a pool of threads therefore shows 
 resident size that drifts up with the largest batches and the number of threads that
 ever touched them, though nothing is alive. `malloc_trim(0)` releases every arena's
 free pages, so resident memory tracks what is actually held.
+
+Between those trims, glibc's defaults hand memory back on their own: a block over the
+mmap threshold is mapped and unmapped per allocation, and a heap whose free top passes
+the trim threshold shrinks. A torch step frees and reallocates activations of a few MB
+thousands of times, and every page of each fresh mapping faults on first touch (tens of
+thousands of faults per step of the demo's Voting update; on a VM a fault costs well
+over a microsecond). `keep_freed_heap_until_trimmed` makes glibc keep what a step frees
+for the step's own next allocations; the services' explicit `release_free_heap` after a
+step or a batch still returns it, so resident memory between steps is as before.
 """
 
 from __future__ import annotations
@@ -14,19 +23,38 @@ import ctypes
 import ctypes.util
 import functools
 from collections.abc import Callable
+from typing import Any
+
+_M_TRIM_THRESHOLD = -1
+_M_TOP_PAD = -2
+_M_MMAP_THRESHOLD = -3
+HEAP_TOP_PAD = 512 << 20
+"""Address space the heap grows by at a time (pages are resident only once touched)."""
+MMAP_THRESHOLD = 32 << 20
+"""Blocks under this come from the heap (glibc's largest setting on 64-bit)."""
+
+
+@functools.cache
+def _mallopt() -> Callable[[int, int], int] | None:
+    return _libc_function("mallopt", [ctypes.c_int, ctypes.c_int])
 
 
 @functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
+    return _libc_function("malloc_trim", [ctypes.c_size_t])
+
+
+def _libc_function(name: str, argtypes: list[Any]) -> Callable[..., int] | None:
+    """A glibc function; None where the C library lacks it (musl has no malloc_trim)."""
+    library = ctypes.util.find_library("c")
+    if library is None:
         return None
-    trim = getattr(ctypes.CDLL(name), "malloc_trim", None)  # glibc only, not musl
-    if trim is None:
+    function = getattr(ctypes.CDLL(library), name, None)
+    if function is None:
         return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim  # type: ignore[no-any-return]
+    function.argtypes = argtypes
+    function.restype = ctypes.c_int
+    return function  # type: ignore[no-any-return]
 
 
 def release_free_heap() -> bool:
@@ -36,3 +64,19 @@ def release_free_heap() -> bool:
         return False
     trim(0)
     return True
+
+
+def keep_freed_heap_until_trimmed() -> bool:
+    """Freed blocks stay in the heap for reuse until `release_free_heap`; False where the
+    C library has no such settings. For a process that trims at its own quiet points."""
+    mallopt = _mallopt()
+    if mallopt is None:
+        return False
+    return all(
+        mallopt(option, value) == 1
+        for option, value in (
+            (_M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+            (_M_TOP_PAD, HEAP_TOP_PAD),
+            (_M_TRIM_THRESHOLD, 2**31 - 1),
+        )
+    )

@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 
 from marl import adapter_io, replicas, streams
 from marl.aio_tasks import cancel_until_done
-from marl.heap import release_free_heap
+from marl.heap import keep_freed_heap_until_trimmed, release_free_heap
 from marl.http_server import HttpServer
 from marl.prometheus_metrics import ADAPTER_VERSIONS
 from marl.serving import (
@@ -456,6 +456,7 @@ def run(
     parallelism, eager mode, LoRA slots...), ignored by the transformers engine;
     `device`: where the transformers engine runs (auto: CUDA when present)."""
     configure_logging("inference")
+    keep_freed_heap_until_trimmed()  # a batch's freed blocks are reused, and trimmed after it
     asyncio.run(
         _serve(
             port,

@@ -1,8 +1,12 @@
-"""release_free_heap hands free pages inside glibc's heap back to the OS."""
+"""release_free_heap hands free pages inside glibc's heap back to the OS;
+keep_freed_heap_until_trimmed keeps them for reuse until then."""
 
 from __future__ import annotations
 
 import ctypes.util
+import json
+import subprocess
+import sys
 
 import pytest
 
@@ -24,3 +28,52 @@ def test_freed_but_fragmented_heap_is_returned() -> None:
     after = rss_kb()
     assert before - after > 100 * 1024, (before, after)
     assert len(survivors) == 782
+
+
+ROUNDS = """
+import json, resource, sys
+from marl.heap import keep_freed_heap_until_trimmed, release_free_heap
+
+
+def rss_kb():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+kept = sys.argv[1] == "keep" and keep_freed_heap_until_trimmed()
+
+
+def one_round():  # like a step's activations: ~200 MB live at once, then all freed
+    live = [bytearray(2 << 20) for _ in range(100)]  # zero-filled: every page touched
+    del live
+
+
+for _ in range(2):
+    one_round()
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    one_round()
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+before = rss_kb()
+release_free_heap()
+print(json.dumps({"kept": kept, "faults_per_page": faults / (5 * 100 * 512),
+                  "released_kb": before - rss_kb()}))
+"""
+
+
+def heap_rounds(mode: str) -> dict[str, float]:
+    out = subprocess.run(
+        [sys.executable, "-c", ROUNDS, mode], capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+
+@pytest.mark.skipif(ctypes.util.find_library("c") is None, reason="no C library found")
+def test_freed_heap_is_kept_for_reuse_until_trimmed() -> None:
+    default, kept = heap_rounds("default"), heap_rounds("keep")
+    assert kept["kept"]
+    # glibc's own thresholds give the freed top back, so each round faults every page in
+    assert default["faults_per_page"] > 0.5, default
+    assert kept["faults_per_page"] < 0.01, kept
+    # what a round frees stays resident until the explicit trim, which still returns it
+    assert kept["released_kb"] > 150 * 1024, kept
