@@ -114,7 +114,12 @@ class MultiAdapterPolicy:
             target_modules=lora.target_modules,
             bias="none",
         )
-        self.model: PeftModel = get_peft_model(base, config, adapter_name=self.policies[0])
+        with warnings.catch_warnings():
+            # PEFT reads transformers' deprecated `is_gradient_checkpointing` while wrapping
+            warnings.filterwarnings(
+                "ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning
+            )
+            self.model: PeftModel = get_peft_model(base, config, adapter_name=self.policies[0])
         for name in self.policies[1:]:
             self.model.add_adapter(name, config)
         for name, param in self.model.named_parameters():
