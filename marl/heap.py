@@ -28,10 +28,14 @@ from typing import Any
 _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
-HEAP_TOP_PAD = 512 << 20
+HEAP_TOP_PAD = 64 << 20
 """Address space the heap grows by at a time (pages are resident only once touched)."""
 MMAP_THRESHOLD = 32 << 20
 """Blocks under this come from the heap (glibc's largest setting on 64-bit)."""
+TRIM_THRESHOLD = 256 << 20
+"""Free heap top glibc keeps before it trims on its own. It bounds what a step with larger
+tensors keeps beyond what it holds: a SmolLM2-135M Voting step's peak RSS is 3.61 GB
+with these settings, 3.56 GB with glibc's defaults, 3.93 GB with a 2 GB threshold."""
 
 
 @functools.cache
@@ -77,6 +81,6 @@ def keep_freed_heap_until_trimmed() -> bool:
         for option, value in (
             (_M_MMAP_THRESHOLD, MMAP_THRESHOLD),
             (_M_TOP_PAD, HEAP_TOP_PAD),
-            (_M_TRIM_THRESHOLD, 2**31 - 1),
+            (_M_TRIM_THRESHOLD, TRIM_THRESHOLD),
         )
     )
