@@ -81,14 +81,13 @@ def load_checkpoint(path: str, policies: list[str]) -> dict[str, Adapter]:
 def base_adapters(spec: RunSpec, policies: list[str]) -> dict[str, Adapter]:
     """Adapters equal to the base model: PEFT's initialisation (B = 0), as at step 0."""
     import torch
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from peft import get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
+    from marl.peft_lora import with_lora
+
     torch.manual_seed(spec.seed)
-    base = AutoModelForCausalLM.from_pretrained(spec.model.path)
-    config = LoraConfig(r=spec.lora.rank, lora_alpha=spec.lora.alpha,  # type: ignore[arg-type]
-                        target_modules=spec.lora.target_modules, bias="none")
-    model = get_peft_model(base, config)
+    model = with_lora(AutoModelForCausalLM.from_pretrained(spec.model.path), spec.lora)
     state = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
     peft_config: Any = model.peft_config["default"]
     modules = sorted(peft_config.target_modules)

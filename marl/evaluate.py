@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,20 +152,14 @@ def _zero_payload(spec: RunSpec, like: AdapterSource | None) -> tuple[bytes, dic
         payload, config = _checkpoint_payload(like)
         state = adapter_io.deserialize(payload)
         return adapter_io.serialize({k: torch.zeros_like(v) for k, v in state.items()}), config
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from peft import get_peft_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from marl.peft_lora import with_lora
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec.model.path))
-    lora = LoraConfig(
-        r=spec.lora.rank,
-        lora_alpha=spec.lora.alpha,  # type: ignore[arg-type]  # PEFT accepts floats
-        target_modules=spec.lora.target_modules,
-        bias="none",
-    )
-    with warnings.catch_warnings():  # transformers' deprecation notes on PEFT's calls
-        warnings.simplefilter("ignore", FutureWarning)
-        peft = get_peft_model(model, lora)
+    peft = with_lora(model, spec.lora)
     state = {
         k: torch.zeros(v.shape, dtype=torch.float32)
         for k, v in get_peft_model_state_dict(peft).items()

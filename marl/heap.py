@@ -48,12 +48,15 @@ def _malloc_trim() -> Callable[[int], int] | None:
     return _libc_function("malloc_trim", [ctypes.c_size_t])
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    library = ctypes.util.find_library("c")  # runs ldconfig: once per process
+    return None if library is None else ctypes.CDLL(library)
+
+
 def _libc_function(name: str, argtypes: list[Any]) -> Callable[..., int] | None:
     """A glibc function; None where the C library lacks it (musl has no malloc_trim)."""
-    library = ctypes.util.find_library("c")
-    if library is None:
-        return None
-    function = getattr(ctypes.CDLL(library), name, None)
+    function = getattr(_libc(), name, None)
     if function is None:
         return None
     function.argtypes = argtypes

@@ -16,9 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 from peft import (
-    LoraConfig,
     PeftModel,
-    get_peft_model,
     get_peft_model_state_dict,
     set_peft_model_state_dict,
 )
@@ -26,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from marl.config import LoraSpec, OptimSpec
+from marl.peft_lora import with_lora
 from services.learner import fsdp
 from services.learner.prompt_rows import Rows, layout
 from services.learner.sequences import Sequence
@@ -107,19 +106,8 @@ class MultiAdapterPolicy:
         self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
         base = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype])
         base.requires_grad_(False)
-        config = LoraConfig(
-            r=lora.rank,
-            lora_alpha=lora.alpha,  # type: ignore[arg-type]  # PEFT accepts floats
-            lora_dropout=lora.dropout,
-            target_modules=lora.target_modules,
-            bias="none",
-        )
-        with warnings.catch_warnings():
-            # PEFT reads transformers' deprecated `is_gradient_checkpointing` while wrapping
-            warnings.filterwarnings(
-                "ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning
-            )
-            self.model: PeftModel = get_peft_model(base, config, adapter_name=self.policies[0])
+        self.model: PeftModel = with_lora(base, lora, self.policies[0])
+        config = self.model.peft_config[self.policies[0]]
         for name in self.policies[1:]:
             self.model.add_adapter(name, config)
         for name, param in self.model.named_parameters():

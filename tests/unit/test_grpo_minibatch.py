@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+import warnings
 from pathlib import Path
 
 import pytest
@@ -203,8 +204,6 @@ def test_renamed_field_is_refused_naming_the_new_one() -> None:
 def test_building_the_policy_warns_of_nothing(model_dir: Path) -> None:
     """PEFT reads transformers' deprecated `is_gradient_checkpointing` when it wraps the
     model; that FutureWarning is not the user's to act on, so the learner's log omits it."""
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         new_policy(model_dir, "shared", spec())
