@@ -14,9 +14,10 @@ Voting and Single workflows:
 
 (b) and (c) each run twice, in the order b c c b, each time on a cluster of its own with
 the thread split that suits it (`marl.launcher.service_threads` over `--cores`): (b)'s
-inference replica and learner take turns and each gets every core; (c)'s run at once and
-get disjoint shares, until the rollouts queued ahead are in and the learner's update takes
-every core (`services.learner.threads`; `--no-burst` keeps the shares throughout). A
+inference replica and learner take turns, the learner with every core, the replica with
+every core but the one the workers use while it decodes; (c)'s run at once and get disjoint
+shares, until the rollouts queued ahead are in and the learner's update takes every core
+(`services.learner.threads`; `--no-burst` keeps the shares throughout). A
 machine whose speed drifts over the bench's minutes (a shared VM's does) then slows both
 modes alike, rather than whichever ran second.
 

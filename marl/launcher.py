@@ -40,16 +40,19 @@ learner and inference overlapped at 2 threads each (`train.max_staleness` 1), 0.
 
 def service_threads(cores: int, overlapped: bool) -> dict[str, int]:
     """Threads per service kind for runs on `cores` cores. A synchronous run
-    (`train.max_staleness` 0) generates, then trains: the inference replica and the
-    learner take turns, and each gets every core. An overlapped run (>= 1) generates and
-    trains at once: they get disjoint shares, so that neither's OpenMP pool spins on the
-    other's cores (OMP_SPIN_COUNT). `learner_burst`: the threads the learner's update takes
-    once every rollout queued ahead is in and the inference share idles
-    (`services.learner.threads`): every core."""
+    (`train.max_staleness` 0) generates, then trains: the learner gets every core for its
+    update, and the inference replica every core but one, which the workflow workers
+    (one thread each) keep busy while it decodes: a replica pool over every core spins on
+    theirs (on 2 cores, one replica thread gave 12-16 % more rollout tokens/s than two in
+    `bench/e2e.py`, though the engine alone gains from the second). An overlapped run
+    (>= 1) generates and trains at once: they get disjoint shares, so that neither's
+    OpenMP pool spins on the other's cores (OMP_SPIN_COUNT). `learner_burst`: the threads
+    the learner's update takes once every rollout queued ahead is in and the inference
+    share idles (`services.learner.threads`): every core."""
     if overlapped:
         inference, learner = max(1, cores // 2), max(1, cores - cores // 2)
     else:
-        inference = learner = max(1, cores)
+        inference, learner = max(1, cores - 1), max(1, cores)
     return {"inference": inference, "learner": learner, "learner_burst": max(1, cores),
             "workflow": 1, "sandbox": 1}
 

@@ -45,7 +45,8 @@ def test_a_calls_error_reaches_its_caller_and_the_thread_goes_on() -> None:
 
 @pytest.mark.parametrize(
     ("cores", "overlapped", "inference", "learner"),
-    [(2, False, 2, 2), (2, True, 1, 1), (5, True, 2, 3), (1, True, 1, 1), (8, False, 8, 8)],
+    [(2, False, 1, 2), (2, True, 1, 1), (5, True, 2, 3), (1, True, 1, 1), (1, False, 1, 1),
+     (8, False, 7, 8)],
 )
 def test_service_threads_share_cores_out_only_when_overlapped(
     cores: int, overlapped: bool, inference: int, learner: int
