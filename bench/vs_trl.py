@@ -19,7 +19,7 @@ neither wins by learning less. Needs TRL (`pip install trl==1.16.0`; it installs
 marl's pins). Prints a table, then one JSON object as the very last line.
 
     python bench/vs_trl.py [--steps 12] [--problems 16] [--group 8] [--max-tokens 8]
-                           [--max-staleness 0] [--learner-threads 2] [--inference-threads 2]
+                           [--max-staleness 0] [--learner-threads N] [--inference-threads N]
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from e2e import spec as e2e_spec
 from marl.config import DataSpec
 from marl.data import load_problems
 from marl.demo_model import demo_model_dir
-from marl.launcher import Cluster
+from marl.launcher import DEFAULT_CORES, Cluster, service_threads
 from marl.rewards.math import score
 from marl.workflows import prompts
 
@@ -61,8 +61,10 @@ def parse_args() -> argparse.Namespace:
         default=0,
         help="marl's train.max_staleness (0: on-policy, as TRL; 1: rollouts one step ahead)",
     )
-    p.add_argument("--learner-threads", type=int, default=2, help="marl learner's threads")
-    p.add_argument("--inference-threads", type=int, default=2, help="marl inference's threads")
+    p.add_argument("--learner-threads", type=int, default=None,
+                   help="marl learner's threads (default: as `marl demo` sets them on 2 cores)")
+    p.add_argument("--inference-threads", type=int, default=None,
+                   help="marl inference's threads (default: as `marl demo` sets them on 2 cores)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
@@ -155,12 +157,13 @@ def run_marl_single(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         sandbox_replicas=0,
         workflow_replicas=args.workers,
         max_lora_rank=args.rank,
+        threads=service_threads(DEFAULT_CORES, overlapped=args.max_staleness > 0),
     )
-    cluster.threads = {
-        **cluster.threads,
-        "learner": args.learner_threads,
-        "inference": args.inference_threads,
-    }
+    if args.learner_threads is not None:
+        cluster.threads["learner"] = args.learner_threads
+    if args.inference_threads is not None:
+        cluster.threads["inference"] = args.inference_threads
+    threads = dict(cluster.threads)
     with cluster:
         run_marl(cluster, spec)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -170,6 +173,7 @@ def run_marl_single(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         "reward": [r["train/reward_mean"] for r in steps],
         "rollout_s": [r["time/rollout_s"] for r in steps],
         "update_s": [r["time/update_s"] for r in steps],
+        "threads": threads,
     }
 
 
@@ -187,8 +191,8 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "rank": args.rank,
         "max_staleness": args.max_staleness,
-        "learner_threads": args.learner_threads,
-        "inference_threads": args.inference_threads,
+        "learner_threads": marl["threads"]["learner"],
+        "inference_threads": marl["threads"]["inference"],
         "trl_step_s": statistics.median(trl["step_s"][w:]),
         "marl_step_s": statistics.median(marl["step_s"][w:]),
         "marl_rollout_s": statistics.median(marl["rollout_s"][w:]),
@@ -201,7 +205,8 @@ def main() -> None:
         f"single-agent GRPO, demo model, {args.problems} problems x {args.group}, "
         f"<= {args.max_tokens} tokens, LoRA rank {args.rank}, {args.steps} steps "
         f"(median over steps after {w}); marl train.max_staleness {args.max_staleness}, "
-        f"threads: learner {args.learner_threads}, inference {args.inference_threads}"
+        f"threads: learner {figures['learner_threads']}, "
+        f"inference {figures['inference_threads']}"
     )
     print(f"{'':24}{'step s':>10}")
     print(f"{'TRL GRPOTrainer':24}{figures['trl_step_s']:>10.3f}")
