@@ -1,0 +1,104 @@
+"""`fuse_lora_adds`: PEFT's LoRA layers computing their sum inside one GEMM give PEFT's
+own outputs and gradients, in every adapter state the learner uses."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from marl.config import LoraSpec
+from marl.peft_lora import fuse_lora_adds, with_lora
+
+LORA = LoraSpec(rank=4, alpha=8.0)
+
+
+def peft_and_fused(model_dir: Path, dtype: torch.dtype, lora: LoraSpec = LORA) -> tuple[Any, Any]:
+    """The same PEFT model twice, B initialised away from PEFT's zeros so the LoRA term
+    counts: the first with PEFT's forward put back, the second fused."""
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    fused = with_lora(base, lora, "one")
+    fused.add_adapter("two", fused.peft_config["one"])
+    for name, param in fused.named_parameters():
+        if "lora_" in name:
+            param.data = torch.randn_like(param, dtype=torch.float32) * 0.2
+    peft = copy.deepcopy(fused)
+    for module in peft.modules():
+        module.__dict__.pop("forward", None)  # the class's, PEFT's own
+    return peft, fused
+
+
+def logits_and_grads(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad()
+    logits = model(ids).logits.float()
+    (logits.square().mean() + logits[:, -1].sum()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), grads
+
+
+def test_every_lora_layer_of_the_demo_architecture_is_fused(model_dir: Path) -> None:
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    model = with_lora(base, LORA)
+    layers = base.config.num_hidden_layers * 7  # q k v o gate up down
+    assert fuse_lora_adds(model) == layers  # with_lora fused them; this does so again
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.profiler.profile() as prof:
+        model(ids)
+    addmms = sum(e.count for e in prof.key_averages() if e.key == "aten::addmm")
+    assert addmms == layers
+
+
+@pytest.mark.parametrize("adapter", ["one", "two"])
+def test_fused_layers_give_peft_outputs_and_gradients(model_dir: Path, adapter: str) -> None:
+    peft, fused = peft_and_fused(model_dir, torch.float32)
+    ids = torch.randint(3, 30, (3, 17), generator=torch.Generator().manual_seed(1))
+    for model in (peft, fused):
+        model.set_adapter(adapter)
+    want_logits, want_grads = logits_and_grads(peft, ids)
+    got_logits, got_grads = logits_and_grads(fused, ids)
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-5)
+    assert got_grads.keys() == want_grads.keys()
+    assert any(adapter in name for name in got_grads)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    with peft.disable_adapter(), fused.disable_adapter():
+        torch.testing.assert_close(fused(ids).logits, peft(ids).logits)
+    # the LoRA term matters: without it the outputs differ (the check above can fail)
+    with fused.disable_adapter():
+        assert (fused(ids).logits - want_logits).abs().max() > 1e-2
+
+
+def test_a_low_precision_base_adds_in_the_adapters_precision(model_dir: Path) -> None:
+    """A bf16 base with fp32 LoRA weights, as the learner keeps them: PEFT sums in fp32 and
+    casts back; so does the fused layer."""
+    peft, fused = peft_and_fused(model_dir, torch.bfloat16)
+    ids = torch.randint(3, 30, (2, 9), generator=torch.Generator().manual_seed(2))
+    want = peft(ids).logits
+    got = fused(ids).logits
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_dropout_draws_as_peft_does(model_dir: Path) -> None:
+    peft, fused = peft_and_fused(model_dir, torch.float32, LoraSpec(rank=4, alpha=8.0, dropout=0.3))
+    peft.train()
+    fused.train()
+    ids = torch.randint(3, 30, (2, 11), generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(7)
+    want = peft(ids).logits
+    torch.manual_seed(7)
+    got = fused(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_merged_adapters_fall_back_to_peft(model_dir: Path) -> None:
+    peft, fused = peft_and_fused(model_dir, torch.float32)
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    want = peft(ids).logits
+    fused.merge_adapter()
+    torch.testing.assert_close(fused(ids).logits, want, rtol=1e-4, atol=1e-4)
