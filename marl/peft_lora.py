@@ -51,7 +51,7 @@ def fuse_lora_adds(model: Any) -> int:
     changed = 0
     for module in model.modules():
         if type(module) is LoraLinear:
-            module.forward = partial(_fused_forward, module, module.forward)
+            module.forward = partial(_fused_forward, module, module.forward)  # type: ignore[method-assign]
             changed += 1
     return changed
 
