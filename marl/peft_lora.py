@@ -45,15 +45,18 @@ def fuse_lora_adds(model: Any) -> int:
     GRPO step. A layer falls back to PEFT's own forward whenever it is in a state this
     does not cover: adapters disabled or merged, more than one active adapter, a LoRA
     variant (DoRA...), a bias on B, or extra forward arguments. Returns the number of
-    layers changed."""
+    fused layers (a layer fused already stays as it is)."""
     from peft.tuners.lora.layer import Linear as LoraLinear
 
-    changed = 0
+    fused = 0
     for module in model.modules():
-        if type(module) is LoraLinear:
+        if type(module) is not LoraLinear:
+            continue
+        forward = module.__dict__.get("forward")
+        if not (isinstance(forward, partial) and forward.func is _fused_forward):
             module.forward = partial(_fused_forward, module, module.forward)  # type: ignore[method-assign]
-            changed += 1
-    return changed
+        fused += 1
+    return fused
 
 
 def _fused_forward(layer: Any, peft_forward: Any, x: torch.Tensor, *args: Any,

@@ -4,6 +4,7 @@ own outputs and gradients, in every adapter state the learner uses."""
 from __future__ import annotations
 
 import copy
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,10 @@ def test_every_lora_layer_of_the_demo_architecture_is_fused(model_dir: Path) -> 
     base = AutoModelForCausalLM.from_pretrained(model_dir)
     model = with_lora(base, LORA)
     layers = base.config.num_hidden_layers * 7  # q k v o gate up down
-    assert fuse_lora_adds(model) == layers  # with_lora fused them; this does so again
+    assert fuse_lora_adds(model) == layers  # with_lora fused them; a second call keeps them
+    wrapped = [m.__dict__["forward"] for m in model.modules() if "forward" in m.__dict__]
+    assert len(wrapped) == layers
+    assert not any(isinstance(f.args[1], partial) for f in wrapped)  # PEFT's, not wrapped twice
     ids = torch.tensor([[3, 4, 5, 6]])
     with torch.profiler.profile() as prof:
         model(ids)
