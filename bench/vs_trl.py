@@ -150,6 +150,9 @@ def run_marl_single(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         "mini_batch_size": args.problems * args.group,  # one optimizer step, as TRL's
         "loss_agg": "seq_mean_token_mean",
     }
+    threads = service_threads(DEFAULT_CORES, overlapped=args.max_staleness > 0)
+    threads["learner"] = args.learner_threads or threads["learner"]
+    threads["inference"] = args.inference_threads or threads["inference"]
     cluster = Cluster(
         root / "cluster",
         str(demo_model_dir()),
@@ -157,13 +160,8 @@ def run_marl_single(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         sandbox_replicas=0,
         workflow_replicas=args.workers,
         max_lora_rank=args.rank,
-        threads=service_threads(DEFAULT_CORES, overlapped=args.max_staleness > 0),
+        threads=threads,
     )
-    if args.learner_threads is not None:
-        cluster.threads["learner"] = args.learner_threads
-    if args.inference_threads is not None:
-        cluster.threads["inference"] = args.inference_threads
-    threads = dict(cluster.threads)
     with cluster:
         run_marl(cluster, spec)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
