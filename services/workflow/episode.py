@@ -33,6 +33,16 @@ RENDERED_TOKENS_KEPT = 1 << 20
 """Prompt tokens a worker keeps rendered per model (`Renders`, about 8 bytes a token plus
 the messages); the cache is emptied when it holds more."""
 
+SERVED_ELSEWHERE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.CANCELLED,
+)
+"""Codes that send a turn on to the next replica: down or stopping, joining without the
+adapter, or shut down before its handler took the call. A stopping Python gRPC server
+answers a call that reached it but no handler yet with CANCELLED (grpc/grpc#41785); the
+worker's own cancellation raises asyncio.CancelledError, never this."""
+
 
 class PromptTooLong(EpisodeError):
     """A rendered role prompt is over the workflow's prompt cap."""
@@ -207,10 +217,7 @@ class Episode:
                 resp = await stub.Generate(request, timeout=GENERATE_DEADLINE_S)
                 break
             except grpc.aio.AioRpcError as err:
-                if err.code() not in (
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    grpc.StatusCode.UNAVAILABLE,
-                ):
+                if err.code() not in SERVED_ELSEWHERE:
                     raise
                 last_error = err
         else:

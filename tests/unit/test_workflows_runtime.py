@@ -3,6 +3,7 @@ make a failed rollout (left out of training) versus a bug (raised, task left pen
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import grpc
@@ -56,6 +57,44 @@ class Unreachable:
 async def test_inference_unreachable_is_a_failed_episode() -> None:
     rollout = await runner_with(Unreachable()).run(make_task("single"))
     assert rollout.error is not None and "DEADLINE_EXCEEDED" in rollout.error
+
+
+class Refuses:
+    def __init__(self, code: grpc.StatusCode):
+        self.code = code
+        self.calls = 0
+
+    async def Generate(self, request: Any, timeout: float | None = None) -> Any:  # noqa: N802
+        self.calls += 1
+        raise grpc.aio.AioRpcError(self.code, grpc.aio.Metadata(), grpc.aio.Metadata(), "no")
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE,
+                                  grpc.StatusCode.FAILED_PRECONDITION,
+                                  grpc.StatusCode.CANCELLED])
+async def test_a_turn_a_replica_did_not_take_goes_to_the_next(code: grpc.StatusCode) -> None:
+    """CANCELLED is what a stopping replica answers a call no handler took yet."""
+    refusing = Refuses(code)
+    serving = ScriptedEngine(lambda role, slot, prompt: "\\boxed{5}")
+    runner = EpisodeRunner(None, "w-test")
+    runner._tokenizers[""] = CharTokenizer()
+
+    task = make_task("single")
+    first = zlib.crc32(f"{task.run_id}:{task.problem.id}".encode()) % 2  # the turn's replica
+
+    async def stubs() -> list[Any]:
+        return [refusing, serving] if first == 0 else [serving, refusing]
+
+    runner.stubs = stubs  # type: ignore[method-assign]
+    rollout = await runner.run(task)
+    assert rollout.error is None and rollout.reward == 1.0
+    assert refusing.calls == 1 and len(serving.seen) == 1
+
+
+async def test_every_replica_refusing_is_a_failed_episode() -> None:
+    rollout = await runner_with(Refuses(grpc.StatusCode.CANCELLED)).run(make_task("single"))
+    assert rollout.error is not None and rollout.error.startswith("NoReplica: ")
+    assert "CANCELLED" in rollout.error
 
 
 async def test_no_live_replica_is_a_failed_episode() -> None:
