@@ -38,7 +38,13 @@ REPLICA_WAIT_S = 300.0
 SYNC_INTERVAL_S = 1.0
 SYNC_RETRY_S = 5.0
 RELEASE_DEADLINE_S = 30.0
-UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+UNREACHABLE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+)
+"""Push errors that mean the replica went away, not that it refused the adapter: a stopping
+Python gRPC server answers a call no handler took yet with CANCELLED (grpc/grpc#41785)."""
 
 
 @dataclass
