@@ -54,13 +54,15 @@ _RETRY = {
             "initialBackoff": "0.5s",
             "maxBackoff": "4s",
             "backoffMultiplier": 2,
-            "retryableStatusCodes": ["UNAVAILABLE"],
+            "retryableStatusCodes": ["UNAVAILABLE", "CANCELLED"],
         },
     }]
 }
-"""Running tests on code has no side effects, so a call that found the server stopping
-(UNAVAILABLE) is sent again with jittered backoff, and a call made while no server
-answers (one restarting) waits for it: both within the call's deadline."""
+"""Running tests on code has no side effects, so a call that found the server stopping is
+sent again with jittered backoff, and a call made while no server answers (one restarting)
+waits for it: both within the call's deadline. A stopping server answers UNAVAILABLE, or
+CANCELLED to a call no handler took yet (grpc/grpc#41785); the caller's own cancellation
+ends the call, it is not retried."""
 _OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", 64 << 20),
             ("grpc.enable_retries", 1),
