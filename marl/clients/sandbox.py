@@ -39,6 +39,7 @@ from typing import Any
 import grpc
 
 from marl import auth
+from marl.rpc_codes import SERVER_GONE
 from marl.v1 import sandbox_pb2, sandbox_pb2_grpc
 
 BUSY_WAIT_S = 120.0
@@ -54,15 +55,13 @@ _RETRY = {
             "initialBackoff": "0.5s",
             "maxBackoff": "4s",
             "backoffMultiplier": 2,
-            "retryableStatusCodes": ["UNAVAILABLE", "CANCELLED"],
+            "retryableStatusCodes": [code.name for code in SERVER_GONE],
         },
     }]
 }
-"""Running tests on code has no side effects, so a call that found the server stopping is
-sent again with jittered backoff, and a call made while no server answers (one restarting)
-waits for it: both within the call's deadline. A stopping server answers UNAVAILABLE, or
-CANCELLED to a call no handler took yet (grpc/grpc#41785); the caller's own cancellation
-ends the call, it is not retried."""
+"""Running tests on code has no side effects, so a call that found the server stopping
+(`SERVER_GONE`) is sent again with jittered backoff, and a call made while no server
+answers (one restarting) waits for it: both within the call's deadline."""
 _OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", 64 << 20),
             ("grpc.enable_retries", 1),

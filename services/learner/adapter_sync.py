@@ -27,6 +27,7 @@ from marl import adapter_io, auth, replicas
 from marl.aio_tasks import cancel_until_done, raise_if_cancelled
 from marl.config import RunSpec
 from marl.rollout import AdapterRef
+from marl.rpc_codes import NO_ANSWER
 from marl.torch_thread import TorchThread
 from marl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.learner.errors import ReplicaUnreachable, RunFailed
@@ -38,13 +39,6 @@ REPLICA_WAIT_S = 300.0
 SYNC_INTERVAL_S = 1.0
 SYNC_RETRY_S = 5.0
 RELEASE_DEADLINE_S = 30.0
-UNREACHABLE = (
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.CANCELLED,
-)
-"""Push errors that mean the replica went away, not that it refused the adapter: a stopping
-Python gRPC server answers a call no handler took yet with CANCELLED (grpc/grpc#41785)."""
 
 
 @dataclass
@@ -199,7 +193,7 @@ class AdapterSync:
                 )
             except grpc.aio.AioRpcError as err:
                 ref = f"{self.adapter_name(p)}@{pub.version}"
-                if err.code() in UNREACHABLE:
+                if err.code() in NO_ANSWER:  # the replica went away, it did not refuse
                     raise ReplicaUnreachable(
                         f"inference replica {rid} ({address}) unreachable for {ref}: "
                         f"{err.details()}"

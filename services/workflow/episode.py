@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import grpc
 
 from marl.rollout import AdapterRef, Task, Turn
+from marl.rpc_codes import SERVER_GONE
 from marl.v1 import common_pb2, inference_pb2
 from marl.workflows.base import Caps, EpisodeError
 
@@ -33,15 +34,9 @@ RENDERED_TOKENS_KEPT = 1 << 20
 """Prompt tokens a worker keeps rendered per model (`Renders`, about 8 bytes a token plus
 the messages); the cache is emptied when it holds more."""
 
-SERVED_ELSEWHERE = (
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.CANCELLED,
-)
-"""Codes that send a turn on to the next replica: down or stopping, joining without the
-adapter, or shut down before its handler took the call. A stopping Python gRPC server
-answers a call that reached it but no handler yet with CANCELLED (grpc/grpc#41785); the
-worker's own cancellation raises asyncio.CancelledError, never this."""
+SERVED_ELSEWHERE = (*SERVER_GONE, grpc.StatusCode.FAILED_PRECONDITION)
+"""Codes that send a turn on to the next replica: the replica is down or stopping, or it
+is joining and has not been pushed the adapter yet."""
 
 
 class PromptTooLong(EpisodeError):

@@ -33,6 +33,7 @@ from marl.aio_tasks import cancel_until_done, raise_if_cancelled
 from marl.config import SpecError, WorkflowCaps
 from marl.rewards.code import SandboxFailure
 from marl.rollout import Rollout, Task
+from marl.rpc_codes import NO_ANSWER
 from marl.v1 import inference_pb2_grpc
 from marl.workflows import EpisodeError, Workflow, resolve
 from services.workflow import openai_proxy
@@ -42,13 +43,6 @@ from services.workflow.rollout_sender import RolloutSender
 
 log = logging.getLogger(__name__)
 
-UNREACHABLE = (
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.CANCELLED,
-)
-"""gRPC codes of a service (inference, sandbox) that did not answer."""
-
 
 def could_not_run(err: BaseException) -> bool:
     """Whether `err` means the episode could not run (not that marl has a bug): a service
@@ -56,7 +50,7 @@ def could_not_run(err: BaseException) -> bool:
     if isinstance(err, EpisodeError | SandboxFailure | SpecError):
         return True
     return isinstance(err, grpc.aio.AioRpcError) and (
-        err.code() in UNREACHABLE or err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        err.code() in NO_ANSWER or err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     )
 
 
