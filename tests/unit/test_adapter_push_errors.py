@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+from loopback_grpc import serving
 
 from marl import adapter_io
 from marl.config import RunSpec
@@ -41,21 +42,13 @@ async def test_a_push_error_is_a_lost_replica_or_a_refusal(
     code: grpc.StatusCode, error: type[Exception]
 ) -> None:
     servicer = Aborting(code)
-    server = grpc.aio.server()
-    inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        sync = AdapterSync("run-1", RunSpec(), None, {"solver": "shared"}, "base",
-                           None)  # type: ignore[arg-type]
-        payload = b"\0" * 64
-        manifest = adapter_io.make_manifest("run-1/shared", 3, "base", 16, 32.0,
-                                            ["q_proj"], payload)
+    sync = AdapterSync("run-1", RunSpec(), None, {"solver": "shared"}, "base",
+                       None)  # type: ignore[arg-type]
+    payload = b"\0" * 64
+    manifest = adapter_io.make_manifest("run-1/shared", 3, "base", 16, 32.0, ["q_proj"], payload)
+    async with serving(servicer, inference_pb2_grpc.add_InferenceServicer_to_server) as address:
         with pytest.raises(error) as raised:
-            await sync._push_one("inference-a", f"127.0.0.1:{port}", "shared",
-                                 Published(3, manifest, payload))
-        assert f"127.0.0.1:{port}" in str(raised.value)
-        assert "run-1/shared@3" in str(raised.value)
-        assert servicer.chunks >= 1
-    finally:
-        await server.stop(None)
+            await sync._push_one("inference-a", address, "shared", Published(3, manifest, payload))
+    assert address in str(raised.value)
+    assert "run-1/shared@3" in str(raised.value)
+    assert servicer.chunks >= 1

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+from loopback_grpc import serving
 
 from marl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.workflow.generate_batcher import BatchingStub
@@ -55,14 +56,8 @@ class RuleServicer(inference_pb2_grpc.InferenceServicer):
 async def rule_replica() -> AsyncIterator[tuple[RuleServicer, str]]:
     """A RuleServicer served on loopback, and its address."""
     servicer = RuleServicer()
-    server = grpc.aio.server()
-    inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield servicer, f"127.0.0.1:{port}"
-    finally:
-        await server.stop(None)
+    async with serving(servicer, inference_pb2_grpc.add_InferenceServicer_to_server) as address:
+        yield servicer, address
 
 
 @pytest.fixture()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from loopback_grpc import serving
 
 from marl.clients.sandbox import AsyncSandboxClient
 from marl.v1 import sandbox_pb2, sandbox_pb2_grpc
@@ -35,20 +36,13 @@ class RefusesFirst(sandbox_pb2_grpc.SandboxServicer):
 ])
 async def test_a_stopping_server_is_asked_again(code: grpc.StatusCode, calls: int) -> None:
     servicer = RefusesFirst(code, refusals=2)
-    server = grpc.aio.server()
-    sandbox_pb2_grpc.add_SandboxServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with AsyncSandboxClient(f"127.0.0.1:{port}") as client:
-            if calls == 1:
-                with pytest.raises(grpc.aio.AioRpcError) as raised:
-                    await client.execute("print(1)", [{"stdin": "", "expected_stdout": "1\n"}])
-                assert raised.value.code() == code
-            else:
-                result = await client.execute("print(1)",
-                                              [{"stdin": "", "expected_stdout": "1\n"}])
-                assert result.verdicts == ["PASSED"]
-        assert servicer.calls == calls
-    finally:
-        await server.stop(None)
+    tests = [{"stdin": "", "expected_stdout": "1\n"}]
+    async with (serving(servicer, sandbox_pb2_grpc.add_SandboxServicer_to_server) as address,
+                AsyncSandboxClient(address) as client):
+        if calls == 1:
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await client.execute("print(1)", tests)
+            assert raised.value.code() == code
+        else:
+            assert (await client.execute("print(1)", tests)).verdicts == ["PASSED"]
+    assert servicer.calls == calls
