@@ -35,6 +35,11 @@ def with_lora(base: Any, lora: LoraSpec, adapter_name: str = "default") -> PeftM
     return model
 
 
+LAYER_ATTRIBUTES = ("active_adapters", "disable_adapters", "merged", "lora_A", "lora_B",
+                    "lora_variant", "lora_dropout", "scaling", "base_layer", "_cast_input_dtype")
+"""What `_fused_forward` reads of a PEFT LoRA layer (some of it PEFT's private API)."""
+
+
 def fuse_lora_adds(model: Any) -> int:
     """Make each of `model`'s PEFT LoRA linear layers add its low-rank term inside one GEMM:
     `addmm(W x, A x, Bᵀ, alpha=scaling)` in place of PEFT's `W x + B(A x) * scaling`.
@@ -44,13 +49,16 @@ def fuse_lora_adds(model: Any) -> int:
     passes (outputs of up to 512 features, a LoRA of rank 16) cost about a tenth of a
     GRPO step. A layer falls back to PEFT's own forward whenever it is in a state this
     does not cover: adapters disabled or merged, more than one active adapter, a LoRA
-    variant (DoRA...), a bias on B, or extra forward arguments. Returns the number of
-    fused layers (a layer fused already stays as it is)."""
+    variant (DoRA...), a bias on B, or extra forward arguments. A PEFT whose layers lack
+    the attributes this reads (`LAYER_ATTRIBUTES`, checked against 0.21) keeps its own
+    forward. Returns the number of fused layers (a layer fused already stays as it is)."""
     from peft.tuners.lora.layer import Linear as LoraLinear
 
     fused = 0
     for module in model.modules():
-        if type(module) is not LoraLinear:
+        if type(module) is not LoraLinear or not all(
+            hasattr(module, name) for name in LAYER_ATTRIBUTES
+        ):
             continue
         forward = module.__dict__.get("forward")
         if not (isinstance(forward, partial) and forward.func is _fused_forward):

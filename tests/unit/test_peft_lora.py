@@ -106,3 +106,17 @@ def test_merged_adapters_fall_back_to_peft(model_dir: Path) -> None:
     want = peft(ids).logits
     fused.merge_adapter()
     torch.testing.assert_close(fused(ids).logits, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_peft_without_what_the_fusion_reads_keeps_its_own_forward(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A later PEFT that renamed a layer attribute the fused forward reads."""
+    from marl import peft_lora
+
+    monkeypatch.setattr(peft_lora, "LAYER_ATTRIBUTES",
+                        (*peft_lora.LAYER_ATTRIBUTES, "renamed_in_a_later_peft"))
+    model = with_lora(AutoModelForCausalLM.from_pretrained(model_dir), LORA)
+    assert fuse_lora_adds(model) == 0
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    model(torch.tensor([[3, 4, 5, 6]]))
