@@ -53,6 +53,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(str(err)) from None
     if args.service in ("inference", "workflow", "learner") and not cfg.redis:
         raise UserError(f"marl serve {args.service}: --redis URL is required")
+    if args.trace_dir is not None:
+        from marl import trace
+
+        trace.configure(args.service, args.trace_dir)
     if args.service == "inference":
         from services.inference import server as inference
 
@@ -199,7 +203,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from marl.demo import run_demo
 
-    return run_demo(args.out, args.steps, args.overrides)
+    return run_demo(args.out, args.steps, args.overrides, args.trace)
 
 
 def cmd_model(args: argparse.Namespace) -> int:
@@ -215,7 +219,23 @@ def cmd_model(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from marl.demo import run_up
 
-    return run_up(Path(args.dir), args.model, args.engine, args.cores, args.overlapped)
+    trace_dir = None if args.trace is None else Path(args.trace)
+    return run_up(Path(args.dir), args.model, args.engine, args.cores, args.overlapped, trace_dir)
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from marl import trace_summary
+
+    trace_dir = Path(args.dir)
+    if not trace_dir.is_dir() or not any(trace_dir.glob("*.jsonl")):
+        raise UserError(f"{trace_dir}: no trace files (*.jsonl) there; start the services "
+                        "with --trace (marl up, marl demo) or --trace-dir (marl serve)")
+    events = trace_summary.load(trace_dir)
+    steps = trace_summary.step_times(events)
+    print(trace_summary.report(steps, skip=args.skip) if steps else "no training step traced")
+    out = Path(args.out) if args.out else trace_dir / "trace.json"
+    print(f"{trace_summary.merge(trace_dir, out)} events: {out} (open it in ui.perfetto.dev)")
+    return 0
 
 
 def cmd_sandbox(args: argparse.Namespace) -> int:
@@ -279,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="a short real training run on the CPU, every service a process")
     p.add_argument("--out", default=None, help="run output directory (default runs/demo-<time>)")
     p.add_argument("--steps", type=int, default=None, help="training steps")
+    p.add_argument("--trace", action="store_true",
+                   help="trace every service into OUT/trace; print where each step's time "
+                   "went and write OUT/trace.json (marl trace)")
     p.add_argument("overrides", nargs="*", help="RunSpec fields as key=value, e.g. policy=isolated")
     p.set_defaults(fn=cmd_demo)
 
@@ -296,7 +319,16 @@ def build_parser() -> argparse.ArgumentParser:
         "shares of --cores instead of all of them each (the learner's update takes them all "
         "once the rollouts queued ahead are in)",
     )
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="every service appends its trace spans to DIR (read with marl trace DIR)")
     p.set_defaults(fn=cmd_up)
+
+    p = sub.add_parser("trace", help="where each traced step's time went; merge into trace.json")
+    p.add_argument("dir", help="the trace directory (marl up --trace DIR, OUT/trace of a demo)")
+    p.add_argument("--out", default=None, help="merged Chrome trace file (default DIR/trace.json)")
+    p.add_argument("--skip", type=int, default=1,
+                   help="steps left out of the medians at the start of each run (warm-up)")
+    p.set_defaults(fn=cmd_trace)
 
     p = sub.add_parser("serve", help="run one service")
     p.add_argument("service", choices=["inference", "workflow", "learner", "sandbox"])
@@ -340,6 +372,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="HTTP port: Prometheus /metrics; inference adds OpenAI-compatible /v1, sandbox "
         "SandboxFusion /run_code (0: free port)",
+    )
+    p.add_argument(
+        "--trace-dir",
+        default=None,
+        help="append this process's spans (steps, episodes, decode steps...) to "
+        "DIR/<service>-<pid>.jsonl for `marl trace DIR` (marl.trace)",
     )
     p.set_defaults(fn=cmd_serve)
 

@@ -40,7 +40,11 @@ def demo_model() -> Path:
     return demo_model_dir()
 
 
-def run_demo(out: str | None, steps: int | None, overrides: list[str]) -> int:
+def run_demo(
+    out: str | None, steps: int | None, overrides: list[str], trace: bool = False
+) -> int:
+    """`trace`: every service traces its spans into OUT/trace (marl.trace), and the run
+    ends with where each step's time went and OUT/trace.json."""
     from marl.cli import UserError
     from marl.launcher import DEFAULT_CORES, Cluster, service_threads
     from marl.progress import follow_run
@@ -79,6 +83,7 @@ def run_demo(out: str | None, steps: int | None, overrides: list[str]) -> int:
         sandbox_replicas=int(os.environ.get("MARL_DEMO_SANDBOXES", "1")),
         max_lora_rank=spec.lora.rank,
         threads=service_threads(DEFAULT_CORES, overlapped=spec.train.max_staleness > 0),
+        trace_dir=out_dir / "trace" if trace else None,
     )
     endpoints = cluster.start()
     print(
@@ -127,6 +132,13 @@ def run_demo(out: str | None, steps: int | None, overrides: list[str]) -> int:
             )
     print(f"finished in {time.monotonic() - started:.0f}s")
     print(f"metrics: {out_dir / 'metrics.jsonl'}")
+    if trace:
+        from marl import trace_summary
+
+        events = trace_summary.load(out_dir / "trace")
+        print(trace_summary.report(trace_summary.step_times(events), skip=1))
+        trace_summary.merge(out_dir / "trace", out_dir / "trace.json")
+        print(f"trace: {out_dir / 'trace.json'} (open it in ui.perfetto.dev)")
     return 0
 
 
@@ -189,6 +201,7 @@ def run_up(
     engine: str,
     cores: int | None = None,
     overlapped: bool = False,
+    trace_dir: Path | None = None,
 ) -> int:
     from marl.cli import UserError
     from marl.launcher import DEFAULT_CORES, Cluster, service_threads
@@ -204,7 +217,8 @@ def run_up(
 
         engine = "vllm" if vllm_available() else "transformers"
     threads = service_threads(cores, overlapped)
-    cluster = Cluster(workdir, model_path, engine=engine, redis_aof=True, threads=threads)
+    cluster = Cluster(workdir, model_path, engine=engine, redis_aof=True, threads=threads,
+                      trace_dir=None if trace_dir is None else trace_dir.resolve())
     cluster.start()
     cluster.write_endpoints(workdir / "endpoints.json")
     print(

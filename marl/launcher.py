@@ -113,6 +113,8 @@ class Cluster:
     redis_aof: bool = False
     """The private Redis (when `redis_url` is not given) logs every write to an append-only
     file (fsync every second): a Redis killed and restarted keeps what it acknowledged."""
+    trace_dir: Path | None = None
+    """Where every service writes its trace spans (`marl serve --trace-dir`, marl.trace)."""
 
     def _spawn(
         self,
@@ -144,6 +146,8 @@ class Cluster:
         )
         if kind == "learner" and "learner_burst" in self.threads:
             env["MARL_LEARNER_BURST_THREADS"] = str(self.threads["learner_burst"])
+        if self.trace_dir is not None:
+            extra = [*extra, "--trace-dir", str(self.trace_dir)]
         cmd = [sys.executable, "-m", "marl.cli", "serve", kind, "--port", str(port), *extra]
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(

@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 import redis.asyncio as aioredis
 
-from marl import adapter_io, replicas, streams
+from marl import adapter_io, replicas, streams, trace
 from marl.aio_tasks import cancel_until_done
 from marl.heap import keep_freed_heap_until_trimmed, release_free_heap
 from marl.http_server import HttpServer
@@ -143,6 +143,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 outcome = inference_pb2.GenerateOutcome(index=index, response=response)
             done.put_nowait(outcome)
 
+        started = time.monotonic()
         tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(request.requests)]
         try:
             sent = 0
@@ -157,6 +158,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 yield inference_pb2.GenerateManyResponse(outcomes=outcomes)
         finally:
             await cancel_until_done(tasks)  # a caller that went away: its rows are dropped
+            trace.add("GenerateMany", started, time.monotonic(), "GenerateMany", requests=n)
 
     async def _generate(
         self, request: inference_pb2.GenerateRequest

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from marl import trace
 from marl.devices import resolve_device
 from marl.heap import release_free_heap
 from marl.model_id import base_model_id
@@ -172,7 +173,8 @@ class TransformersEngine:
         try:
             while self._inbox or self._batch.rows:
                 if not self._batch.rows:
-                    await self._gather_burst()
+                    with trace.span("burst wait"):
+                        await self._gather_burst()
                 await self._thread.run(self._decode_loop)
                 if not self._batch.rows and not self._inbox:
                     # the batch's KV cache and logits were freed on the engine thread, whose
@@ -209,7 +211,8 @@ class TransformersEngine:
             if not batch.rows or self._waiting_jobs:
                 return
             try:
-                finished = batch.step()
+                with trace.span("decode", rows=len(batch.rows)):
+                    finished = batch.step()
             except Exception as err:
                 log.exception("decode step of %d rows failed", len(batch.rows))
                 settle_all([(row.tag, err) for row in batch.clear()])
@@ -246,7 +249,8 @@ class TransformersEngine:
         if not rows:
             return
         try:
-            finished = self._batch.admit(rows)
+            with trace.span("prefill", rows=len(rows)):
+                finished = self._batch.admit(rows)
         except Exception as err:
             if len(rows) > 1:
                 log.warning("prefill of %d requests failed (%s); admitting them one by one",

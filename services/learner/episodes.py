@@ -27,7 +27,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from marl import streams
+from marl import streams, trace
 from marl.config import RunSpec
 from marl.data.problem import Problem
 from marl.rollout import AdapterRef, Rollout, Task
@@ -155,10 +155,11 @@ class Episodes:
             return
         # one MULTI/EXEC: a worker blocked on the stream wakes once to all of them, not to
         # the first alone (whose episode would then decode as a batch of one)
-        async with self.r.pipeline(transaction=True) as pipe:
-            for t, _ in batch:
-                pipe.xadd(streams.TASKS, {"json": json.dumps(t.to_dict())})
-            added = await pipe.execute()
+        with trace.span("queue tasks", tasks=len(batch)):
+            async with self.r.pipeline(transaction=True) as pipe:
+                for t, _ in batch:
+                    pipe.xadd(streams.TASKS, {"json": json.dumps(t.to_dict())})
+                added = await pipe.execute()
         for (_, pending), entry_id in zip(batch, added, strict=True):
             pending.ids.append(entry_id)
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 
+from marl import trace
 from marl.config import RunSpec, dump_spec
 from marl.data import load_problems
 from marl.diagnostics.alarms import AlarmWatch
@@ -72,6 +73,18 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+def trace_phases(
+    run: str, step: int, t0: float, t1: float, t2: float, t3: float, end: float
+) -> None:
+    """A logged step's phases as trace spans (time.monotonic() seconds): the step, its
+    rollout wait, update and push (one step ahead: the snapshot). `marl.trace_summary`
+    reads them back."""
+    for name, start, stop in (
+        ("step", t0, end), ("rollout wait", t0, t1), ("update", t1, t2), ("push", t2, t3)
+    ):
+        trace.add(name, start, stop, run=run, step=step)
 
 
 class RunExecutor:
@@ -255,8 +268,10 @@ class RunExecutor:
                     judged = full, action = self.judge(done, record)
                     if action is None:
                         snapshot = await self.adapters.snapshot(policy)
-                        full["time/push_s"] = time.monotonic() - t2
-                        full["time/step_s"] = time.monotonic() - t0
+                        t3 = time.monotonic()
+                        full["time/push_s"] = t3 - t2
+                        full["time/step_s"] = t3 - t0
+                        trace_phases(self.run_id, done, t0, t1, t2, t3, t3)
                         pushed = asyncio.Event()
                         finishing = asyncio.create_task(
                             self.finish(done, full, rollouts, snapshot, pushed)
@@ -278,6 +293,7 @@ class RunExecutor:
                     await self.torch.run(checkpointer.save, done, policy, state, accuracy)
                 record["time/push_s"] = t3 - t2
                 record["time/step_s"] = time.monotonic() - t0
+                trace_phases(self.run_id, done, t0, t1, t2, t3, t0 + record["time/step_s"])
                 await self.log(done, record, policy, checkpointer, judged)
                 release_free_heap()
             if finishing is not None:
@@ -309,6 +325,8 @@ class RunExecutor:
         pushed.set()
         await self.episodes.add_tasks()
         full["time/push_overlapped_s"] = time.monotonic() - sent
+        trace.add("push overlapped", sent, sent + full["time/push_overlapped_s"],
+                  run=self.run_id, step=step)
         self.rollout_log.write(step, rollouts)
         await self.write(step, full, None)
         release_free_heap()

@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from marl import streams
+from marl import streams, trace
 from marl.rollout import Rollout
 
 
@@ -54,11 +54,12 @@ class RolloutSender:
         while self._queue:
             batch, self._queue = self._queue, []
             try:
-                async with self.r.pipeline(transaction=True) as pipe:
-                    for out in batch:
-                        pipe.xadd(out.stream, out.payload)
-                        pipe.xack(streams.TASKS, streams.WORKERS_GROUP, out.entry_id)
-                    results = await pipe.execute(raise_on_error=False)
+                with trace.span("send rollouts", rollouts=len(batch)):
+                    async with self.r.pipeline(transaction=True) as pipe:
+                        for out in batch:
+                            pipe.xadd(out.stream, out.payload)
+                            pipe.xack(streams.TASKS, streams.WORKERS_GROUP, out.entry_id)
+                        results = await pipe.execute(raise_on_error=False)
             except asyncio.CancelledError:
                 for out in [*batch, *self._queue]:
                     out.sent.cancel()

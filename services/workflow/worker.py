@@ -28,7 +28,7 @@ import grpc
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from marl import auth, replicas, streams
+from marl import auth, replicas, streams, trace
 from marl.aio_tasks import cancel_until_done, raise_if_cancelled
 from marl.config import SpecError, WorkflowCaps
 from marl.rewards.code import SandboxFailure
@@ -149,7 +149,8 @@ class EpisodeRunner:
             episode = self.episode(task, workflow)
             episode.stubs = await self.stubs()
             final = await episode_run(workflow, episode, task)
-            reward, scoring = await self.score_with_facts(task, final)
+            with trace.span("score", "score", task=task.id):
+                reward, scoring = await self.score_with_facts(task, final)
             facts = {**episode.facts, **scoring}
             error = None
         except Exception as err:
@@ -162,6 +163,7 @@ class EpisodeRunner:
         finally:
             self.stats.in_flight -= 1
         seconds = time.monotonic() - started
+        trace.add("episode", started, started + seconds, "episodes", task=task.id, error=error)
         self.stats.done += 1
         self.stats.total_seconds += seconds
         return Rollout(

@@ -1,0 +1,173 @@
+"""Where each training step's time went, read from a trace directory (`marl.trace`).
+
+The learner's spans give a step's phases: waiting for its rollouts, the update, the push
+(or, one step ahead, the snapshot) and the rest. The wait is split by what the other
+services did during it: **generation** while an inference replica ran a prefill or a
+decode step, **reward** while a worker scored an answer and no replica was generating,
+and **queueing** for the rest: tasks through Redis to the workers, requests through gRPC
+to a replica, a replica gathering a burst, rollouts back through Redis to the learner.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+Interval = tuple[float, float]
+
+GENERATION_SPANS = ("prefill", "decode")
+"""An inference engine's forwards (services/inference/transformers_engine.py)."""
+REWARD_SPANS = ("score",)
+"""A worker scoring an episode's answer (services/workflow/worker.py)."""
+
+
+def load(trace_dir: Path) -> list[dict[str, Any]]:
+    """Every event of every process's file (a line cut short by a killed process is
+    skipped)."""
+    events = []
+    for path in sorted(trace_dir.glob("*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return events
+
+
+def merge(trace_dir: Path, out: Path) -> int:
+    """One Chrome trace file of the directory's events; returns how many."""
+    events = load(trace_dir)
+    out.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    return len(events)
+
+
+def union(intervals: list[Interval]) -> list[Interval]:
+    """The intervals merged: sorted, disjoint."""
+    merged: list[Interval] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def intersect(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    """Two sorted, disjoint interval lists' common part."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < end:
+            out.append((start, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def length(intervals: list[Interval]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+@dataclass
+class StepTimes:
+    """One step's seconds by phase; `wait` = `generation` + `reward` + `queueing`."""
+
+    run: str
+    step: int
+    step_s: float
+    wait: float
+    generation: float
+    reward: float
+    queueing: float
+    update: float
+    push: float
+
+    @property
+    def other(self) -> float:
+        return self.step_s - self.wait - self.update - self.push
+
+
+def _interval(event: dict[str, Any]) -> Interval:
+    start = event["ts"] / 1e6
+    return start, start + event["dur"] / 1e6
+
+
+def step_times(events: list[dict[str, Any]]) -> list[StepTimes]:
+    """Every traced training step, in (run, step) order."""
+    generation = union([_interval(e) for e in events if e.get("name") in GENERATION_SPANS])
+    reward = union([_interval(e) for e in events if e.get("name") in REWARD_SPANS])
+    reward_only = _minus(reward, generation)
+    phases: dict[tuple[str, int], dict[str, Interval]] = {}
+    for e in events:
+        if e.get("ph") != "X" or "step" not in e.get("args", {}) or "run" not in e["args"]:
+            continue
+        if e["name"] in ("step", "rollout wait", "update", "push"):
+            key = (e["args"]["run"], int(e["args"]["step"]))
+            phases.setdefault(key, {})[e["name"]] = _interval(e)
+    out = []
+    for (run, step), p in sorted(phases.items()):
+        if "step" not in p or "rollout wait" not in p:
+            continue  # a step cut short (a cancelled run)
+        window = [p["rollout wait"]]
+        gen = length(intersect(window, generation))
+        rew = length(intersect(window, reward_only))
+        wait = length(window)
+        out.append(StepTimes(
+            run, step, length([p["step"]]), wait, gen, rew, wait - gen - rew,
+            length([p["update"]]) if "update" in p else 0.0,
+            length([p["push"]]) if "push" in p else 0.0,
+        ))
+    return out
+
+
+def _minus(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    """Sorted, disjoint `a` without the parts in sorted, disjoint `b`."""
+    out = []
+    j = 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            if b[k][0] > start:
+                out.append((start, b[k][0]))
+            start = max(start, b[k][1])
+            k += 1
+        if start < end:
+            out.append((start, end))
+    return out
+
+
+def shares(steps: list[StepTimes]) -> dict[str, float]:
+    """Each phase's share of the steps' summed time."""
+    total = sum(s.step_s for s in steps) or 1.0
+    return {
+        name: sum(getattr(s, name) for s in steps) / total
+        for name in ("wait", "generation", "reward", "queueing", "update", "push", "other")
+    }
+
+
+def report(steps: list[StepTimes], skip: int = 0) -> str:
+    """A table per run: median milliseconds of each phase over its steps after the first
+    `skip`, and each phase's share of the step time."""
+    lines = []
+    by_run: dict[str, list[StepTimes]] = {}
+    for s in steps:
+        if s.step > skip:
+            by_run.setdefault(s.run, []).append(s)
+    head = ("step", "wait", "generation", "reward", "queueing", "update", "push", "other")
+    for run, of_run in by_run.items():
+        lines.append(f"run {run}: {len(of_run)} steps after the first {skip}")
+        lines.append("           " + "".join(f"{h:>11}" for h in head))
+        medians = [statistics.median(getattr(s, "step_s" if h == "step" else h) for s in of_run)
+                   for h in head]
+        lines.append("median ms  " + "".join(f"{1000 * m:>11.1f}" for m in medians))
+        share = shares(of_run)
+        lines.append("share      " + f"{1.0:>11.2f}"
+                     + "".join(f"{share[h]:>11.2f}" for h in head[1:]))
+    return "\n".join(lines)

@@ -1,0 +1,80 @@
+"""marl.trace_summary: a step's wait split into generation, reward and queueing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from marl import cli, trace_summary
+from marl.trace_summary import intersect, length, step_times, union
+
+
+def span(name: str, start: float, end: float, **args: Any) -> dict[str, Any]:
+    return {"ph": "X", "name": name, "pid": 1, "tid": 1, "ts": round(start * 1e6),
+            "dur": round((end - start) * 1e6), "args": args}
+
+
+def test_interval_arithmetic() -> None:
+    assert union([(3, 4), (0, 1), (0.5, 2), (2, 2.5)]) == [(0, 2.5), (3, 4)]
+    assert intersect([(0, 2.5), (3, 4)], [(1, 3.5)]) == [(1, 2.5), (3, 3.5)]
+    assert trace_summary._minus([(0, 10)], [(1, 2), (5, 6), (9, 12)]) == [(0, 1), (2, 5), (6, 9)]
+    assert trace_summary._minus([(0, 1), (3, 4)], [(-1, 0.5), (0.8, 3.2)]) == [(0.5, 0.8), (3.2, 4)]
+    assert length([(0, 1), (2, 2.5)]) == 1.5
+
+
+STEP = [
+    span("step", 10.0, 11.0, run="r", step=1),
+    span("rollout wait", 10.0, 10.4, run="r", step=1),
+    span("update", 10.4, 10.9, run="r", step=1),
+    span("push", 10.9, 10.95, run="r", step=1),
+    span("prefill", 10.1, 10.2, rows=16),
+    span("decode", 10.2, 10.3, rows=16),
+    span("decode", 10.35, 10.45, rows=2),  # ends inside the update: counted up to 10.4
+    span("score", 10.25, 10.38, task="t"),  # scored alone only in 10.30-10.35
+    span("decode", 9.0, 9.5, rows=1),  # another run's: outside the window
+    span("episode", 10.05, 10.38, task="t"),
+]
+
+
+def test_the_wait_splits_into_generation_reward_and_queueing() -> None:
+    (s,) = step_times(STEP)
+    assert (s.run, s.step) == ("r", 1)
+    assert s.step_s == pytest.approx(1.0)
+    assert s.wait == pytest.approx(0.4)
+    assert s.generation == pytest.approx(0.25)
+    assert s.reward == pytest.approx(0.05)
+    assert s.queueing == pytest.approx(0.10)
+    assert (s.update, s.push, s.other) == pytest.approx((0.5, 0.05, 0.05))
+    shares = trace_summary.shares([s])
+    assert shares["generation"] == pytest.approx(0.25)
+    assert shares["queueing"] == pytest.approx(0.10)
+
+
+def test_a_step_cut_short_is_left_out() -> None:
+    cut = [e for e in STEP if e["name"] != "step"]
+    assert step_times(cut) == []
+
+
+def test_marl_trace_prints_the_steps_and_merges_the_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines = [json.dumps(e) for e in STEP]
+    (tmp_path / "learner-1.jsonl").write_text("\n".join(lines[:4]) + "\n")
+    (tmp_path / "inference-2.jsonl").write_text("\n".join(lines[4:]) + '\n{"ph": "X", "na')
+    assert cli.main(["trace", str(tmp_path), "--skip", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "run r: 1 steps after the first 0" in out
+    assert "median ms       1000.0      400.0      250.0       50.0      100.0      500.0" in out
+    merged = json.loads((tmp_path / "trace.json").read_text())
+    assert len(merged["traceEvents"]) == len(STEP)  # the line cut short is skipped
+
+
+def test_marl_trace_of_a_directory_without_traces_says_how_to_make_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["trace", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no trace files" in err and "--trace" in err
