@@ -25,11 +25,15 @@ Per marl mode, over both of its runs' steps after the first two of each (warm-up
 median step time, steps/s, rollout tokens/s while the learner waited for rollouts (the
 generation rate of a synchronous run; an overlapped run waits less than it generates),
 rollout tokens per second of the whole run, and the share of step time the learner spent
-waiting for rollouts (generation and reward, which the workers compute with it),
-training, pushing adapters, and the rest (queueing tasks, logging), the cores the
-services kept busy (CPU seconds of every service process and Redis over the same steps'
+waiting for rollouts, split by what the services did meanwhile (every service traces its
+spans, `marl.trace`; `marl.trace_summary`): generation (a replica's prefill or decode
+step), reward (a worker scoring, no replica generating) and queueing (the rest: tasks,
+requests and rollouts on their way, a replica gathering a burst); then training, pushing
+adapters, and the rest (logging the step); the cores the services kept busy (CPU seconds of every service process and Redis over the same steps'
 wall seconds, from /proc) and the CPU seconds a step cost, in all and by kind of service.
-Then the ratios: (b)'s rollout tokens/s over (a)'s; (c)'s step throughput over (b)'s, and
+Then the ratios: (b)'s rollout tokens/s over (a)'s, and (b)'s tokens over the seconds its
+replica generated over (a)'s (the engine's own rate inside marl, one thread beside the
+workers); (c)'s step throughput over (b)'s, and
 what it would be if (c)'s CPU work per step filled every one of `--cores` cores (the
 part of the gap that is idle cores rather than work).
 Prints a table, then one JSON object as the very last line.
@@ -58,6 +62,7 @@ from marl.demo_model import demo_model_dir
 from marl.episode_cli import load_checkpoint
 from marl.heap import keep_freed_heap_until_trimmed
 from marl.launcher import DEFAULT_CORES, Cluster, service_threads
+from marl.trace_summary import StepTimes, load, shares, step_times
 from marl.v1 import learner_pb2, learner_pb2_grpc
 from services.inference.engine import AdapterWeights, GenerationRequest
 
@@ -142,7 +147,13 @@ def turns_of(out: Path, step: int) -> list[dict[str, Any]]:
     return [t for line in path.read_text().splitlines() for t in json.loads(line)["turns"]]
 
 
-def figures_of(outs: list[Path]) -> dict[str, float]:
+def traced_steps(traces: list[tuple[Path, str]]) -> list[StepTimes]:
+    """The steps after warm-up of each (trace directory, run name) (marl.trace_summary)."""
+    return [s for trace_dir, name in traces for s in step_times(load(trace_dir))
+            if s.run.startswith(f"{name}-") and s.step > WARMUP_STEPS]
+
+
+def figures_of(outs: list[Path], traces: list[tuple[Path, str]]) -> dict[str, float]:
     """One mode's figures over the steps after warm-up of each of its runs."""
     steps, tokens = [], []
     for out in outs:
@@ -156,6 +167,10 @@ def figures_of(outs: list[Path]) -> dict[str, float]:
     trained = sum(r["time/update_s"] for r in steps)
     pushed = sum(r["time/push_s"] for r in steps)
     burst = sum(r.get("time/update_burst_s", 0.0) for r in steps)
+    traced = traced_steps(traces)
+    assert len(traced) == len(steps), (len(traced), len(steps))
+    split = shares(traced)
+    generating = sum(s.generation for s in traced)
     return {
         "step_s": statistics.median(r["time/step_s"] for r in steps),
         "steps_per_s": len(steps) / total,
@@ -163,6 +178,10 @@ def figures_of(outs: list[Path]) -> dict[str, float]:
         "tok_s": sum(tokens) / total,
         "tok_per_step": statistics.mean(tokens),
         "share_rollout_wait": waited / total,
+        "share_generation": split["generation"],
+        "share_reward": split["reward"],
+        "share_queueing": split["queueing"],
+        "rollout_tok_s_generating": sum(tokens) / max(generating, 1e-9),
         "share_update": trained / total,
         "share_push": pushed / total,
         "update_share_burst": burst / max(trained, 1e-9),
@@ -227,10 +246,10 @@ def print_table(figures: dict[str, Any]) -> None:
         t = figures[f"{run}_threads"]
         print(f"{run} threads: inference {t['inference']}, learner {t['learner']} "
               f"({t['learner_burst']} once the rollouts queued ahead are in)")
-    head = ("workflow", "run", "step s", "steps/s", "tok/s waited", "tok/s", "wait", "train",
-            "push", "other", "reward", "cores", "cpu s")
-    print("{:<9} {:<10} {:>7} {:>8} {:>13} {:>7} {:>6} {:>6} {:>6} {:>6} {:>7} {:>6} {:>6}"
-          .format(*head))
+    head = ("workflow", "run", "step s", "steps/s", "tok/s waited", "tok/s", "wait", "gen",
+            "reward", "queue", "train", "push", "other", "reward", "cores", "cpu s")
+    print("{:<9} {:<10} {:>7} {:>8} {:>13} {:>7} {:>6} {:>6} {:>6} {:>6} {:>6} {:>6} {:>6} "
+          "{:>7} {:>6} {:>6}".format(*head))
     for wf in figures["workflows"]:
         row = figures[wf]
         runs = " and ".join(f"{rate:.0f}" for rate in row["engine_tok_s_runs"])
@@ -240,9 +259,17 @@ def print_table(figures: dict[str, Any]) -> None:
             f = row[run]
             print(f"{wf:<9} {run:<10} {f['step_s']:>7.3f} {f['steps_per_s']:>8.3f} "
                   f"{f['rollout_tok_s']:>13.0f} {f['tok_s']:>7.0f} {f['share_rollout_wait']:>6.2f} "
+                  f"{f['share_generation']:>6.2f} {f['share_reward']:>6.2f} "
+                  f"{f['share_queueing']:>6.2f} "
                   f"{f['share_update']:>6.2f} {f['share_push']:>6.2f} {f['share_other']:>6.2f} "
                   f"{f['reward']:>7.3f} {f['cores_busy']:>6.2f} {f['cpu_s_per_step']:>6.3f}")
-        print(f"{wf:<9} sync rollout tok/s / engine alone: {row['sync_vs_engine']:.2f}x; "
+        print(f"{wf:<9} sync rollout tok/s / engine alone: {row['sync_vs_engine']:.2f}x "
+              f"(the replica's own rate while it generated: "
+              f"{row['sync']['rollout_tok_s_generating']:.0f} tok/s, "
+              f"{row['sync_generating_vs_engine']:.2f}x; generation "
+              f"{row['sync']['share_generation'] / row['sync']['share_rollout_wait']:.0%} of the "
+              f"wait)")
+        print(f"{wf:<9} "
               f"K=1 / sync steps/s: {row['k1_vs_sync']:.2f}x ({row['k1_vs_sync_cores_full']:.2f}x "
               f"if K=1's work kept all {figures['cores']} cores busy); K=1 update time with "
               f"every core: {row['k1']['update_share_burst']:.0%}")
@@ -263,6 +290,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="marl-e2e-") as tmp:
         root = Path(tmp)
         outs: dict[tuple[str, str], list[Path]] = {}
+        traces: dict[tuple[str, str], list[tuple[Path, str]]] = {}
         use: dict[tuple[str, str], list[CpuUse]] = {}
         engine: dict[str, list[float]] = {wf: [] for wf in workflows}
         for n, (run, k) in enumerate(ORDER):
@@ -270,22 +298,27 @@ def main() -> None:
             if args.no_burst:
                 threads["learner_burst"] = threads["learner"]
             figures[f"{run}_threads"] = threads
+            trace_dir = root / f"trace-{n}-{run}"
             cluster = Cluster(root / f"cluster-{n}-{run}", str(demo_model_dir()),
                               engine=args.engine, sandbox_replicas=0,
                               workflow_replicas=args.workers, max_lora_rank=args.rank,
-                              threads=threads)
+                              threads=threads, trace_dir=trace_dir)
             with cluster:
                 for wf in workflows:
                     out = root / f"{wf}-{n}-{run}"
-                    cpu = run_marl(cluster, spec(wf, out, args, k))
+                    body = spec(wf, out, args, k)
+                    cpu = run_marl(cluster, body)
                     assert cpu is not None  # parse_args wants steps after the warm-up
                     outs.setdefault((wf, run), []).append(out)
+                    traces.setdefault((wf, run), []).append((trace_dir, body["name"]))
                     use.setdefault((wf, run), []).append(cpu)
             if n in (0, len(ORDER) - 1):
                 for wf in workflows:
                     engine[wf].append(asyncio.run(engine_alone(outs[wf, "sync"][0], args)))
         for wf in workflows:
-            row: dict[str, Any] = {run: figures_of(outs[wf, run]) for run in ("sync", "k1")}
+            row: dict[str, Any] = {
+                run: figures_of(outs[wf, run], traces[wf, run]) for run in ("sync", "k1")
+            }
             for run in ("sync", "k1"):
                 f = row[run]
                 runs = use[wf, run]
@@ -301,6 +334,9 @@ def main() -> None:
             row["engine_tok_s_runs"] = engine[wf]
             row["engine_tok_s"] = statistics.mean(engine[wf])
             row["sync_vs_engine"] = row["sync"]["rollout_tok_s"] / row["engine_tok_s"]
+            row["sync_generating_vs_engine"] = (
+                row["sync"]["rollout_tok_s_generating"] / row["engine_tok_s"]
+            )
             row["k1_vs_sync"] = row["k1"]["steps_per_s"] / row["sync"]["steps_per_s"]
             figures[wf] = row
     print_table(figures)

@@ -78,6 +78,22 @@ def _settle(settled: list[tuple[asyncio.Future[GenerationResult],
             future.set_result(outcome)
 
 
+def burst_wait_s(
+    first: float, newest: float, now: float, waiting: int, max_batch: int, pause_s: float,
+    max_wait_s: float,
+) -> float:
+    """How much longer an idle engine waits before it starts a batch of the `waiting`
+    requests (the first arrived at `first`, the newest at `newest`, time.monotonic()): until
+    no request has arrived for `pause_s`, or the first has waited `max_wait_s`, or the batch
+    is full. The pause counts from the newest arrival: measured in fixed ticks of `pause_s`
+    instead, a request just after a tick made the engine wait up to twice `pause_s` after
+    it (a synchronous demo step's first prefill started 10 ms after its last request).
+    """
+    if waiting >= max_batch:
+        return 0.0
+    return max(0.0, min(newest + pause_s, first + max_wait_s) - now)
+
+
 class TransformersEngine:
     name = "transformers"
 
@@ -184,16 +200,14 @@ class TransformersEngine:
             self._driver = None
 
     async def _gather_burst(self) -> None:
-        """Requests of one workflow stage arrive as a burst: wait until it pauses (or the
-        batch is full, or the first request has waited long enough)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.max_batch_wait_s
-        seen = len(self._inbox)
-        while seen < self.max_batch and loop.time() < deadline:
-            await asyncio.sleep(self.batch_wait_s)
-            if len(self._inbox) == seen:
-                break
-            seen = len(self._inbox)
+        """Requests of one workflow stage arrive as a burst (one GenerateMany call a worker):
+        wait until it pauses (`burst_wait_s`)."""
+        inbox = self._inbox
+        while inbox and (left := burst_wait_s(
+            inbox[0].arrived, inbox[-1].arrived, time.monotonic(), len(inbox),
+            self.max_batch, self.batch_wait_s, self.max_batch_wait_s,
+        )) > 0:
+            await asyncio.sleep(left)
 
     def _decode_loop(self) -> None:
         """On the engine thread: admit waiting requests and decode step by step until the
