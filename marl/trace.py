@@ -44,6 +44,7 @@ class Tracer:
         self._lock = threading.Lock()
         self._lanes: dict[str, list[float]] = {}
         """Per group of overlapping spans: the end of the last span in each lane."""
+        self._groups: dict[str, int] = {}
         self._wall_offset = time.time() - time.monotonic()
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -72,9 +73,10 @@ class Tracer:
         `<group> <k>`, when none is)."""
         if group not in self._lanes:
             self._lanes[group] = []
+            self._groups[group] = len(self._groups)
         ends = self._lanes[group]
         k = next((i for i, e in enumerate(ends) if e <= start), len(ends))
-        tid = LANE_TIDS + LANES_PER_GROUP * list(self._lanes).index(group) + k
+        tid = LANE_TIDS + LANES_PER_GROUP * self._groups[group] + k
         if k == len(ends):
             ends.append(end)
             self._write({"ph": "M", "name": "thread_name", "pid": self._pid, "tid": tid,
