@@ -12,7 +12,8 @@ This is what `marl submit/status/runs/cancel` use. Errors come back as Python
 exceptions a caller can act on: a bad spec is a `ValueError` naming the field
 (`RunRefused`: INVALID_ARGUMENT or FAILED_PRECONDITION from the learner), an
 unknown run a `RunNotFound` (a LookupError), an unreachable learner a
-`LearnerUnavailable` (a ConnectionError);
+`LearnerUnavailable` (a ConnectionError; also a learner that stops during the call,
+which gRPC answers CANCELLED);
 anything else stays a `grpc.RpcError`. Every call has a deadline (`timeout`
 seconds); a watch lasts as long as the run, so its default deadline is a day.
 """
@@ -147,6 +148,14 @@ def _translate(err: grpc.RpcError, address: str) -> Exception:
     if code == grpc.StatusCode.UNAVAILABLE:
         return LearnerUnavailable(
             f"the learner at {address} is not reachable ({details}); start it or pass --learner"
+        )
+    if code == grpc.StatusCode.CANCELLED:
+        # not this client's own cancel: a blocking call cannot be cancelled by its caller,
+        # a watch's caller stops by leaving the loop, an asyncio caller's cancel raises
+        # CancelledError; so the learner is stopping (rpc_codes.SERVER_GONE)
+        return LearnerUnavailable(
+            f"the learner at {address} stopped during the call ({details}); it is shutting "
+            "down or restarting: call again once it is back"
         )
     return err
 

@@ -50,6 +50,8 @@ class ScriptedLearner(learner_pb2_grpc.LearnerServicer):
         return learner_pb2.SubmitRunResponse(run_id=f"run-{len(self.specs)}")
 
     def GetRun(self, request: Any, context: Any) -> Any:
+        if request.run_id == "stopping":  # as a learner that stops mid-call answers
+            context.abort(grpc.StatusCode.CANCELLED, "Cancelled")
         if request.run_id != "run-1":
             context.abort(grpc.StatusCode.NOT_FOUND, f"no run {request.run_id!r}")
         return self._run("run-1")
@@ -65,6 +67,8 @@ class ScriptedLearner(learner_pb2_grpc.LearnerServicer):
     def WatchRun(self, request: Any, context: Any) -> Iterator[Any]:
         start = 0 if request.from_start else 1
         for step in range(start, 2):
+            if request.run_id == "stopping" and step == 1:
+                context.abort(grpc.StatusCode.CANCELLED, "Cancelled")
             yield learner_pb2.RunEvent(
                 metrics_json=json.dumps({"step": step, "loss": 0.5}),
                 run=self._run(request.run_id, "RUNNING", step),
@@ -124,6 +128,33 @@ def test_errors_become_python_exceptions(learner: tuple[str, ScriptedLearner]) -
             runs.get("nope")
     with RunsClient(_dead_address(), timeout=5) as runs, pytest.raises(LearnerUnavailable):
         runs.list()
+
+
+def test_a_learner_stopping_mid_call_is_unavailable(learner: tuple[str, ScriptedLearner]) -> None:
+    address, _ = learner
+    with RunsClient(address, timeout=10) as runs:
+        with pytest.raises(LearnerUnavailable, match="stopped during the call"):
+            runs.get("stopping")
+        seen = []
+        with pytest.raises(LearnerUnavailable, match="shutting down or restarting"):
+            for event in runs.watch("stopping"):
+                seen.append(event)
+        assert len(seen) == 1
+    assert cli.main(["status", "stopping", "--learner", address]) == 2
+
+
+async def _aio_stopping(address: str) -> None:
+    async with AsyncRunsClient(address, timeout=10) as runs:
+        with pytest.raises(LearnerUnavailable, match="stopped during the call"):
+            await runs.get("stopping")
+
+
+def test_an_async_learner_stopping_mid_call_is_unavailable(
+    learner: tuple[str, ScriptedLearner],
+) -> None:
+    import asyncio
+
+    asyncio.run(_aio_stopping(learner[0]))
 
 
 def test_spec_forms(tmp_path: Path) -> None:
