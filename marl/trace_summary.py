@@ -3,7 +3,7 @@
 The learner's spans give a step's phases: waiting for its rollouts, the update, the push
 (or, one step ahead, the snapshot) and the rest. The wait is split by what the other
 services did during it: **generation** while an inference replica ran a prefill or a
-decode step, **reward** while a worker scored an answer and no replica was generating,
+decode step (on vLLM: while it held a request), **reward** while a worker scored an answer and no replica was generating,
 and **queueing** for the rest: tasks through Redis to the workers, requests through gRPC
 to a replica, a replica gathering a burst, rollouts back through Redis to the learner.
 """
@@ -18,8 +18,9 @@ from typing import Any
 
 Interval = tuple[float, float]
 
-GENERATION_SPANS = ("prefill", "decode")
-"""An inference engine's forwards (services/inference/transformers_engine.py)."""
+GENERATION_SPANS = ("prefill", "decode", "engine request")
+"""An inference engine at work: the transformers engine's forwards; for vLLM, whose steps
+run out of marl's sight, the time it holds a request (services/inference/vllm_engine.py)."""
 REWARD_SPANS = ("score",)
 """A worker scoring an episode's answer (services/workflow/worker.py)."""
 

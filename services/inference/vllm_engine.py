@@ -20,11 +20,13 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from marl import trace
 from marl.model_id import base_model_id
 from services.inference.engine import AdapterWeights, GenerationRequest, GenerationResult
 
@@ -333,6 +335,7 @@ class VLLMEngine:
             # this request waited must not see it as not in flight.
             lora = self._lora_for(request.adapter_key)
             self._in_flight[request.adapter_key] += 1
+        started = time.monotonic()
         try:
             final = None
             async for out in self._engine.generate(
@@ -340,6 +343,8 @@ class VLLMEngine:
             ):
                 final = out
         finally:
+            # vLLM's own steps are out of sight: its requests in flight stand for them
+            trace.add("engine request", started, time.monotonic(), "engine requests")
             self._in_flight[request.adapter_key] -= 1
             async with self._idle:
                 self._idle.notify_all()
