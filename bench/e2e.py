@@ -29,9 +29,9 @@ waiting for rollouts, split by what the services did meanwhile (every service tr
 spans, `marl.trace`; `marl.trace_summary`): generation (a replica's prefill or decode
 step), reward (a worker scoring, no replica generating) and queueing (the rest: tasks,
 requests and rollouts on their way, a replica gathering a burst; tracing costs ~8 us a
-span, ~270 spans and ~2 ms of CPU a Single step); then training, pushing
-adapters, and the rest (logging the step); the cores the services kept busy (CPU seconds of every service process and Redis over the same steps'
-wall seconds, from /proc) and the CPU seconds a step cost, in all and by kind of service.
+span, ~270 spans and ~2 ms of CPU a Single step); then training, pushing adapters, and
+the rest (logging the step); the cores the services kept busy (CPU seconds of every
+service process and Redis over the same steps' wall seconds, from /proc) and the CPU seconds a step cost, in all and by kind of service.
 Then the ratios: (b)'s rollout tokens/s over (a)'s, and (b)'s tokens over the seconds its
 replica generated over (a)'s (the engine's own rate inside marl, one thread beside the
 workers); (c)'s step throughput over (b)'s, and

@@ -1,8 +1,8 @@
 """Spans of work in every service process, for one timeline of a step across processes.
 
 A service started with `marl serve ... --trace-dir DIR` (the launcher's
-`Cluster(trace_dir=...)`, `marl up --trace DIR`, `marl demo --trace DIR`) appends what it
-does to `DIR/<service>-<pid>.jsonl`, one Chrome trace event a line: a complete event
+`Cluster(trace_dir=...)`, `marl up --trace DIR`, `marl demo --trace` into OUT/trace) appends
+what it does to `DIR/<service>-<pid>.jsonl`, one Chrome trace event a line: a complete event
 ("ph": "X") with its name, start and duration in microseconds of wall-clock time, the
 process, a lane and the span's arguments (the step, the rows of a decode step...).
 `marl trace DIR` merges the files into one `trace.json` that Perfetto (ui.perfetto.dev) or
@@ -100,11 +100,6 @@ class Tracer:
     def _write(self, event: dict[str, Any]) -> None:
         assert self._file is not None
         self._file.write(json.dumps(event, separators=(",", ":")) + "\n")
-
-    def flush(self) -> None:
-        with self._lock:
-            if self._file is not None:
-                self._file.flush()
 
     def close(self) -> None:
         with self._lock:

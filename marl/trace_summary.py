@@ -3,9 +3,10 @@
 The learner's spans give a step's phases: waiting for its rollouts, the update, the push
 (or, one step ahead, the snapshot) and the rest. The wait is split by what the other
 services did during it: **generation** while an inference replica ran a prefill or a
-decode step (on vLLM: while it held a request), **reward** while a worker scored an answer and no replica was generating,
-and **queueing** for the rest: tasks through Redis to the workers, requests through gRPC
-to a replica, a replica gathering a burst, rollouts back through Redis to the learner.
+decode step (on vLLM: while it held a request), **reward** while a worker scored an answer
+and no replica was generating, and **queueing** for the rest: tasks through Redis to the
+workers, requests through gRPC to a replica, a replica gathering a burst, rollouts back
+through Redis to the learner.
 """
 
 from __future__ import annotations
@@ -70,6 +71,24 @@ def intersect(a: list[Interval], b: list[Interval]) -> list[Interval]:
     return out
 
 
+def minus(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    """Sorted, disjoint `a` without the parts in sorted, disjoint `b`."""
+    out = []
+    j = 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            if b[k][0] > start:
+                out.append((start, b[k][0]))
+            start = max(start, b[k][1])
+            k += 1
+        if start < end:
+            out.append((start, end))
+    return out
+
+
 def length(intervals: list[Interval]) -> float:
     return sum(end - start for start, end in intervals)
 
@@ -102,7 +121,7 @@ def step_times(events: list[dict[str, Any]]) -> list[StepTimes]:
     """Every traced training step, in (run, step) order."""
     generation = union([_interval(e) for e in events if e.get("name") in GENERATION_SPANS])
     reward = union([_interval(e) for e in events if e.get("name") in REWARD_SPANS])
-    reward_only = _minus(reward, generation)
+    reward_only = minus(reward, generation)
     phases: dict[tuple[str, int], dict[str, Interval]] = {}
     for e in events:
         if e.get("ph") != "X" or "step" not in e.get("args", {}) or "run" not in e["args"]:
@@ -123,24 +142,6 @@ def step_times(events: list[dict[str, Any]]) -> list[StepTimes]:
             length([p["update"]]) if "update" in p else 0.0,
             length([p["push"]]) if "push" in p else 0.0,
         ))
-    return out
-
-
-def _minus(a: list[Interval], b: list[Interval]) -> list[Interval]:
-    """Sorted, disjoint `a` without the parts in sorted, disjoint `b`."""
-    out = []
-    j = 0
-    for start, end in a:
-        while j < len(b) and b[j][1] <= start:
-            j += 1
-        k = j
-        while k < len(b) and b[k][0] < end:
-            if b[k][0] > start:
-                out.append((start, b[k][0]))
-            start = max(start, b[k][1])
-            k += 1
-        if start < end:
-            out.append((start, end))
     return out
 
 

@@ -155,7 +155,7 @@ class Episodes:
             return
         # one MULTI/EXEC: a worker blocked on the stream wakes once to all of them, not to
         # the first alone (whose episode would then decode as a batch of one)
-        with trace.span("queue tasks", tasks=len(batch)):
+        with trace.span("queue tasks", "tasks", tasks=len(batch)):
             async with self.r.pipeline(transaction=True) as pipe:
                 for t, _ in batch:
                     pipe.xadd(streams.TASKS, {"json": json.dumps(t.to_dict())})

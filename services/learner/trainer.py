@@ -326,7 +326,7 @@ class RunExecutor:
         await self.episodes.add_tasks()
         full["time/push_overlapped_s"] = time.monotonic() - sent
         trace.add("push overlapped", sent, sent + full["time/push_overlapped_s"],
-                  run=self.run_id, step=step)
+                  "push overlapped", run=self.run_id, step=step)
         self.rollout_log.write(step, rollouts)
         await self.write(step, full, None)
         release_free_heap()

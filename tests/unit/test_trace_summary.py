@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from marl import cli, trace_summary
-from marl.trace_summary import intersect, length, step_times, union
+from marl.trace_summary import intersect, length, minus, step_times, union
 
 
 def span(name: str, start: float, end: float, **args: Any) -> dict[str, Any]:
@@ -20,8 +20,8 @@ def span(name: str, start: float, end: float, **args: Any) -> dict[str, Any]:
 def test_interval_arithmetic() -> None:
     assert union([(3, 4), (0, 1), (0.5, 2), (2, 2.5)]) == [(0, 2.5), (3, 4)]
     assert intersect([(0, 2.5), (3, 4)], [(1, 3.5)]) == [(1, 2.5), (3, 3.5)]
-    assert trace_summary._minus([(0, 10)], [(1, 2), (5, 6), (9, 12)]) == [(0, 1), (2, 5), (6, 9)]
-    assert trace_summary._minus([(0, 1), (3, 4)], [(-1, 0.5), (0.8, 3.2)]) == [(0.5, 0.8), (3.2, 4)]
+    assert minus([(0, 10)], [(1, 2), (5, 6), (9, 12)]) == [(0, 1), (2, 5), (6, 9)]
+    assert minus([(0, 1), (3, 4)], [(-1, 0.5), (0.8, 3.2)]) == [(0.5, 0.8), (3.2, 4)]
     assert length([(0, 1), (2, 2.5)]) == 1.5
 
 
