@@ -157,8 +157,10 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 sent += len(outcomes)
                 yield inference_pb2.GenerateManyResponse(outcomes=outcomes)
         finally:
-            await cancel_until_done(tasks)  # a caller that went away: its rows are dropped
+            # first: a caller that has every answer cancels the call, and this finally
+            # may not get past its first await
             trace.add("GenerateMany", started, time.monotonic(), "GenerateMany", requests=n)
+            await cancel_until_done(tasks)  # a caller that went away: its rows are dropped
 
     async def _generate(
         self, request: inference_pb2.GenerateRequest

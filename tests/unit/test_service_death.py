@@ -78,7 +78,9 @@ def test_watchdog_cancels_the_watch_when_a_service_dies(tmp_path: Path) -> None:
 def test_overrides_after_an_option_are_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
     seen = {}
 
-    def fake_demo(out: str | None, steps: int | None, overrides: list[str]) -> int:
+    def fake_demo(
+        out: str | None, steps: int | None, overrides: list[str], trace: bool = False
+    ) -> int:
         seen.update(steps=steps, overrides=overrides)
         return 0
 
@@ -103,7 +105,9 @@ def test_a_grpc_error_from_a_dying_service_is_one_line_not_a_traceback(
         def details(self) -> str:
             return "Stream removed"
 
-    def dying(out: str | None, steps: int | None, overrides: list[str]) -> int:
+    def dying(
+        out: str | None, steps: int | None, overrides: list[str], trace: bool = False
+    ) -> int:
         raise Removed()
 
     monkeypatch.setattr("marl.demo.run_demo", dying)
