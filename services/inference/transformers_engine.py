@@ -79,17 +79,18 @@ def _settle(settled: list[tuple[asyncio.Future[GenerationResult],
 
 
 def burst_wait_s(
-    first: float, newest: float, now: float, waiting: int, max_batch: int, pause_s: float,
+    first: float, newest: float, now: float, waiting: int, enough: int, pause_s: float,
     max_wait_s: float,
 ) -> float:
-    """How much longer an idle engine waits before it starts a batch of the `waiting`
-    requests (the first arrived at `first`, the newest at `newest`, time.monotonic()): until
-    no request has arrived for `pause_s`, or the first has waited `max_wait_s`, or the batch
-    is full. The pause counts from the newest arrival: measured in fixed ticks of `pause_s`
-    instead, a request just after a tick made the engine wait up to twice `pause_s` after
-    it (a synchronous demo step's first prefill started 10 ms after its last request).
+    """How much longer the `waiting` requests (the first arrived at `first`, the newest at
+    `newest`, time.monotonic()) wait for the rest of their burst before they are prefilled:
+    until no request has arrived for `pause_s`, or the first has waited `max_wait_s`, or they
+    are `enough` (a full batch; beside a running batch, as many as its rows). The pause
+    counts from the newest arrival: measured in fixed ticks of `pause_s` instead, a request
+    just after a tick made an idle engine wait up to twice `pause_s` after it (a
+    synchronous demo step's first prefill started 10 ms after its last request).
     """
-    if waiting >= max_batch:
+    if waiting >= enough:
         return 0.0
     return max(0.0, min(newest + pause_s, first + max_wait_s) - now)
 
@@ -236,8 +237,7 @@ class TransformersEngine:
     def _admitting(self) -> bool:
         """Whether waiting requests join now. Joining a running batch costs a forward of
         its own (the newcomers' prefill), so newcomers join as the idle engine gathers a
-        burst: once it pauses for `batch_wait_s`, once the first has waited
-        `max_batch_wait_s`, or at once when they are as many as the running rows."""
+        burst (`burst_wait_s`), joining at once when they are as many as the running rows."""
         batch, inbox = self._batch, self._inbox
         if not inbox or len(batch.rows) >= self.max_batch or not batch.can_admit():
             return False
@@ -245,9 +245,10 @@ class TransformersEngine:
             return True
         if not self.join_running:
             return False
-        now = time.monotonic()
-        return (len(inbox) >= len(batch.rows) or now - inbox[-1].arrived >= self.batch_wait_s
-                or now - inbox[0].arrived >= self.max_batch_wait_s)
+        return burst_wait_s(
+            inbox[0].arrived, inbox[-1].arrived, time.monotonic(), len(inbox),
+            len(batch.rows), self.batch_wait_s, self.max_batch_wait_s,
+        ) == 0
 
     def _admit(self, pending: list[_Pending]) -> None:
         """Prefill `pending` into the batch; if that fails, admit each alone, so a failure

@@ -29,3 +29,9 @@ def test_a_burst_that_keeps_coming_starts_once_the_first_has_waited_long_enough(
 def test_a_full_batch_starts_at_once() -> None:
     assert wait(0.0, 0.0, 0.0, waiting=MAX_BATCH) == 0.0
     assert wait(0.0, 0.0, 0.0, waiting=MAX_BATCH - 1) == pytest.approx(PAUSE)
+
+
+def test_beside_a_running_batch_newcomers_join_once_as_many_as_its_rows() -> None:
+    rows = 8
+    assert burst_wait_s(0.0, 0.0, 0.0, rows - 1, rows, PAUSE, MAX_WAIT) == pytest.approx(PAUSE)
+    assert burst_wait_s(0.0, 0.0, 0.0, rows, rows, PAUSE, MAX_WAIT) == 0.0
