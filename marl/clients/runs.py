@@ -32,6 +32,7 @@ from typing import Any
 import grpc
 
 from marl import auth
+from marl.rpc_codes import SERVER_GONE
 from marl.v1 import learner_pb2, learner_pb2_grpc
 
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
@@ -145,17 +146,16 @@ def _translate(err: grpc.RpcError, address: str) -> Exception:
         return RunNotFound(details)
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return RunRefused(f"the learner at {address} requires a token: {details}")
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return LearnerUnavailable(
-            f"the learner at {address} is not reachable ({details}); start it or pass --learner"
+    if code in SERVER_GONE:
+        # CANCELLED is never this client's own cancel: a blocking call cannot be cancelled
+        # by its caller, a watch's caller stops by leaving the loop, an asyncio caller's
+        # cancel raises CancelledError
+        how = "is not reachable" if code == grpc.StatusCode.UNAVAILABLE else (
+            "stopped during the call: it is shutting down or restarting"
         )
-    if code == grpc.StatusCode.CANCELLED:
-        # not this client's own cancel: a blocking call cannot be cancelled by its caller,
-        # a watch's caller stops by leaving the loop, an asyncio caller's cancel raises
-        # CancelledError; so the learner is stopping (rpc_codes.SERVER_GONE)
         return LearnerUnavailable(
-            f"the learner at {address} stopped during the call ({details}); it is shutting "
-            "down or restarting: call again once it is back"
+            f"the learner at {address} {how} ({details}); start it (or wait for it to be back) "
+            "or pass --learner"
         )
     return err
 

@@ -9,6 +9,7 @@ tests.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 from collections.abc import Iterator
@@ -152,8 +153,6 @@ async def _aio_stopping(address: str) -> None:
 def test_an_async_learner_stopping_mid_call_is_unavailable(
     learner: tuple[str, ScriptedLearner],
 ) -> None:
-    import asyncio
-
     asyncio.run(_aio_stopping(learner[0]))
 
 
