@@ -72,9 +72,14 @@ ORDER = (("sync", 0), ("k1", 1), ("k1", 1), ("sync", 0))
 """The marl runs, as (mode, train.max_staleness), in the order they run."""
 
 
+def run_name(workflow: str, staleness: int) -> str:
+    """The spec's name; the learner's run id is it and a suffix."""
+    return f"e2e-{workflow}-k{staleness}"
+
+
 def spec(workflow: str, out: Path, args: argparse.Namespace, staleness: int) -> dict[str, Any]:
     return {
-        "name": f"e2e-{workflow}-k{staleness}",
+        "name": run_name(workflow, staleness),
         "workflow": workflow,
         "policy": "shared",
         "seed": 0,
@@ -148,14 +153,9 @@ def turns_of(out: Path, step: int) -> list[dict[str, Any]]:
     return [t for line in path.read_text().splitlines() for t in json.loads(line)["turns"]]
 
 
-def traced_steps(traces: list[tuple[Path, str]]) -> list[StepTimes]:
-    """The steps after warm-up of each (trace directory, run name) (marl.trace_summary)."""
-    return [s for trace_dir, name in traces for s in step_times(load(trace_dir))
-            if s.run.startswith(f"{name}-") and s.step > WARMUP_STEPS]
-
-
-def figures_of(outs: list[Path], traces: list[tuple[Path, str]]) -> dict[str, float]:
-    """One mode's figures over the steps after warm-up of each of its runs."""
+def figures_of(outs: list[Path], traced: list[StepTimes]) -> dict[str, float]:
+    """One mode's figures over the steps after warm-up of each of its runs (`traced`: the
+    same steps' times from the traces, marl.trace_summary)."""
     steps, tokens = [], []
     for out in outs:
         lines = (out / "metrics.jsonl").read_text().splitlines()
@@ -168,7 +168,6 @@ def figures_of(outs: list[Path], traces: list[tuple[Path, str]]) -> dict[str, fl
     trained = sum(r["time/update_s"] for r in steps)
     pushed = sum(r["time/push_s"] for r in steps)
     burst = sum(r.get("time/update_burst_s", 0.0) for r in steps)
-    traced = traced_steps(traces)
     assert len(traced) == len(steps), (len(traced), len(steps))
     split = shares(traced)
     generating = sum(s.generation for s in traced)
@@ -291,7 +290,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="marl-e2e-") as tmp:
         root = Path(tmp)
         outs: dict[tuple[str, str], list[Path]] = {}
-        traces: dict[tuple[str, str], list[tuple[Path, str]]] = {}
+        traced: dict[tuple[str, str], list[StepTimes]] = {}
         use: dict[tuple[str, str], list[CpuUse]] = {}
         engine: dict[str, list[float]] = {wf: [] for wf in workflows}
         for n, (run, k) in enumerate(ORDER):
@@ -307,18 +306,22 @@ def main() -> None:
             with cluster:
                 for wf in workflows:
                     out = root / f"{wf}-{n}-{run}"
-                    body = spec(wf, out, args, k)
-                    cpu = run_marl(cluster, body)
+                    cpu = run_marl(cluster, spec(wf, out, args, k))
                     assert cpu is not None  # parse_args wants steps after the warm-up
                     outs.setdefault((wf, run), []).append(out)
-                    traces.setdefault((wf, run), []).append((trace_dir, body["name"]))
                     use.setdefault((wf, run), []).append(cpu)
+            of_cluster = step_times(load(trace_dir))
+            for wf in workflows:
+                traced.setdefault((wf, run), []).extend(
+                    s for s in of_cluster
+                    if s.run.startswith(f"{run_name(wf, k)}-") and s.step > WARMUP_STEPS
+                )
             if n in (0, len(ORDER) - 1):
                 for wf in workflows:
                     engine[wf].append(asyncio.run(engine_alone(outs[wf, "sync"][0], args)))
         for wf in workflows:
             row: dict[str, Any] = {
-                run: figures_of(outs[wf, run], traces[wf, run]) for run in ("sync", "k1")
+                run: figures_of(outs[wf, run], traced[wf, run]) for run in ("sync", "k1")
             }
             for run in ("sync", "k1"):
                 f = row[run]

@@ -234,7 +234,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     steps = trace_summary.step_times(events)
     print(trace_summary.report(steps, skip=args.skip) if steps else "no training step traced")
     out = Path(args.out) if args.out else trace_dir / "trace.json"
-    print(f"{trace_summary.merge(trace_dir, out)} events: {out} (open it in ui.perfetto.dev)")
+    trace_summary.write_chrome_trace(events, out)
+    print(f"{len(events)} events: {out} (open it in ui.perfetto.dev)")
     return 0
 
 

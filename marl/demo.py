@@ -137,7 +137,7 @@ def run_demo(
 
         events = trace_summary.load(out_dir / "trace")
         print(trace_summary.report(trace_summary.step_times(events), skip=1))
-        trace_summary.merge(out_dir / "trace", out_dir / "trace.json")
+        trace_summary.write_chrome_trace(events, out_dir / "trace.json")
         print(f"trace: {out_dir / 'trace.json'} (open it in ui.perfetto.dev)")
     return 0
 

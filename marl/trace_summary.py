@@ -39,11 +39,9 @@ def load(trace_dir: Path) -> list[dict[str, Any]]:
     return events
 
 
-def merge(trace_dir: Path, out: Path) -> int:
-    """One Chrome trace file of the directory's events; returns how many."""
-    events = load(trace_dir)
+def write_chrome_trace(events: list[dict[str, Any]], out: Path) -> None:
+    """The events (`load`) as one Chrome trace file, for Perfetto or chrome://tracing."""
     out.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
-    return len(events)
 
 
 def union(intervals: list[Interval]) -> list[Interval]:
@@ -95,17 +93,23 @@ def length(intervals: list[Interval]) -> float:
 
 @dataclass
 class StepTimes:
-    """One step's seconds by phase; `wait` = `generation` + `reward` + `queueing`."""
+    """One step's seconds by phase."""
 
     run: str
     step: int
     step_s: float
     wait: float
     generation: float
+    """Of `wait`."""
     reward: float
-    queueing: float
+    """Of `wait`, while nothing generated."""
     update: float
     push: float
+
+    @property
+    def queueing(self) -> float:
+        """The rest of `wait`."""
+        return self.wait - self.generation - self.reward
 
     @property
     def other(self) -> float:
@@ -134,11 +138,9 @@ def step_times(events: list[dict[str, Any]]) -> list[StepTimes]:
         if "step" not in p or "rollout wait" not in p:
             continue  # a step cut short (a cancelled run)
         window = [p["rollout wait"]]
-        gen = length(intersect(window, generation))
-        rew = length(intersect(window, reward_only))
-        wait = length(window)
         out.append(StepTimes(
-            run, step, length([p["step"]]), wait, gen, rew, wait - gen - rew,
+            run, step, length([p["step"]]), length(window),
+            length(intersect(window, generation)), length(intersect(window, reward_only)),
             length([p["update"]]) if "update" in p else 0.0,
             length([p["push"]]) if "push" in p else 0.0,
         ))
