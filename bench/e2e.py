@@ -22,9 +22,12 @@ machine whose speed drifts over the bench's minutes (a shared VM's does) then sl
 modes alike, rather than whichever ran second.
 
 Per marl mode, over both of its runs' steps after the first two of each (warm-up):
-median step time, steps/s, rollout tokens/s while the learner waited for rollouts (the
-generation rate of a synchronous run; an overlapped run waits less than it generates),
-rollout tokens per second of the whole run, and the share of step time the learner spent
+median step time, steps per wall-clock second (from the first such step's start to the
+last's: the time between steps, each step's record being written, counts), rollout tokens
+per second the step's tasks were in flight (from the first leaving for the workers to the
+last rollout in, `time/rollout_flight_s`: the generation rate of a synchronous run, whose
+next tasks leave before its record is written; an overlapped run's tasks are in flight
+for a step and more), rollout tokens per wall-clock second, and the share of step time the learner spent
 waiting for rollouts, split by what the services did meanwhile (every service traces its
 spans, `marl.trace`; `marl.trace_summary`): generation (a replica's prefill or decode
 step), reward (a worker scoring, no replica generating) and queueing (the rest: tasks,
@@ -63,7 +66,7 @@ from marl.demo_model import demo_model_dir
 from marl.episode_cli import load_checkpoint
 from marl.heap import keep_freed_heap_until_trimmed
 from marl.launcher import DEFAULT_CORES, Cluster, service_threads
-from marl.trace_summary import StepTimes, load, shares, step_times
+from marl.trace_summary import StepTimes, load, shares, step_times, steps_per_s
 from marl.v1 import learner_pb2, learner_pb2_grpc
 from services.inference.engine import AdapterWeights, GenerationRequest
 
@@ -165,23 +168,25 @@ def figures_of(outs: list[Path], traced: list[StepTimes]) -> dict[str, float]:
                    for r in records]
     total = sum(r["time/step_s"] for r in steps)
     waited = sum(r["time/rollout_s"] for r in steps)
+    in_flight = sum(r["time/rollout_flight_s"] for r in steps)
     trained = sum(r["time/update_s"] for r in steps)
     pushed = sum(r["time/push_s"] for r in steps)
     burst = sum(r.get("time/update_burst_s", 0.0) for r in steps)
     assert len(traced) == len(steps), (len(traced), len(steps))
     split = shares(traced)
-    generating = sum(s.generation for s in traced)
+    generating = sum(s.flight_generation for s in traced)
     return {
         "step_s": statistics.median(r["time/step_s"] for r in steps),
-        "steps_per_s": len(steps) / total,
-        "rollout_tok_s": sum(tokens) / max(waited, 1e-9),
-        "tok_s": sum(tokens) / total,
+        "steps_per_s": steps_per_s(traced),
+        "rollout_tok_s": sum(tokens) / max(in_flight, 1e-9),
+        "tok_s": statistics.mean(tokens) * steps_per_s(traced),
         "tok_per_step": statistics.mean(tokens),
         "share_rollout_wait": waited / total,
         "share_generation": split["generation"],
         "share_reward": split["reward"],
         "share_queueing": split["queueing"],
         "rollout_tok_s_generating": sum(tokens) / max(generating, 1e-9),
+        "generation_of_flight": generating / max(sum(s.flight for s in traced), 1e-9),
         "share_update": trained / total,
         "share_push": pushed / total,
         "update_share_burst": burst / max(trained, 1e-9),
@@ -246,7 +251,7 @@ def print_table(figures: dict[str, Any]) -> None:
         t = figures[f"{run}_threads"]
         print(f"{run} threads: inference {t['inference']}, learner {t['learner']} "
               f"({t['learner_burst']} once the rollouts queued ahead are in)")
-    head = ("workflow", "run", "step s", "steps/s", "tok/s waited", "tok/s", "wait", "gen",
+    head = ("workflow", "run", "step s", "steps/s", "tok/s flight", "tok/s", "wait", "gen",
             "reward", "queue", "train", "push", "other", "reward", "cores", "cpu s")
     print("{:<9} {:<10} {:>7} {:>8} {:>13} {:>7} {:>6} {:>6} {:>6} {:>6} {:>6} {:>6} {:>6} "
           "{:>7} {:>6} {:>6}".format(*head))
@@ -267,8 +272,7 @@ def print_table(figures: dict[str, Any]) -> None:
               f"(the replica's own rate while it generated: "
               f"{row['sync']['rollout_tok_s_generating']:.0f} tok/s, "
               f"{row['sync_generating_vs_engine']:.2f}x; generation "
-              f"{row['sync']['share_generation'] / row['sync']['share_rollout_wait']:.0%} of the "
-              f"wait)")
+              f"{row['sync']['generation_of_flight']:.0%} of the rollouts' flight)")
         print(f"{wf:<9} "
               f"K=1 / sync steps/s: {row['k1_vs_sync']:.2f}x ({row['k1_vs_sync_cores_full']:.2f}x "
               f"if K=1's work kept all {figures['cores']} cores busy); K=1 update time with "

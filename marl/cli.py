@@ -35,6 +35,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.service in ("inference", "workflow", "learner"):
         flags["redis"] = args.redis
     flags["http_port"] = args.http_port
+    flags["trace_dir"] = args.trace_dir
     if args.service == "inference":
         flags.update(model=args.model, engine=args.engine, max_lora_rank=args.max_lora_rank)
     elif args.service == "workflow":
@@ -53,10 +54,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(str(err)) from None
     if args.service in ("inference", "workflow", "learner") and not cfg.redis:
         raise UserError(f"marl serve {args.service}: --redis URL is required")
-    if args.trace_dir is not None:
+    if cfg.trace_dir is not None:
         from marl import trace
 
-        trace.configure(args.service, args.trace_dir)
+        trace.configure(args.service, cfg.trace_dir)
     if args.service == "inference":
         from services.inference import server as inference
 

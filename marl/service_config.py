@@ -36,6 +36,10 @@ class _ServiceConfig(BaseModel):
     """Interface the gRPC server binds; 0.0.0.0 inside a container."""
     port: int = Field(default=0, ge=0, le=65535)
     """gRPC port; 0 picks a free one (the address is printed)."""
+    trace_dir: str | None = None
+    """Directory this process appends its trace spans to, as `<service>-<pid>.jsonl`
+    (steps, episodes, decode steps; `marl trace DIR` splits each step's time and merges the
+    files for Perfetto); none when unset. In the chart, a path under /tmp."""
 
 
 class _RedisConfig(_ServiceConfig):

@@ -97,6 +97,8 @@ class StepTimes:
 
     run: str
     step: int
+    start: float
+    """Wall-clock seconds the step began (its trace span's start)."""
     step_s: float
     wait: float
     generation: float
@@ -105,6 +107,12 @@ class StepTimes:
     """Of `wait`, while nothing generated."""
     update: float
     push: float
+    flight: float
+    """Seconds its rollouts were in flight: its tasks leaving for the workers to its last
+    rollout in (a synchronous step's next tasks leave before it begins, while the previous
+    step's record is written; without a flight span, the wait)."""
+    flight_generation: float
+    """Of `flight`, seconds a replica generated."""
 
     @property
     def queueing(self) -> float:
@@ -130,7 +138,7 @@ def step_times(events: list[dict[str, Any]]) -> list[StepTimes]:
     for e in events:
         if e.get("ph") != "X" or "step" not in e.get("args", {}) or "run" not in e["args"]:
             continue
-        if e["name"] in ("step", "rollout wait", "update", "push"):
+        if e["name"] in ("step", "rollout wait", "rollout flight", "update", "push"):
             key = (e["args"]["run"], int(e["args"]["step"]))
             phases.setdefault(key, {})[e["name"]] = _interval(e)
     out = []
@@ -138,13 +146,29 @@ def step_times(events: list[dict[str, Any]]) -> list[StepTimes]:
         if "step" not in p or "rollout wait" not in p:
             continue  # a step cut short (a cancelled run)
         window = [p["rollout wait"]]
+        flight = [p.get("rollout flight", p["rollout wait"])]
         out.append(StepTimes(
-            run, step, length([p["step"]]), length(window),
+            run, step, p["step"][0], length([p["step"]]), length(window),
             length(intersect(window, generation)), length(intersect(window, reward_only)),
             length([p["update"]]) if "update" in p else 0.0,
             length([p["push"]]) if "push" in p else 0.0,
+            length(flight), length(intersect(flight, generation)),
         ))
     return out
+
+
+def steps_per_s(steps: list[StepTimes]) -> float:
+    """Steps a wall-clock second: each run's steps from its first one's start to its last
+    one's, so the time between a step's span and the next (its record being written, which
+    a synchronous run overlaps with the next step's rollouts) counts too."""
+    done, seconds = 0, 0.0
+    by_run: dict[str, list[float]] = {}
+    for s in steps:
+        by_run.setdefault(s.run, []).append(s.start)
+    for starts in by_run.values():
+        done += len(starts) - 1
+        seconds += max(starts) - min(starts)
+    return done / seconds if seconds > 0 else 0.0
 
 
 def shares(steps: list[StepTimes]) -> dict[str, float]:

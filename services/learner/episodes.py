@@ -49,6 +49,9 @@ class Pending:
     """Set once the adapter versions the tasks name are on the replicas: until then they
     wait in the learner's queue (None: they are already)."""
 
+    released: float | None = None
+    """time.monotonic() when its first tasks set off for the stream (None: not yet)."""
+
     def ready(self) -> bool:
         return self.after is None or self.after.is_set()
 
@@ -132,6 +135,21 @@ class Episodes:
             if pending.ids:
                 await self.r.xdel(streams.TASKS, *pending.ids)
 
+    async def withdraw(self, pending: Pending) -> None:
+        """Take back a submission that will not be gathered (its run ended first): its
+        queued tasks go, and so do those in the stream that no worker has read yet, so the
+        workers do not generate rollouts nobody reads. Best effort: with Redis gone, the
+        run is ending anyway."""
+        self.queue[:] = [q for q in self.queue if q[1] is not pending]
+        for t in pending.tasks:
+            self.expected.pop(t.id, None)
+            self.arrived.pop(t.id, None)
+        if pending.ids:
+            try:
+                await self.r.xdel(streams.TASKS, *pending.ids)
+            except (RedisConnectionError, RedisTimeoutError) as err:
+                log.warning("could not take back %d queued tasks: %s", len(pending.ids), err)
+
     async def run(self, problems: list[Problem], step: int, kind: str) -> list[Rollout]:
         """Submit and gather at once: the rollouts in task order."""
         return await self.gather(self.submit(problems, step, kind))
@@ -153,6 +171,10 @@ class Episodes:
         batch, self.queue[:] = self.queue[:take], self.queue[take:]
         if not batch:
             return
+        now = time.monotonic()
+        for _, pending in batch:
+            if pending.released is None:
+                pending.released = now
         # one MULTI/EXEC: a worker blocked on the stream wakes once to all of them, not to
         # the first alone (whose episode would then decode as a batch of one)
         with trace.span("queue tasks", "tasks", tasks=len(batch)):

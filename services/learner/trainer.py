@@ -15,6 +15,13 @@ and logs the record. At most one such step is in flight; its errors surface when
 next update ends. A step whose record fires an alarm the guard acts on (stop or
 rollback) runs the synchronous way.
 
+A synchronous run (`max_staleness` 0) with no checkpoint or validation due queues the
+next step's tasks before its push, and they leave for the workers once it is acked: the
+workers generate them while this step's rollouts and record are written. The tasks name
+the versions just pushed, so the run stays on-policy. `time/rollout_flight_s` is the
+time from a step's tasks leaving to its last rollout arriving; `time/rollout_s` only the
+part the learner waited for.
+
 A run whose learner died is taken over by this code too (`takeover`): it
 resumes from the last checkpoint under the same run id, with the metrics logged
 after that checkpoint cut back and a fresh range of adapter versions.
@@ -76,15 +83,18 @@ log = logging.getLogger(__name__)
 
 
 def trace_phases(
-    run: str, step: int, t0: float, t1: float, t2: float, t3: float, end: float
+    run: str, step: int, released: float, t0: float, t1: float, t2: float, t3: float,
+    end: float,
 ) -> None:
     """A logged step's phases as trace spans (time.monotonic() seconds): the step, its
-    rollout wait, update and push (one step ahead: the snapshot). `marl.trace_summary`
-    reads them back."""
+    rollout wait, update and push (one step ahead: the snapshot), and apart, on a lane of
+    its own, its rollouts' flight (from `released`, its tasks leaving for the workers,
+    which may be before the step began). `marl.trace_summary` reads them back."""
     for name, start, stop in (
         ("step", t0, end), ("rollout wait", t0, t1), ("update", t1, t2), ("push", t2, t3)
     ):
         trace.add(name, start, stop, run=run, step=step)
+    trace.add("rollout flight", released, t1, "rollout flight", run=run, step=step)
 
 
 class RunExecutor:
@@ -233,8 +243,10 @@ class RunExecutor:
                         position = sampler.position
                         problems = sampler.next(spec.train.problems_per_step)
                         ahead[s] = (self.episodes.submit(problems, s, "train", pushed), position)
-                rollouts = await self.episodes.gather(ahead.pop(step)[0])
+                this_step = ahead.pop(step)[0]
+                rollouts = await self.episodes.gather(this_step)
                 t1 = time.monotonic()
+                released = t0 if this_step.released is None else this_step.released
                 current = {ref.name: ref.version for ref in self.adapters.refs().values()}
                 trained, staleness = drop_stale(rollouts, current, spec.train.max_staleness)
                 result, burst_s = await self.update(
@@ -258,6 +270,7 @@ class RunExecutor:
                     **result.metrics,
                     **staleness,
                     "time/rollout_s": t1 - t0,
+                    "time/rollout_flight_s": t1 - released,
                     "time/update_s": t2 - t1,
                     **({} if self.burst is None else {"time/update_burst_s": burst_s}),
                 }
@@ -271,13 +284,27 @@ class RunExecutor:
                         t3 = time.monotonic()
                         full["time/push_s"] = t3 - t2
                         full["time/step_s"] = t3 - t0
-                        trace_phases(self.run_id, done, t0, t1, t2, t3, t3)
+                        trace_phases(self.run_id, done, released, t0, t1, t2, t3, t3)
                         pushed = asyncio.Event()
                         finishing = asyncio.create_task(
                             self.finish(done, full, rollouts, snapshot, pushed)
                         )
                         continue
+                if judged is None and self.next_step_ahead(done, validator, checkpointer):
+                    # synchronous: the next step's tasks follow this push to the workers, and
+                    # are generated while this step is logged
+                    judged = full, action = self.judge(done, record)
+                    if action is None:
+                        pushed = asyncio.Event()
+                        position = sampler.position
+                        problems = sampler.next(spec.train.problems_per_step)
+                        ahead[done] = (self.episodes.submit(problems, done, "train", pushed),
+                                       position)
                 await self.adapters.push(policy)
+                if pushed is not None:
+                    pushed.set()
+                    pushed = None
+                    await self.episodes.add_tasks()
                 t3 = time.monotonic()
                 self.rollout_log.write(done, rollouts)
                 if validator.due(done):
@@ -293,7 +320,9 @@ class RunExecutor:
                     await self.torch.run(checkpointer.save, done, policy, state, accuracy)
                 record["time/push_s"] = t3 - t2
                 record["time/step_s"] = time.monotonic() - t0
-                trace_phases(self.run_id, done, t0, t1, t2, t3, t0 + record["time/step_s"])
+                trace_phases(
+                    self.run_id, done, released, t0, t1, t2, t3, t0 + record["time/step_s"]
+                )
                 await self.log(done, record, policy, checkpointer, judged)
                 release_free_heap()
             if finishing is not None:
@@ -306,6 +335,21 @@ class RunExecutor:
             if finishing is not None and not finishing.done():
                 finishing.cancel()
                 await asyncio.gather(finishing, return_exceptions=True)
+            for pending, _ in ahead.values():  # the run ended with steps queued ahead
+                await self.episodes.withdraw(pending)
+
+    def next_step_ahead(
+        self, done: int, validator: Validator, checkpointer: Checkpointer
+    ) -> bool:
+        """Whether a synchronous run queues step `done`'s tasks as soon as the adapters that
+        serve them are pushed, before step `done - 1` is logged: when there is a next step
+        and no validation or checkpoint comes between (their episodes and data position
+        follow the logged step, as before)."""
+        return (
+            self.spec.train.max_staleness == 0
+            and done < self.spec.train.steps
+            and not (validator.due(done) or checkpointer.due(done, None))
+        )
 
     async def finish(
         self,

@@ -199,3 +199,11 @@ def test_every_service_gets_the_auth_token_only_when_set() -> None:
     for s in services:
         ref = _env(authed[f"r-marl-{s}"])["MARL_AUTH_TOKEN"]["secretKeyRef"]
         assert ref == {"name": "marl-token", "key": "token"}, s
+
+
+def test_a_trace_dir_in_the_values_reaches_the_service_config() -> None:
+    docs = by_kind(render(None, "learner.config.trace_dir=/tmp/marl-trace"), "ConfigMap")
+    learner = yaml.safe_load(docs["r-marl-learner"]["data"]["learner.yaml"])
+    assert MODELS["learner"](**learner).trace_dir == "/tmp/marl-trace"
+    workflow = yaml.safe_load(docs["r-marl-workflow"]["data"]["workflow.yaml"])
+    assert workflow.get("trace_dir") is None

@@ -139,8 +139,13 @@ def test_a_guard_stop_on_an_overlapped_step_stops_there(
 
 
 def test_synchronous_run_is_on_policy(cluster: Cluster, tmp_path: Path) -> None:
+    """No step of this run validates or checkpoints before the last, so from the second
+    on each step's tasks left for the workers after the step before pushed and before it
+    was logged: they were in flight longer than the learner waited for them, and were
+    served by the version that step pushed, the one that trains them."""
     out, _ = run(cluster, tmp_path, "k0")
-    for r in (r for r in rows(out) if r["step"] > 0):
+    records = [r for r in rows(out) if r["step"] > 0]
+    for r in records:
         assert r["train/staleness_max"] == 0
         assert "train/importance_weight_mean" not in r
         assert "time/update_burst_s" not in r  # a synchronous update has every core anyway
@@ -148,6 +153,9 @@ def test_synchronous_run_is_on_policy(cluster: Cluster, tmp_path: Path) -> None:
         versions = {t["adapter"]["version"] for r in logged_rollouts(out, step)
                     for t in r["turns"]}
         assert versions == {step - 1}
+    flights = [(r["time/rollout_flight_s"], r["time/rollout_s"]) for r in records]
+    assert flights[0][0] <= flights[0][1]  # queued at its step's start, after validation
+    assert all(flight > waited for flight, waited in flights[1:]), flights
 
 
 def test_turn_scope_episodes_take_newer_versions_mid_episode(

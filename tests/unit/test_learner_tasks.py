@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
+from marl import streams
 from marl.config import parse_spec
 from marl.data.problem import Problem
 from marl.rollout import AdapterRef
@@ -24,3 +28,33 @@ def test_learner_tasks_carry_the_chat_template_settings() -> None:
     assert train.chat_template == spec.model.chat_template
     assert (train.temperature, val.temperature) == (0.9, 0.0)
     assert train.adapters == adapters and train.seed == 7 and train.sample == 2
+
+
+async def test_tasks_wait_for_their_push_and_withdrawn_ones_leave_the_stream(
+    redis_url: str,
+) -> None:
+    """A submission made before its adapters are pushed stays in the learner's queue (its
+    release time unset) until the push's event is set; one withdrawn when its run ends
+    leaves the tasks stream and the learner's books."""
+    spec = parse_spec({"workflow": "single", "grpo": {"group_size": 2}})
+    r = streams.connect(redis_url)
+    adapters = {"generator": AdapterRef("run/shared", 1)}
+    episodes = Episodes("run", spec, r, "learner-0", lambda: adapters, _no_cancel)
+    try:
+        await episodes.open(fresh=True)
+        pushed = asyncio.Event()
+        problems = [Problem(id=f"p{i}", prompt=f"What is {i}+1?", answer=str(i + 1))
+                    for i in range(3)]
+        pending = episodes.submit(problems, 1, "train", pushed)
+        await episodes.add_tasks()
+        assert pending.released is None and await r.xlen(streams.TASKS) == 0
+        before = time.monotonic()
+        pushed.set()
+        await episodes.add_tasks()
+        assert pending.released is not None and pending.released >= before
+        assert len(pending.ids) == 6 and await r.xlen(streams.TASKS) == 6
+        await episodes.withdraw(pending)
+        assert await r.xlen(streams.TASKS) == 0
+        assert episodes.queue == [] and episodes.expected == {}
+    finally:
+        await r.aclose()

@@ -155,3 +155,26 @@ def test_marl_serve_with_a_bad_token_or_tls_file_exits_2(
     monkeypatch.setenv("MARL_TLS_CERT", "/no/such/cert.pem")
     assert cli.main(["serve", "sandbox", "--port", "0"]) == 2
     assert "MARL_TLS_CERT: cannot read" in capsys.readouterr().err
+
+
+def test_trace_dir_from_the_config_file_or_the_environment_turns_tracing_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the chart's `<service>.config.trace_dir` reaches: `marl serve` traces into it,
+    as with `--trace-dir`."""
+    from marl import trace
+    from services.learner import server as learner
+
+    started: list[bool] = []
+    monkeypatch.setattr(learner, "run", lambda *a, **k: started.append(trace.tracer().on))
+    f = tmp_path / "learner.yaml"
+    f.write_text(f"redis: redis://127.0.0.1:1\ntrace_dir: {tmp_path / 'from-file'}\n")
+    try:
+        assert cli.main(["serve", "learner", "--config", str(f)]) == 0
+        assert list((tmp_path / "from-file").glob("learner-*.jsonl"))
+        monkeypatch.setenv("MARL_LEARNER_TRACE_DIR", str(tmp_path / "from-env"))
+        assert cli.main(["serve", "learner", "--config", str(f)]) == 0
+        assert list((tmp_path / "from-env").glob("learner-*.jsonl"))
+        assert started == [True, True]
+    finally:
+        trace.configure("test", None)

@@ -42,15 +42,41 @@ STEP = [
 def test_the_wait_splits_into_generation_reward_and_queueing() -> None:
     (s,) = step_times(STEP)
     assert (s.run, s.step) == ("r", 1)
+    assert s.start == pytest.approx(10.0)
     assert s.step_s == pytest.approx(1.0)
     assert s.wait == pytest.approx(0.4)
     assert s.generation == pytest.approx(0.25)
     assert s.reward == pytest.approx(0.05)
     assert s.queueing == pytest.approx(0.10)
     assert (s.update, s.push, s.other) == pytest.approx((0.5, 0.05, 0.05))
+    assert (s.flight, s.flight_generation) == (s.wait, s.generation)  # no flight span
     shares = trace_summary.shares([s])
     assert shares["generation"] == pytest.approx(0.25)
     assert shares["queueing"] == pytest.approx(0.10)
+
+
+def test_a_flight_that_began_before_the_step_counts_its_generation() -> None:
+    """A synchronous step whose tasks left while the step before was logged: the replica's
+    prefill at 9.95-10.0 is of its flight, not of its wait."""
+    early = [*STEP, span("rollout flight", 9.9, 10.4, run="r", step=1),
+             span("prefill", 9.95, 10.0, rows=16)]
+    (s,) = step_times(early)
+    assert s.flight == pytest.approx(0.5)
+    assert s.flight_generation == pytest.approx(0.30)
+    assert s.generation == pytest.approx(0.25)
+
+
+def test_steps_per_s_counts_the_time_between_steps() -> None:
+    def steps(run: str, starts: list[float]) -> list[dict[str, Any]]:
+        return [e for n, t in enumerate(starts, 1) for e in (
+            span("step", t, t + 0.5, run=run, step=n),
+            span("rollout wait", t, t + 0.2, run=run, step=n),
+        )]
+
+    # run a: 2 steps in 1.5 s (0.5 s spans, 0.25 s between); run b: 1 step in 1 s
+    times = step_times(steps("a", [0.0, 0.75, 1.5]) + steps("b", [5.0, 6.0]))
+    assert trace_summary.steps_per_s(times) == pytest.approx(3 / 2.5)
+    assert trace_summary.steps_per_s(times[:1]) == 0.0
 
 
 def test_a_step_cut_short_is_left_out() -> None:
