@@ -13,7 +13,9 @@ sequence-mean token-mean loss, for `--steps` steps. marl runs on-policy as TRL d
 - marl: every service its own process (learner, one inference replica on the
   transformers engine, `--workers` workflow workers, a private Redis), as `marl demo`.
 
-Printed: the median step time of each after `--warmup` steps, their ratio marl/TRL
+Printed: the median step time of each after `--warmup` steps (wall-clock, from one step's
+end to the next's for TRL, from one step's start to the next's for marl, read from its
+services' traces: each includes what happens between two steps, a record written), their ratio marl/TRL
 (the project's goal is 0.5, the issue's bound 1.0), and both reward curves, so that
 neither wins by learning less. Needs TRL (`pip install trl==1.16.0`; it installs beside
 marl's pins). Prints a table, then one JSON object as the very last line.
@@ -41,6 +43,7 @@ from marl.data import load_problems
 from marl.demo_model import demo_model_dir
 from marl.launcher import DEFAULT_CORES, Cluster, service_threads
 from marl.rewards.math import score
+from marl.trace_summary import load, step_times
 from marl.workflows import prompts
 
 LR = 2e-3
@@ -161,13 +164,19 @@ def run_marl_single(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         workflow_replicas=args.workers,
         max_lora_rank=args.rank,
         threads=threads,
+        trace_dir=root / "trace",
     )
     with cluster:
         run_marl(cluster, spec)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["step"] >= 1]
+    # wall-clock seconds from each step's start to the next's, as TRL's are timed (a
+    # synchronous step's record is written while the next step's rollouts generate); the
+    # last step, with no next, its own time
+    starts = [s.start for s in step_times(load(root / "trace"))]
+    periods = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     return {
-        "step_s": [r["time/step_s"] for r in steps],
+        "step_s": [*periods, steps[-1]["time/step_s"]],
         "reward": [r["train/reward_mean"] for r in steps],
         "rollout_s": [r["time/rollout_s"] for r in steps],
         "update_s": [r["time/update_s"] for r in steps],

@@ -386,7 +386,8 @@ class RunExecutor:
         stop = asyncio.Event()
 
         async def read_ahead() -> None:
-            await self.episodes.collect(ahead, stop)
+            with trace.span("read ahead", "read ahead", run=self.run_id):
+                await self.episodes.collect(ahead, stop)
             if ahead <= self.episodes.arrived.keys():
                 burst.rollouts_in()
 
