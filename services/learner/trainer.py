@@ -301,12 +301,13 @@ class RunExecutor:
                         ahead[done] = (self.episodes.submit(problems, done, "train", pushed),
                                        position)
                 await self.adapters.push(policy)
+                t3 = time.monotonic()
                 if pushed is not None:
                     pushed.set()
                     pushed = None
                     await self.episodes.add_tasks()
-                t3 = time.monotonic()
-                self.rollout_log.write(done, rollouts)
+                with trace.span("rollout log", run=self.run_id, step=done):
+                    self.rollout_log.write(done, rollouts)
                 if validator.due(done):
                     record.update(await validator.run(done))
                 accuracy = record.get("val/accuracy")
@@ -323,8 +324,10 @@ class RunExecutor:
                 trace_phases(
                     self.run_id, done, released, t0, t1, t2, t3, t0 + record["time/step_s"]
                 )
-                await self.log(done, record, policy, checkpointer, judged)
-                release_free_heap()
+                with trace.span("record", run=self.run_id, step=done):
+                    await self.log(done, record, policy, checkpointer, judged)
+                with trace.span("heap trim"):
+                    release_free_heap()
             if finishing is not None:
                 await finishing
         except RunCancelled:
@@ -371,9 +374,12 @@ class RunExecutor:
         full["time/push_overlapped_s"] = time.monotonic() - sent
         trace.add("push overlapped", sent, sent + full["time/push_overlapped_s"],
                   "push overlapped", run=self.run_id, step=step)
-        self.rollout_log.write(step, rollouts)
-        await self.write(step, full, None)
-        release_free_heap()
+        with trace.span("rollout log", run=self.run_id, step=step):
+            self.rollout_log.write(step, rollouts)
+        with trace.span("record", run=self.run_id, step=step):
+            await self.write(step, full, None)
+        with trace.span("heap trim"):
+            release_free_heap()
 
     async def update(self, policy: PolicyHandle, ahead: set[str], *call: Any) -> tuple[Any, float]:
         """`policy.call(*call)` (the step's update) and the seconds of it run with the burst
