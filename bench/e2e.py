@@ -27,8 +27,8 @@ last's: the time between steps, each step's record being written, counts), rollo
 per second the step's tasks were in flight (from the first leaving for the workers to the
 last rollout in, `time/rollout_flight_s`: the generation rate of a synchronous run, whose
 next tasks leave before its record is written; an overlapped run's tasks are in flight
-for a step and more), rollout tokens per wall-clock second, and the share of step time the learner spent
-waiting for rollouts, split by what the services did meanwhile (every service traces its
+for a step and more), rollout tokens per wall-clock second, and the share of step time
+the learner spent waiting for rollouts, split by what the services did meanwhile (every service traces its
 spans, `marl.trace`; `marl.trace_summary`): generation (a replica's prefill or decode
 step), reward (a worker scoring, no replica generating) and queueing (the rest: tasks,
 requests and rollouts on their way, a replica gathering a burst; tracing costs ~8 us a

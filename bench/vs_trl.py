@@ -15,8 +15,8 @@ sequence-mean token-mean loss, for `--steps` steps. marl runs on-policy as TRL d
 
 Printed: the median step time of each after `--warmup` steps (wall-clock, from one step's
 end to the next's for TRL, from one step's start to the next's for marl, read from its
-services' traces: each includes what happens between two steps, a record written), their ratio marl/TRL
-(the project's goal is 0.5, the issue's bound 1.0), and both reward curves, so that
+services' traces: each includes what happens between two steps, a record written), their
+ratio marl/TRL (the project's goal is 0.5, the issue's bound 1.0), and both reward curves, so that
 neither wins by learning less. Needs TRL (`pip install trl==1.16.0`; it installs beside
 marl's pins). Prints a table, then one JSON object as the very last line.
 

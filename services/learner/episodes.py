@@ -137,9 +137,9 @@ class Episodes:
 
     async def withdraw(self, pending: Pending) -> None:
         """Take back a submission that will not be gathered (its run ended first): its
-        queued tasks go, and so do those in the stream that no worker has read yet, so the
-        workers do not generate rollouts nobody reads. Best effort: with Redis gone, the
-        run is ending anyway."""
+        tasks leave the learner's queue and the tasks stream, so no worker that has not
+        read them yet generates rollouts nobody reads (one that has finishes its episode).
+        Best effort: with Redis gone, the run is ending anyway."""
         self.queue[:] = [q for q in self.queue if q[1] is not pending]
         for t in pending.tasks:
             self.expected.pop(t.id, None)
