@@ -182,13 +182,15 @@ def shares(steps: list[StepTimes]) -> dict[str, float]:
 
 def report(steps: list[StepTimes], skip: int = 0) -> str:
     """A table per run: median milliseconds of each phase over its steps after the first
-    `skip`, and each phase's share of the step time."""
+    `skip`, and each phase's share of the step time; last, the median flight of a step's
+    rollouts (`StepTimes.flight`, which may begin before the step does: no share)."""
     lines = []
     by_run: dict[str, list[StepTimes]] = {}
     for s in steps:
         if s.step > skip:
             by_run.setdefault(s.run, []).append(s)
-    head = ("step", "wait", "generation", "reward", "queueing", "update", "push", "other")
+    head = ("step", "wait", "generation", "reward", "queueing", "update", "push", "other",
+            "flight")
     for run, of_run in by_run.items():
         lines.append(f"run {run}: {len(of_run)} steps after the first {skip}")
         lines.append("           " + "".join(f"{h:>11}" for h in head))
@@ -197,5 +199,5 @@ def report(steps: list[StepTimes], skip: int = 0) -> str:
         lines.append("median ms  " + "".join(f"{1000 * m:>11.1f}" for m in medians))
         share = shares(of_run)
         lines.append("share      " + f"{1.0:>11.2f}"
-                     + "".join(f"{share[h]:>11.2f}" for h in head[1:]))
+                     + "".join(f"{share[h]:>11.2f}" for h in head[1:-1]))
     return "\n".join(lines)

@@ -94,6 +94,8 @@ def test_marl_trace_prints_the_steps_and_merges_the_files(
     out = capsys.readouterr().out
     assert "run r: 1 steps after the first 0" in out
     assert "median ms       1000.0      400.0      250.0       50.0      100.0      500.0" in out
+    assert out.splitlines()[1].split()[-1] == "flight"  # the wait's, with no flight span
+    assert out.splitlines()[2].split()[-1] == "400.0"
     merged = json.loads((tmp_path / "trace.json").read_text())
     assert len(merged["traceEvents"]) == len(STEP)  # the line cut short is skipped
 
