@@ -15,9 +15,9 @@ and logs the record. At most one such step is in flight; its errors surface when
 next update ends. A step whose record fires an alarm the guard acts on (stop or
 rollback) runs the synchronous way.
 
-A synchronous run (`max_staleness` 0) with no checkpoint or validation due queues the
-next step's tasks before its push, and they leave for the workers once it is acked: the
-workers generate them while this step's rollouts and record are written. The tasks name
+A synchronous run (`max_staleness` 0) with no validation due queues the next step's
+tasks before its push, and they leave for the workers once it is acked: the workers
+generate them while this step's rollouts, checkpoint and record are written. The tasks name
 the versions just pushed, so the run stays on-policy. `time/rollout_flight_s` is the
 time from a step's tasks leaving to its last rollout arriving; `time/rollout_s` only the
 part the learner waited for.
@@ -290,7 +290,7 @@ class RunExecutor:
                             self.finish(done, full, rollouts, snapshot, pushed)
                         )
                         continue
-                if judged is None and self.next_step_ahead(done, validator, checkpointer):
+                if judged is None and self.next_step_ahead(done, validator):
                     # synchronous: the next step's tasks follow this push to the workers, and
                     # are generated while this step is logged
                     judged = full, action = self.judge(done, record)
@@ -341,17 +341,16 @@ class RunExecutor:
             for pending, _ in ahead.values():  # the run ended with steps queued ahead
                 await self.episodes.withdraw(pending)
 
-    def next_step_ahead(
-        self, done: int, validator: Validator, checkpointer: Checkpointer
-    ) -> bool:
+    def next_step_ahead(self, done: int, validator: Validator) -> bool:
         """Whether a synchronous run queues step `done`'s tasks as soon as the adapters that
-        serve them are pushed, before step `done - 1` is logged: when there is a next step
-        and no validation or checkpoint comes between (their episodes and data position
-        follow the logged step, as before)."""
+        serve them are pushed, before step `done - 1` is logged and checkpointed: when there
+        is a next step and no validation comes between (the guard may act on its accuracy,
+        and so on nothing before it). A checkpoint saved meanwhile records the data position
+        before the step queued ahead, so a resumed run queues it again."""
         return (
             self.spec.train.max_staleness == 0
             and done < self.spec.train.steps
-            and not (validator.due(done) or checkpointer.due(done, None))
+            and not validator.due(done)
         )
 
     async def finish(

@@ -139,11 +139,12 @@ def test_a_guard_stop_on_an_overlapped_step_stops_there(
 
 
 def test_synchronous_run_is_on_policy(cluster: Cluster, tmp_path: Path) -> None:
-    """No step of this run validates or checkpoints before the last, so from the second
-    on each step's tasks left for the workers after the step before pushed and before it
-    was logged: they were in flight longer than the learner waited for them, and were
-    served by the version that step pushed, the one that trains them."""
-    out, _ = run(cluster, tmp_path, "k0")
+    """No step of this run validates before the last, so from the second on each step's
+    tasks left for the workers after the step before pushed and before it was logged and
+    checkpointed: they were in flight longer than the learner waited for them, and were
+    served by the version that step pushed, the one that trains them. Each checkpoint's
+    data position is where its next step's problems start, drawn already or not."""
+    out, _ = run(cluster, tmp_path, "k0", checkpoint_interval=1, checkpoints_kept=STEPS)
     records = [r for r in rows(out) if r["step"] > 0]
     for r in records:
         assert r["train/staleness_max"] == 0
@@ -156,6 +157,9 @@ def test_synchronous_run_is_on_policy(cluster: Cluster, tmp_path: Path) -> None:
     flights = [(r["time/rollout_flight_s"], r["time/rollout_s"]) for r in records]
     assert flights[0][0] <= flights[0][1]  # queued at its step's start, after validation
     assert all(flight > waited for flight, waited in flights[1:]), flights
+    for step in range(1, STEPS + 1):
+        state = json.loads((out / "checkpoints" / f"step_{step:06d}" / "state.json").read_text())
+        assert state["data_position"] == 4 * step, (step, state)
 
 
 def test_turn_scope_episodes_take_newer_versions_mid_episode(
