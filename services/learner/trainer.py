@@ -292,7 +292,7 @@ class RunExecutor:
                         continue
                 if judged is None and self.next_step_ahead(done, validator):
                     # synchronous: the next step's tasks follow this push to the workers, and
-                    # are generated while this step is logged
+                    # are generated while this step is checkpointed and logged
                     judged = full, action = self.judge(done, record)
                     if action is None:
                         pushed = asyncio.Event()
