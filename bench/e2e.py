@@ -175,11 +175,12 @@ def figures_of(outs: list[Path], traced: list[StepTimes]) -> dict[str, float]:
     assert len(traced) == len(steps), (len(traced), len(steps))
     split = shares(traced)
     generating = sum(s.flight_generation for s in traced)
+    rate = steps_per_s(traced)
     return {
         "step_s": statistics.median(r["time/step_s"] for r in steps),
-        "steps_per_s": steps_per_s(traced),
+        "steps_per_s": rate,
         "rollout_tok_s": sum(tokens) / max(in_flight, 1e-9),
-        "tok_s": statistics.mean(tokens) * steps_per_s(traced),
+        "tok_s": statistics.mean(tokens) * rate,
         "tok_per_step": statistics.mean(tokens),
         "share_rollout_wait": waited / total,
         "share_generation": split["generation"],

@@ -127,19 +127,15 @@ class Episodes:
             await self.collect({t.id for t in pending.tasks})
             return [self.arrived.pop(t.id) for t in pending.tasks]
         finally:
-            self.queue[:] = [q for q in self.queue if q[1] is not pending]
-            for t in pending.tasks:
-                self.expected.pop(t.id, None)
-                self.arrived.pop(t.id, None)
             # every one of these has its rollout (or this run is over): safe to delete
-            if pending.ids:
-                await self.r.xdel(streams.TASKS, *pending.ids)
+            await self.withdraw(pending)
 
     async def withdraw(self, pending: Pending) -> None:
-        """Take back a submission that will not be gathered (its run ended first): its
-        tasks leave the learner's queue and the tasks stream, so no worker that has not
-        read them yet generates rollouts nobody reads (one that has finishes its episode).
-        Best effort: with Redis gone, the run is ending anyway."""
+        """Drop a submission from the learner's books and its tasks from the learner's queue
+        and the tasks stream: once it is gathered, or when it will not be (its run ended
+        first), so that no worker that has not read them yet generates rollouts nobody reads
+        (one that has finishes its episode). Deleting is best effort: a stream entry left
+        behind by a Redis outage costs memory, not correctness."""
         self.queue[:] = [q for q in self.queue if q[1] is not pending]
         for t in pending.tasks:
             self.expected.pop(t.id, None)

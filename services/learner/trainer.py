@@ -233,6 +233,13 @@ class RunExecutor:
         """The last step's push and record, still running beside this step (K >= 1)."""
         pushed: asyncio.Event | None = None
         """Set once that push is acked: tasks queued meanwhile name its versions."""
+
+        def submit_ahead(s: int, after: asyncio.Event | None) -> None:
+            """Step `s`'s tasks with the adapter versions current now, noting the data
+            position before its problems (a checkpoint saved before it trains)."""
+            position = sampler.position
+            problems = sampler.next(spec.train.problems_per_step)
+            ahead[s] = (self.episodes.submit(problems, s, "train", after), position)
         try:
             for step in range(start, spec.train.steps):
                 await self.check_cancel()
@@ -240,9 +247,7 @@ class RunExecutor:
                 # this step's tasks, and the next max_staleness steps' with today's versions
                 for s in range(step, min(step + spec.train.max_staleness + 1, spec.train.steps)):
                     if s not in ahead:
-                        position = sampler.position
-                        problems = sampler.next(spec.train.problems_per_step)
-                        ahead[s] = (self.episodes.submit(problems, s, "train", pushed), position)
+                        submit_ahead(s, pushed)
                 this_step = ahead.pop(step)[0]
                 rollouts = await self.episodes.gather(this_step)
                 t1 = time.monotonic()
@@ -296,10 +301,7 @@ class RunExecutor:
                     judged = full, action = self.judge(done, record)
                     if action is None:
                         pushed = asyncio.Event()
-                        position = sampler.position
-                        problems = sampler.next(spec.train.problems_per_step)
-                        ahead[done] = (self.episodes.submit(problems, done, "train", pushed),
-                                       position)
+                        submit_ahead(done, pushed)
                 await self.adapters.push(policy)
                 t3 = time.monotonic()
                 if pushed is not None:
