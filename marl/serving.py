@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from marl import auth
 from marl.aio_tasks import cancel_until_done, log_task_stacks
+from marl.gc_pauses import freeze_long_lived
 from marl.prometheus_metrics import GrpcMetrics
 from marl.service_config import tls_files
 
@@ -198,13 +199,15 @@ async def serve_until_stopped(
     grace: float = 5.0,
     drain_s: float = 0.0,
 ) -> None:
-    """Start, run `ready` then report SERVING, run background loops, stop on signal: in-flight
+    """Start, run `ready`, freeze what start-up built out of later garbage collections
+    (`marl.gc_pauses`) and report SERVING, run background loops, stop on signal: in-flight
     calls get `grace` seconds, background loops that end by themselves once `host.stopping`
     (a worker finishing its episodes) get `drain_s` in all, then the rest are cancelled."""
     await host.start()
     print(f"listening on {host.address}", flush=True)
     if ready is not None:
         await ready()
+    freeze_long_lived()  # what start-up loaded lives as long as the process
     if not host.stopping:
         await host.set_serving(True)
     tasks: list[asyncio.Task[None]] = [asyncio.create_task(fn()) for fn in background or []]

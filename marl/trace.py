@@ -8,6 +8,9 @@ process, a lane and the span's arguments (the step, the rows of a decode step...
 `marl trace DIR` merges the files into one `trace.json` that Perfetto (ui.perfetto.dev) or
 chrome://tracing opens, and prints where each step's time went (`marl.trace_summary`).
 
+A traced process's garbage collections are spans too ("gc": the generation and how many
+objects it freed), on the thread they paused: every thread of the process waits for one.
+
 Spans that overlap on one thread (a worker's episodes, a replica's GenerateMany calls)
 are given lanes of their own, so that each lane's spans nest as the format wants.
 
@@ -19,10 +22,12 @@ and `add` then cost one attribute check.
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,6 +51,8 @@ class Tracer:
         """Per group of overlapping spans: the end of the last span in each lane."""
         self._groups: dict[str, int] = {}
         self._wall_offset = time.time() - time.monotonic()
+        self._collections: deque[tuple[float, float, int, int, int]] = deque()
+        """Garbage collections not yet written: (start, end, thread, generation, collected)."""
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             # a line a write: a killed process loses no span, a forked child holds none
@@ -62,11 +69,30 @@ class Tracer:
             return
         with self._lock:
             tid = threading.get_native_id() if lane is None else self._lane(lane, start, end)
-            self._write({
-                "ph": "X", "name": name, "pid": self._pid, "tid": tid,
-                "ts": round((start + self._wall_offset) * 1e6),
-                "dur": round((end - start) * 1e6), "args": args,
-            })
+            self._write_span(name, start, end, tid, args)
+            self._write_collections()
+
+    def collected(self, start: float, end: float, generation: int, collected: int) -> None:
+        """A garbage collection, from the collector's callback: kept, and written with the
+        next span. Writing it here could re-enter a write that the collection interrupted
+        (the tracer's lock, the file's buffer)."""
+        if self.on and os.getpid() == self._pid:
+            self._collections.append(
+                (start, end, threading.get_native_id(), generation, collected))
+
+    def _write_collections(self) -> None:
+        while self._collections:
+            start, end, tid, generation, collected = self._collections.popleft()
+            self._write_span("gc", start, end, tid,
+                             {"generation": generation, "collected": collected})
+
+    def _write_span(self, name: str, start: float, end: float, tid: int,
+                    args: dict[str, Any]) -> None:
+        self._write({
+            "ph": "X", "name": name, "pid": self._pid, "tid": tid,
+            "ts": round((start + self._wall_offset) * 1e6),
+            "dur": round((end - start) * 1e6), "args": args,
+        })
 
     def _lane(self, group: str, start: float, end: float) -> int:
         """The thread id of the first lane of `group` free at `start` (a new one, named
@@ -104,6 +130,7 @@ class Tracer:
     def close(self) -> None:
         with self._lock:
             if self._file is not None and os.getpid() == self._pid:
+                self._write_collections()
                 self._file.close()
                 self._file = None
             self.on = False
@@ -114,11 +141,28 @@ _tracer = Tracer()
 
 
 def configure(service: str, trace_dir: str | None) -> None:
-    """Trace this process as `service` into `trace_dir` (None: trace nothing)."""
+    """Trace this process as `service` into `trace_dir` (None: trace nothing), its
+    garbage collections included."""
     global _tracer
     _tracer.close()
     path = None if trace_dir is None else Path(trace_dir) / f"{service}-{os.getpid()}.jsonl"
     _tracer = Tracer(path, service)
+    if _trace_collection not in gc.callbacks:
+        gc.callbacks.append(_trace_collection)
+
+
+_collection_started = 0.0
+
+
+def _trace_collection(phase: str, info: dict[str, int]) -> None:
+    """A span per garbage collection ("gc", its generation and how many objects it freed)
+    on the thread that ran it: a pause of every thread of the process."""
+    global _collection_started
+    if phase == "start":
+        _collection_started = time.monotonic()
+    else:
+        _tracer.collected(_collection_started, time.monotonic(), info["generation"],
+                          info["collected"])
 
 
 def tracer() -> Tracer:

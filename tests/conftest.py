@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import os
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
@@ -11,6 +13,14 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(autouse=True)
+def _unfreeze_objects() -> Iterator[None]:
+    """A test that runs a service's loop in this process freezes the objects alive then
+    (`marl.gc_pauses`); the next test's garbage is collected as it would be on its own."""
+    yield
+    gc.unfreeze()
 
 
 TEST_MODELS = Path(__file__).resolve().parents[1] / ".cache" / "test-models"

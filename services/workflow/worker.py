@@ -31,6 +31,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from marl import auth, replicas, streams, trace
 from marl.aio_tasks import cancel_until_done, raise_if_cancelled
 from marl.config import SpecError, WorkflowCaps
+from marl.gc_pauses import freeze_long_lived
 from marl.rewards.code import SandboxFailure
 from marl.rollout import Rollout, Task
 from marl.rpc_codes import NO_ANSWER
@@ -364,6 +365,7 @@ async def work_loop(
         await streams.ensure_group(r, streams.TASKS, streams.WORKERS_GROUP)
         # before the first read: a worker takes no task it cannot start yet
         await asyncio.to_thread(import_tokenizers)
+        freeze_long_lived()  # the tokenizer classes' modules, most of a worker's objects
         while not stopping():
             raise_if_cancelled()  # a cancel that redis-py lost mid-command (see aio_tasks)
             free = min(concurrency - len(running), 64)

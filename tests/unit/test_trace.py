@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -90,3 +92,21 @@ def test_a_forked_child_writes_nothing_to_its_parents_file(tmp_path: Path) -> No
     tracer.add("parent", 0.0, 1.0)
     tracer.close()
     assert [e["name"] for e in events(path)] == ["process_name", "parent"]
+
+
+def test_a_garbage_collection_is_a_span_of_the_process(tmp_path: Path) -> None:
+    gc.disable()  # the explicit collections only
+    try:
+        trace.configure("learner", str(tmp_path))
+        trace.configure("learner", str(tmp_path))  # once more: still one span a collection
+        gc.collect()
+        trace.configure("learner", None)
+        gc.collect()  # not traced any more
+    finally:
+        trace.configure("learner", None)
+        gc.enable()
+    path = tmp_path / f"learner-{os.getpid()}.jsonl"
+    spans = [e for e in events(path) if e["name"] == "gc"]
+    assert len(spans) == 1
+    assert spans[0]["args"]["generation"] == 2
+    assert spans[0]["dur"] >= 0 and spans[0]["tid"] == threading.get_native_id()
