@@ -51,8 +51,9 @@ class Tracer:
         """Per group of overlapping spans: the end of the last span in each lane."""
         self._groups: dict[str, int] = {}
         self._wall_offset = time.time() - time.monotonic()
-        self._collections: deque[tuple[float, float, int, int, int]] = deque()
-        """Garbage collections not yet written: (start, end, thread, generation, collected)."""
+        self._collections: deque[tuple[float, float, int, int, int]] = deque(maxlen=4096)
+        """Garbage collections not yet written: (start, end, thread, generation, collected);
+        a process that writes no span for long keeps only the latest."""
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             # a line a write: a killed process loses no span, a forked child holds none
