@@ -233,7 +233,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
                         "with --trace (marl up, marl demo) or --trace-dir (marl serve)")
     events = trace_summary.load(trace_dir)
     steps = trace_summary.step_times(events)
-    print(trace_summary.report(steps, skip=args.skip) if steps else "no training step traced")
+    print(trace_summary.report(steps, skip=args.skip, events=events) if steps
+          else "no training step traced")
     out = Path(args.out) if args.out else trace_dir / "trace.json"
     trace_summary.write_chrome_trace(events, out)
     print(f"{len(events)} events: {out} (open it in ui.perfetto.dev)")

@@ -136,7 +136,7 @@ def run_demo(
         from marl import trace_summary
 
         events = trace_summary.load(out_dir / "trace")
-        print(trace_summary.report(trace_summary.step_times(events), skip=1))
+        print(trace_summary.report(trace_summary.step_times(events), skip=1, events=events))
         trace_summary.write_chrome_trace(events, out_dir / "trace.json")
         print(f"trace: {out_dir / 'trace.json'} (open it in ui.perfetto.dev)")
     return 0

@@ -180,10 +180,31 @@ def shares(steps: list[StepTimes]) -> dict[str, float]:
     }
 
 
-def report(steps: list[StepTimes], skip: int = 0) -> str:
+def full_collections(events: list[dict[str, Any]], start: float, end: float) -> str:
+    """The full (generation 2) garbage collections that began between `start` and `end`
+    (wall-clock seconds), by service: how many, their total and longest milliseconds.
+    Each pauses its process (`marl.trace`)."""
+    service = {e["pid"]: e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "process_name"}
+    by_service: dict[str, list[float]] = {}
+    for e in events:
+        if (e.get("ph") == "X" and e.get("name") == "gc"
+                and e.get("args", {}).get("generation") == 2
+                and start <= e["ts"] / 1e6 <= end):
+            name = service.get(e.get("pid"), f"pid {e.get('pid')}")
+            by_service.setdefault(name, []).append(e["dur"] / 1e3)
+    if not by_service:
+        return "none"
+    return "; ".join(f"{name}: {len(ms)} ({sum(ms):.0f} ms, longest {max(ms):.0f})"
+                     for name, ms in sorted(by_service.items()))
+
+
+def report(steps: list[StepTimes], skip: int = 0,
+           events: list[dict[str, Any]] | None = None) -> str:
     """A table per run: median milliseconds of each phase over its steps after the first
     `skip`, and each phase's share of the step time; last, the median flight of a step's
-    rollouts (`StepTimes.flight`, which may begin before the step does: no share)."""
+    rollouts (`StepTimes.flight`, which may begin before the step does: no share). With
+    the trace's `events`, then the full garbage collections during those steps."""
     lines = []
     by_run: dict[str, list[StepTimes]] = {}
     for s in steps:
@@ -200,4 +221,8 @@ def report(steps: list[StepTimes], skip: int = 0) -> str:
         share = shares(of_run)
         lines.append("share      " + f"{1.0:>11.2f}"
                      + "".join(f"{share[h]:>11.2f}" for h in head[1:-1]))
+        if events is not None:
+            start = min(s.start for s in of_run)
+            end = max(s.start + s.step_s for s in of_run)
+            lines.append(f"full garbage collections: {full_collections(events, start, end)}")
     return "\n".join(lines)

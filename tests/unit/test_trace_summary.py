@@ -96,8 +96,31 @@ def test_marl_trace_prints_the_steps_and_merges_the_files(
     assert "median ms       1000.0      400.0      250.0       50.0      100.0      500.0" in out
     assert out.splitlines()[1].split()[-1] == "flight"  # the wait's, with no flight span
     assert out.splitlines()[2].split()[-1] == "400.0"
+    assert out.splitlines()[4] == "full garbage collections: none"
     merged = json.loads((tmp_path / "trace.json").read_text())
     assert len(merged["traceEvents"]) == len(STEP)  # the line cut short is skipped
+
+
+def test_full_collections_during_the_steps_are_counted_by_service() -> None:
+    named = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "learner"}},
+             {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "workflow"}}]
+    collections = [
+        span("gc", 10.1, 10.3, generation=2, collected=0),
+        span("gc", 10.5, 10.6, generation=2, collected=5),
+        span("gc", 10.2, 10.201, generation=0, collected=9),  # a young one: not counted
+        span("gc", 12.0, 12.2, generation=2, collected=0),  # after the steps
+        {**span("gc", 10.4, 10.45, generation=2, collected=0), "pid": 2},
+        {**span("gc", 10.7, 10.8, generation=2, collected=0), "pid": 3},  # no name
+    ]
+    assert trace_summary.full_collections(named + collections, 10.0, 11.0) == (
+        "learner: 2 (300 ms, longest 200); pid 3: 1 (100 ms, longest 100); "
+        "workflow: 1 (50 ms, longest 50)")
+    assert trace_summary.full_collections(named, 10.0, 11.0) == "none"
+    report = trace_summary.report(step_times(STEP + collections[:2]), events=STEP + collections)
+    assert report.splitlines()[-1] == (
+        "full garbage collections: pid 1: 2 (300 ms, longest 200); pid 2: 1 (50 ms, "
+        "longest 50); pid 3: 1 (100 ms, longest 100)")
+    assert "garbage" not in trace_summary.report(step_times(STEP))
 
 
 def test_marl_trace_of_a_directory_without_traces_says_how_to_make_them(
