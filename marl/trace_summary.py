@@ -180,19 +180,25 @@ def shares(steps: list[StepTimes]) -> dict[str, float]:
     }
 
 
-def full_collections(events: list[dict[str, Any]], start: float, end: float) -> str:
-    """The full (generation 2) garbage collections that began between `start` and `end`
-    (wall-clock seconds), by service: how many, their total and longest milliseconds.
-    Each pauses its process (`marl.trace`)."""
+def full_collections(events: list[dict[str, Any]]) -> list[tuple[str, float, float]]:
+    """Every full (generation 2) garbage collection, each a pause of its process
+    (`marl.trace`): its service, its start in wall-clock seconds and its milliseconds."""
     service = {e["pid"]: e["args"]["name"] for e in events
                if e.get("ph") == "M" and e.get("name") == "process_name"}
+    return [(service.get(e.get("pid"), f"pid {e.get('pid')}"), e["ts"] / 1e6, e["dur"] / 1e3)
+            for e in events
+            if e.get("ph") == "X" and e.get("name") == "gc"
+            and e.get("args", {}).get("generation") == 2]
+
+
+def collections_between(collections: list[tuple[str, float, float]], start: float,
+                        end: float) -> str:
+    """Of `full_collections`, those that began between `start` and `end`, by service: how
+    many, their total and longest milliseconds ("none" when none did)."""
     by_service: dict[str, list[float]] = {}
-    for e in events:
-        if (e.get("ph") == "X" and e.get("name") == "gc"
-                and e.get("args", {}).get("generation") == 2
-                and start <= e["ts"] / 1e6 <= end):
-            name = service.get(e.get("pid"), f"pid {e.get('pid')}")
-            by_service.setdefault(name, []).append(e["dur"] / 1e3)
+    for name, began, ms in collections:
+        if start <= began <= end:
+            by_service.setdefault(name, []).append(ms)
     if not by_service:
         return "none"
     return "; ".join(f"{name}: {len(ms)} ({sum(ms):.0f} ms, longest {max(ms):.0f})"
@@ -206,6 +212,7 @@ def report(steps: list[StepTimes], skip: int = 0,
     rollouts (`StepTimes.flight`, which may begin before the step does: no share). With
     the trace's `events`, then the full garbage collections during those steps."""
     lines = []
+    collections = None if events is None else full_collections(events)
     by_run: dict[str, list[StepTimes]] = {}
     for s in steps:
         if s.step > skip:
@@ -221,8 +228,9 @@ def report(steps: list[StepTimes], skip: int = 0,
         share = shares(of_run)
         lines.append("share      " + f"{1.0:>11.2f}"
                      + "".join(f"{share[h]:>11.2f}" for h in head[1:-1]))
-        if events is not None:
+        if collections is not None:
             start = min(s.start for s in of_run)
             end = max(s.start + s.step_s for s in of_run)
-            lines.append(f"full garbage collections: {full_collections(events, start, end)}")
+            lines.append("full garbage collections: "
+                         + collections_between(collections, start, end))
     return "\n".join(lines)

@@ -112,10 +112,12 @@ def test_full_collections_during_the_steps_are_counted_by_service() -> None:
         {**span("gc", 10.4, 10.45, generation=2, collected=0), "pid": 2},
         {**span("gc", 10.7, 10.8, generation=2, collected=0), "pid": 3},  # no name
     ]
-    assert trace_summary.full_collections(named + collections, 10.0, 11.0) == (
+    assert trace_summary.collections_between(
+        trace_summary.full_collections(named + collections), 10.0, 11.0) == (
         "learner: 2 (300 ms, longest 200); pid 3: 1 (100 ms, longest 100); "
         "workflow: 1 (50 ms, longest 50)")
-    assert trace_summary.full_collections(named, 10.0, 11.0) == "none"
+    assert trace_summary.collections_between(
+        trace_summary.full_collections(named), 10.0, 11.0) == "none"
     report = trace_summary.report(step_times(STEP + collections[:2]), events=STEP + collections)
     assert report.splitlines()[-1] == (
         "full garbage collections: pid 1: 2 (300 ms, longest 200); pid 2: 1 (50 ms, "
