@@ -366,6 +366,7 @@ async def work_loop(
         # before the first read: a worker takes no task it cannot start yet
         await asyncio.to_thread(import_tokenizers)
         freeze_long_lived()  # the tokenizer classes' modules, most of a worker's objects
+        log.info("%s reading tasks from %s (up to %d at once)", worker_id, streams.TASKS, concurrency)
         while not stopping():
             raise_if_cancelled()  # a cancel that redis-py lost mid-command (see aio_tasks)
             free = min(concurrency - len(running), 64)

@@ -30,7 +30,7 @@ import yaml
 from grpo_replay import replay_shared_loss
 from parity_workflow import MOSTLY_RIGHT_REF, write_problems
 
-from marl.launcher import Cluster
+from marl.launcher import Cluster, Process
 from marl.rollout import Rollout
 from marl.v1 import learner_pb2, learner_pb2_grpc, workflow_pb2, workflow_pb2_grpc
 from services.learner.grpo import good_rollouts, group_advantages
@@ -77,6 +77,16 @@ def worker_id(address: str) -> str:
     return str(stub.GetStats(workflow_pb2.GetStatsRequest(), timeout=10).worker_id)
 
 
+def wait_until_reading(workers: list[Process], timeout_s: float = 120.0) -> None:
+    """A worker reports SERVING before it imports its tokenizer classes and makes its first
+    task read (`import_tokenizers`); on a loaded machine that can outlast a whole step, and
+    the other worker would take every task. Each logs when it starts reading."""
+    deadline = time.monotonic() + timeout_s
+    while not all("reading tasks from" in w.log_path.read_text() for w in workers):
+        assert time.monotonic() < deadline, "a worker never started reading tasks"
+        time.sleep(0.05)
+
+
 def test_sandbox_killed_mid_step_leaves_its_episodes_out(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -97,6 +107,7 @@ def test_sandbox_killed_mid_step_leaves_its_episodes_out(
         ]
         asyncio.run(cluster._wait(workers, 300))
         kept_worker, lost_worker = (worker_id(w.address) for w in workers)
+        wait_until_reading(workers)
 
         stub = learner_pb2_grpc.LearnerStub(grpc.insecure_channel(cluster.endpoints()["learner"]))
         run_id = stub.SubmitRun(
