@@ -272,6 +272,34 @@ async def forget_dead_consumers(
     return len(gone)
 
 
+async def drop_undelivered(
+    r: aioredis.Redis,
+    stream: str,
+    group: str,
+    matches: Callable[[dict[str, Any]], bool],
+    page: int = 1000,
+) -> int:
+    """Delete the entries no consumer of `group` has read yet whose payload `matches`: work
+    that a process queued before it died, which its successor queues again (a SIGKILLed
+    learner's tasks). Entries a consumer already holds are left to it. How many it deleted."""
+    try:
+        groups = await r.xinfo_groups(stream)
+    except ResponseError:
+        return 0
+    last = next((str(g["last-delivered-id"]) for g in groups if g["name"] == group), None)
+    if last is None:
+        return 0
+    dropped, start = 0, f"({last}"
+    while True:
+        entries: Any = await r.xrange(stream, min=start, max="+", count=page)
+        if not entries:
+            return dropped
+        doomed = [i for i, fields in entries if fields and matches(json.loads(fields["json"]))]
+        if doomed:
+            dropped += int(await r.xdel(stream, *doomed))
+        start = f"({entries[-1][0]}"
+
+
 async def claim_stale(
     r: aioredis.Redis,
     stream: str,

@@ -86,11 +86,21 @@ class Episodes:
 
     async def open(self, fresh: bool) -> None:
         """Create the streams' groups; `fresh` drops rollouts a previous learner of this run
-        left behind (a taken-over run re-runs its step with new adapter versions)."""
+        left behind (a taken-over run re-runs its step with new adapter versions), and its
+        tasks no worker has read yet (a step's, and those of the steps queued ahead): left
+        queued, they would keep the workers generating rollouts that are dropped on
+        arrival before they reach the resumed step's tasks."""
         if fresh:
             await self.r.delete(self.stream)
         await streams.ensure_group(self.r, self.stream, LEARNER_GROUP)
         await streams.ensure_group(self.r, streams.TASKS, streams.WORKERS_GROUP)
+        if fresh:
+            dropped = await streams.drop_undelivered(
+                self.r, streams.TASKS, streams.WORKERS_GROUP,
+                lambda task: task.get("run_id") == self.run_id,
+            )
+            if dropped:
+                log.info("dropped %d tasks a previous learner of %s queued", dropped, self.run_id)
 
     def make_task(self, problem: Problem, step: int, kind: str, sample: int) -> Task:
         return Task.for_spec(

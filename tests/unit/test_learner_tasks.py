@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from marl import streams
 from marl.config import parse_spec
@@ -56,5 +57,35 @@ async def test_tasks_wait_for_their_push_and_withdrawn_ones_leave_the_stream(
         await episodes.withdraw(pending)
         assert await r.xlen(streams.TASKS) == 0
         assert episodes.queue == [] and episodes.expected == {}
+    finally:
+        await r.aclose()
+
+
+async def test_a_taken_over_run_drops_the_tasks_its_dead_learner_left_unread(
+    redis_url: str,
+) -> None:
+    """A learner that dies leaves its queued tasks in the stream. Its successor drops the
+    ones no worker has read (it queues them again, with its own adapter versions); the ones
+    a worker holds stay with it, and another run's tasks are not touched."""
+    spec = parse_spec({"workflow": "single", "grpo": {"group_size": 2}})
+    r = streams.connect(redis_url)
+    adapters = {"generator": AdapterRef("run/shared", 1)}
+    problems = [Problem(id=f"p{i}", prompt=f"What is {i}+1?", answer=str(i + 1)) for i in range(3)]
+    try:
+        for run in ("other", "run"):  # two live runs' tasks, interleaved in the stream
+            dead = Episodes(run, spec, r, f"learner-{run}", lambda: adapters, _no_cancel)
+            await dead.open(fresh=False)
+            dead.submit(problems, 1, "train")
+            await dead.add_tasks()
+        held = await streams.read_group(r, streams.TASKS, streams.WORKERS_GROUP, "w", count=7)
+        assert [e.data["run_id"] for e in held] == ["other"] * 6 + ["run"]
+
+        successor = Episodes("run", spec, r, "learner-1", lambda: adapters, _no_cancel)
+        await successor.open(fresh=True)
+        left: Any = await r.xrange(streams.TASKS)
+        assert [i for i, _ in left] == [e.id for e in held]  # the 5 unread of "run" are gone
+        assert await streams.drop_undelivered(
+            r, streams.TASKS, streams.WORKERS_GROUP, lambda task: True
+        ) == 0
     finally:
         await r.aclose()
