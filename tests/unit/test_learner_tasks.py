@@ -72,7 +72,7 @@ async def test_a_taken_over_run_drops_the_tasks_its_dead_learner_left_unread(
     adapters = {"generator": AdapterRef("run/shared", 1)}
     problems = [Problem(id=f"p{i}", prompt=f"What is {i}+1?", answer=str(i + 1)) for i in range(3)]
     try:
-        for run in ("other", "run"):  # two live runs' tasks, interleaved in the stream
+        for run in ("other", "run"):  # another run's tasks, then the dead learner's
             dead = Episodes(run, spec, r, f"learner-{run}", lambda: adapters, _no_cancel)
             await dead.open(fresh=False)
             dead.submit(problems, 1, "train")
