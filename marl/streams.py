@@ -272,6 +272,15 @@ async def forget_dead_consumers(
     return len(gone)
 
 
+async def _group_info(r: aioredis.Redis, stream: str, group: str) -> dict[str, Any] | None:
+    """XINFO GROUPS' entry for `group` of `stream`; None when either does not exist."""
+    try:
+        groups: Any = await r.xinfo_groups(stream)
+    except ResponseError:
+        return None
+    return next((g for g in groups if g["name"] == group), None)
+
+
 async def drop_undelivered(
     r: aioredis.Redis,
     stream: str,
@@ -282,19 +291,15 @@ async def drop_undelivered(
     """Delete the entries no consumer of `group` has read yet whose payload `matches`: work
     that a process queued before it died, which its successor queues again (a SIGKILLed
     learner's tasks). Entries a consumer already holds are left to it. How many it deleted."""
-    try:
-        groups = await r.xinfo_groups(stream)
-    except ResponseError:
+    g = await _group_info(r, stream, group)
+    if g is None:
         return 0
-    last = next((str(g["last-delivered-id"]) for g in groups if g["name"] == group), None)
-    if last is None:
-        return 0
-    dropped, start = 0, f"({last}"
+    dropped, start = 0, f"({g['last-delivered-id']}"
     while True:
         entries: Any = await r.xrange(stream, min=start, max="+", count=page)
         if not entries:
             return dropped
-        doomed = [i for i, fields in entries if fields and matches(json.loads(fields["json"]))]
+        doomed = [i for i, fields in entries if fields and matches(_decode(stream, i, fields).data)]
         if doomed:
             dropped += int(await r.xdel(stream, *doomed))
         start = f"({entries[-1][0]}"
@@ -338,17 +343,11 @@ async def claim_stale(
 
 async def lag(r: aioredis.Redis, stream: str, group: str) -> int:
     """Entries not yet delivered plus delivered-but-unacknowledged."""
-    try:
-        groups = await r.xinfo_groups(stream)
-    except ResponseError:
+    g = await _group_info(r, stream, group)
+    if g is None:
         return 0
-    for g in groups:
-        if g["name"] == group:
-            undelivered = g.get("lag")
-            if undelivered is None:  # Redis < 7 does not report lag
-                entries: Any = await r.xrange(
-                    stream, min=f"({g['last-delivered-id']}", count=100_000
-                )
-                undelivered = len(entries)
-            return int(undelivered) + int(g.get("pending") or 0)
-    return 0
+    undelivered = g.get("lag")
+    if undelivered is None:  # Redis < 7 does not report lag
+        entries: Any = await r.xrange(stream, min=f"({g['last-delivered-id']}", count=100_000)
+        undelivered = len(entries)
+    return int(undelivered) + int(g.get("pending") or 0)

@@ -92,15 +92,14 @@ class Episodes:
         arrival before they reach the resumed step's tasks."""
         if fresh:
             await self.r.delete(self.stream)
-        await streams.ensure_group(self.r, self.stream, LEARNER_GROUP)
-        await streams.ensure_group(self.r, streams.TASKS, streams.WORKERS_GROUP)
-        if fresh:
             dropped = await streams.drop_undelivered(
                 self.r, streams.TASKS, streams.WORKERS_GROUP,
                 lambda task: task.get("run_id") == self.run_id,
             )
             if dropped:
                 log.info("dropped %d tasks a previous learner of %s queued", dropped, self.run_id)
+        await streams.ensure_group(self.r, self.stream, LEARNER_GROUP)
+        await streams.ensure_group(self.r, streams.TASKS, streams.WORKERS_GROUP)
 
     def make_task(self, problem: Problem, step: int, kind: str, sample: int) -> Task:
         return Task.for_spec(
