@@ -93,13 +93,20 @@ def sigterm(p: Process) -> int:
     return p.proc.wait(timeout=60)
 
 
+def inflight_episodes(worker: Process) -> float:
+    """The episodes a workflow worker runs now (its Prometheus gauge)."""
+    url = f"http://{worker.http_address}/metrics"
+    for line in urllib.request.urlopen(url, timeout=5).read().decode().splitlines():
+        if line.startswith("marl_inflight_episodes "):
+            return float(line.split()[1])
+    raise AssertionError(f"the worker at {worker.http_address} exports no marl_inflight_episodes")
+
+
 def busy_worker(cluster: Cluster) -> Process:
-    """A worker running episodes now (its Prometheus gauge)."""
+    """A worker running episodes now."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         for worker in (p for p in cluster.processes if p.kind == "workflow"):
-            url = f"http://{worker.http_address}/metrics"
-            for line in urllib.request.urlopen(url, timeout=5).read().decode().splitlines():
-                if line.startswith("marl_inflight_episodes ") and float(line.split()[1]) > 0:
-                    return worker
+            if inflight_episodes(worker) > 0:
+                return worker
     raise AssertionError("no worker ran an episode")

@@ -13,14 +13,42 @@ import time
 from pathlib import Path
 
 import pytest
-from learner_runs import busy_worker, demo_model_dir, rows, submit, voting_spec, wait_end
+from learner_runs import (
+    busy_worker,
+    demo_model_dir,
+    inflight_episodes,
+    rows,
+    submit,
+    voting_spec,
+    wait_end,
+)
 
-from marl.launcher import Cluster
+from marl.launcher import Cluster, Process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 HEARTBEAT_TTL_S = 5.0  # the workers' default
 PAUSE_S = 2 * HEARTBEAT_TTL_S
+SETTLE_S = 1.0
+
+
+def stop_while_episodes_wait(cluster: Cluster, inference: Process) -> None:
+    """SIGSTOP inference at a moment a worker holds episodes that wait on it.
+
+    The gauge is read again once inference has been stopped for SETTLE_S: a step's
+    rollouts take a fraction of a second here, so the episodes seen before the stop may
+    all have finished by then, and the pause would then fall between steps.
+    """
+    workers = [p for p in cluster.processes if p.kind == "workflow"]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        busy_worker(cluster)
+        inference.proc.send_signal(signal.SIGSTOP)
+        time.sleep(SETTLE_S)
+        if any(inflight_episodes(w) > 0 for w in workers):
+            return
+        inference.proc.send_signal(signal.SIGCONT)
+    raise AssertionError("inference was never stopped while a worker held episodes")
 
 
 def test_workers_waiting_on_a_paused_engine_keep_their_tasks(tmp_path: Path) -> None:
@@ -28,15 +56,14 @@ def test_workers_waiting_on_a_paused_engine_keep_their_tasks(tmp_path: Path) -> 
     cluster.start()
     try:
         out = tmp_path / "run"
-        run_id = submit(cluster, voting_spec("slow", out, steps=4, group=4, problems=4))
+        run_id = submit(cluster, voting_spec("slow", out, steps=6, group=4, problems=4))
         deadline = time.monotonic() + 300
         while len(rows(out)) < 2:
             assert time.monotonic() < deadline
             time.sleep(0.1)
         inference = next(p for p in cluster.processes if p.kind == "inference")
-        busy_worker(cluster)
-        inference.proc.send_signal(signal.SIGSTOP)
-        time.sleep(PAUSE_S)
+        stop_while_episodes_wait(cluster, inference)
+        time.sleep(PAUSE_S - SETTLE_S)
         inference.proc.send_signal(signal.SIGCONT)
         run = wait_end(cluster, run_id)
         assert run.state == "SUCCEEDED", run.error
@@ -45,7 +72,7 @@ def test_workers_waiting_on_a_paused_engine_keep_their_tasks(tmp_path: Path) -> 
         logs = [p.log_path.read_text() for p in cluster.processes if p.kind == "workflow"]
         assert not any("from dead consumer" in text for text in logs)
         logged = rows(out)
-        assert [r["step"] for r in logged] == [0, 1, 2, 3, 4]
+        assert [r["step"] for r in logged] == list(range(7))
         assert all(r["train/episode_errors"] == 0 for r in logged if r["step"] > 0)
         assert max(r["time/rollout_s"] for r in logged if r["step"] > 0) >= PAUSE_S - 1
     finally:
