@@ -281,12 +281,28 @@ async def _group_info(r: aioredis.Redis, stream: str, group: str) -> dict[str, A
     return next((g for g in groups if g["name"] == group), None)
 
 
-async def drop_undelivered(
+async def delete_matching(
     r: aioredis.Redis,
     stream: str,
-    group: str,
     matches: Callable[[dict[str, Any]], bool],
+    after: str | None = None,
     page: int = 1000,
+) -> int:
+    """Delete the entries of `stream` (those after id `after`, if given) whose payload
+    `matches`, reading a page at a time. How many it deleted."""
+    deleted, start = 0, "-" if after is None else f"({after}"
+    while True:
+        entries: Any = await r.xrange(stream, min=start, max="+", count=page)
+        if not entries:
+            return deleted
+        doomed = [i for i, fields in entries if matches(_decode(stream, i, fields).data)]
+        if doomed:
+            deleted += int(await r.xdel(stream, *doomed))
+        start = f"({entries[-1][0]}"
+
+
+async def drop_undelivered(
+    r: aioredis.Redis, stream: str, group: str, matches: Callable[[dict[str, Any]], bool]
 ) -> int:
     """Delete the entries no consumer of `group` has read yet whose payload `matches`: work
     that a process queued before it died, which its successor queues again (a SIGKILLed
@@ -294,15 +310,7 @@ async def drop_undelivered(
     g = await _group_info(r, stream, group)
     if g is None:
         return 0
-    dropped, start = 0, f"({g['last-delivered-id']}"
-    while True:
-        entries: Any = await r.xrange(stream, min=start, max="+", count=page)
-        if not entries:
-            return dropped
-        doomed = [i for i, fields in entries if fields and matches(_decode(stream, i, fields).data)]
-        if doomed:
-            dropped += int(await r.xdel(stream, *doomed))
-        start = f"({entries[-1][0]}"
+    return await delete_matching(r, stream, matches, after=g["last-delivered-id"])
 
 
 async def claim_stale(

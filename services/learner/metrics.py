@@ -101,14 +101,9 @@ class StreamSink:
     async def cut_back(self, step: int | None) -> None:
         """Drop entries past `step` (all of them for None), so a watcher from the start sees
         each step once after a resume."""
-        entries: Any = await self.r.xrange(self.stream)
-        late = [
-            eid
-            for eid, fields in entries
-            if step is None or json.loads(fields["json"])["step"] > step
-        ]
-        if late:
-            await self.r.xdel(self.stream, *late)
+        await streams.delete_matching(
+            self.r, self.stream, lambda record: step is None or record["step"] > step
+        )
 
     async def write(self, step: int, record: dict[str, Any]) -> None:
         await self.r.xadd(self.stream, {"json": json.dumps(record)})

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from marl import streams
+from services.learner.metrics import StreamSink
 
 
 async def test_consume_ack_claim_and_dead_letter(redis_url: str) -> None:
@@ -26,5 +30,48 @@ async def test_consume_ack_claim_and_dead_letter(redis_url: str) -> None:
         assert claimed == []
         dead = await r.xrange("s:dead")
         assert len(dead) == 1
+    finally:
+        await r.aclose()
+
+
+async def test_delete_matching_pages_through_and_starts_after_the_given_id(
+    redis_url: str,
+) -> None:
+    r = streams.connect(redis_url)
+    try:
+        for i in range(7):
+            await streams.add(r, "d", {"i": i})
+        entries: Any = await r.xrange("d")
+        ids = [i for i, _ in entries]
+
+        def even(entry: dict[str, Any]) -> bool:
+            return entry["i"] % 2 == 0
+
+        assert await streams.delete_matching(r, "d", even, after=ids[2], page=2) == 2  # 4, 6
+        assert await streams.delete_matching(r, "d", even, page=2) == 2  # 0, 2
+        left: Any = await r.xrange("d")
+        assert [i for i, _ in left] == [ids[1], ids[3], ids[5]]
+        assert await streams.delete_matching(r, "missing", even) == 0
+    finally:
+        await r.aclose()
+
+
+async def test_a_resumed_runs_metrics_stream_is_cut_back_to_its_last_whole_step(
+    redis_url: str,
+) -> None:
+    r = streams.connect(redis_url)
+    try:
+        sink = StreamSink(r, "resumed")
+        for step in range(4):
+            await sink.write(step, {"step": step})
+
+        async def steps() -> list[int]:
+            entries: Any = await r.xrange(sink.stream)
+            return [json.loads(f["json"])["step"] for i, f in entries]
+
+        await sink.cut_back(1)
+        assert await steps() == [0, 1]
+        await sink.cut_back(None)
+        assert await steps() == []
     finally:
         await r.aclose()
