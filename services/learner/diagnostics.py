@@ -24,7 +24,8 @@ With the learner training the version that served the step (the synchronous loop
 measure the engines' disagreement alone: ~0 between the transformers engine and the learner,
 small for a lower-precision engine, and growing with every step when inference silently
 serves something else (a failed adapter sync). The `sampler_mismatch` alarm reads the gap.
-The sample costs two forwards over at most SAMPLE_TOKENS_PER_ROLE sequences per role.
+The sample costs two forwards over at most SAMPLE_TOKENS_PER_ROLE sequences per role, each
+cut after its last sampled token (`bench/drift.py`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import itertools
 import math
 import random
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -138,6 +139,18 @@ def sample_tokens(seqs: list[Sequence], per_role: int, rng: random.Random) -> di
     return dict(picked)
 
 
+def upto_last_picked(seqs: list[Sequence], picked: dict[int, list[int]]) -> list[Sequence]:
+    """`seqs` with each picked one cut after its last sampled completion token: a causal
+    model's next-token distributions at the sampled positions do not depend on what
+    follows, so the drift forwards skip it (about half the positions of a long completion
+    with one token sampled from it)."""
+    short = list(seqs)
+    for i, positions in picked.items():
+        s = seqs[i]
+        short[i] = replace(s, tokens=s.tokens[: s.n_prompt + max(positions) + 1])
+    return short
+
+
 @torch.no_grad()
 def sampled_drift(
     policy: MultiAdapterPolicy,
@@ -158,11 +171,12 @@ def sampled_drift(
     by_policy: dict[str, list[int]] = defaultdict(list)
     for i in sorted(picked):
         by_policy[seqs[i].policy].append(i)
+    short = upto_last_picked(seqs, picked)
     t = temperature if temperature > 0 else 1.0
     for p, idx in by_policy.items():
         policy.activate(p)
-        for chunk in pack_rows(seqs, idx, micro, max_tokens or 2**62, row_tokens):
-            rows = policy.row_layout([seqs[i] for i in chunk], row_tokens)
+        for chunk in pack_rows(short, idx, micro, max_tokens or 2**62, row_tokens):
+            rows = policy.row_layout([short[i] for i in chunk], row_tokens)
             starts = [0, *itertools.accumulate(rows.lengths)]
             sel = torch.cat(
                 [torch.tensor(picked[i], dtype=torch.long) + starts[k] for k, i in enumerate(chunk)]

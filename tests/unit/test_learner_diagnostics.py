@@ -147,3 +147,67 @@ def test_every_role_signal_is_logged_under_ip_and_sp(model_dir: Path, mode: str)
         assert total >= first["shared"].grad_norm * (1 - 1e-5)
     assert 0 < m["time/diagnostics_s"]
     assert diagnostics.SAMPLE_TOKENS_PER_ROLE > 0
+
+
+def test_picked_sequences_are_cut_after_their_last_sampled_token() -> None:
+    seqs = [seq("generator", [5, 6, 7, 8]), seq("generator", [5, 6]), seq("aggregator", [9, 9])]
+    short = diagnostics.upto_last_picked(seqs, {0: [2, 0], 2: [1]})
+    assert short[0].tokens == [1, 1, 5, 6, 7] and short[0].n_prompt == 2
+    assert short[1] is seqs[1] and short[2].tokens == seqs[2].tokens
+    assert seqs[0].tokens == [1, 1, 5, 6, 7, 8]
+
+
+def test_drift_on_cut_sequences_matches_full_forwards(model_dir: Path) -> None:
+    """On the real model, shared prompt rows and all: χ² and KL at the sampled tokens from
+    the cut sequences equal those of each whole sequence forwarded on its own."""
+    from test_grpo_minibatch import new_policy, spec
+
+    policy = new_policy(model_dir, "shared", spec())
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in policy.parameters("shared"):
+            p.normal_(0, 0.3)  # B starts at zero: without this the adapter is the base model
+    prompts = [[3, 4, 5, 6], [7, 8, 9]]
+    gen = torch.Generator().manual_seed(1)
+    seqs = [
+        Sequence("shared", role, prompt + torch.randint(10, 20, (n,), generator=gen).tolist(),
+                 len(prompt), 1.0, [0.0] * n)
+        for prompt, role, n in [(prompts[0], "generator", 9), (prompts[0], "generator", 7),
+                                (prompts[1], "aggregator", 8), (prompts[0], "generator", 5)]
+    ]
+    old = [-torch.rand(len(s.tokens) - s.n_prompt, generator=gen) for s in seqs]
+    picked = {0: [1, 4], 1: [6], 2: [0], 3: [2, 3]}
+    forwarded: list[int] = []
+    row_features = policy.row_features
+
+    def counting(rows: Rows, base: bool = False) -> torch.Tensor:
+        forwarded.extend(rows.lengths)
+        return row_features(rows, base)
+
+    policy.row_features = counting  # type: ignore[method-assign]
+    sig = RoleSignals()
+    sampled_drift(policy, seqs, old, picked, 1.0, 8, sig, 1024, 64)
+    m = sig.metrics()
+    assert sorted(forwarded) == sorted(2 * [5, 7, 1, 4])  # adapter and base, cut
+
+    want: dict[str, list[float]] = {"generator": [0.0, 0.0, 0], "aggregator": [0.0, 0.0, 0]}
+    with torch.no_grad():
+        for i, positions in picked.items():
+            s = seqs[i]
+            ids = torch.tensor([s.tokens])
+            logp = torch.log_softmax(policy.head(policy.features(ids, torch.ones_like(ids))[0]), -1)
+            with policy.model.disable_adapter():
+                base = policy.head(policy.features(ids, torch.ones_like(ids))[0])
+            logq = torch.log_softmax(base, -1)
+            for j in positions:
+                at, target = s.n_prompt - 1 + j, s.tokens[s.n_prompt + j]
+                ratio = math.exp(float(logp[at, target] - old[i][j]))
+                kl = float((logp[at].exp() * (logp[at] - logq[at])).sum())
+                w = want[s.role]
+                w[0] += (ratio - 1) ** 2
+                w[1] += kl
+                w[2] += 1
+    for role, (chi2, kl, n) in want.items():
+        assert m[f"role/{role}/chi2"] == pytest.approx(chi2 / n, rel=1e-4)
+        assert m[f"role/{role}/kl_base"] == pytest.approx(kl / n, rel=1e-4)
+        assert kl > 0
