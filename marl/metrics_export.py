@@ -26,19 +26,28 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
 
 
 class TensorBoardSink:
-    """Event files in RUN_DIR/tensorboard: `tensorboard --logdir RUN_DIR` shows the run."""
+    """Event files in RUN_DIR/tensorboard: `tensorboard --logdir RUN_DIR` shows the run.
+
+    A step's scalars go out as one summary event (each a `simple_value`, as
+    `SummaryWriter.add_scalar` writes them), not one event apiece: the learner writes
+    the record while its update runs on another thread of the same process, and one
+    event per scalar (~50 a Single step, more with more roles) meant as many protobufs
+    and hand-offs to the writer thread, each holding the interpreter lock."""
 
     def __init__(self, folder: Path):
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard.writer import FileWriter
 
         self.folder = folder
-        self.writer = SummaryWriter(str(folder))
+        self.writer = FileWriter(str(folder))
 
     async def write(self, step: int, record: dict[str, Any]) -> None:
-        for key, value in scalars(record).items():
-            self.writer.add_scalar(key, value, step)
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from torch.utils.tensorboard.summary import text
+
+        values = [Summary.Value(tag=k, simple_value=v) for k, v in scalars(record).items()]
+        self.writer.add_summary(Summary(value=values), step)
         for alarm in record.get("alarms") or []:
-            self.writer.add_text("alarms", str(alarm), step)
+            self.writer.add_summary(text("alarms", str(alarm)), step)
         self.writer.flush()
 
     async def close(self) -> None:

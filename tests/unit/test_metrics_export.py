@@ -42,6 +42,9 @@ def test_tensorboard_event_file_has_per_role_scalars_and_alarms(tmp_path: Path) 
     chi2 = [(e.step, round(e.value, 6)) for e in events.Scalars("role/generator/chi2")]
     assert chi2 == [(1, 0.01), (2, 0.04)]
     assert [e.step for e in events.Scalars("val/accuracy")] == [2]
+    (alarm,) = events.Tensors("alarms/text_summary")
+    assert alarm.step == 2
+    assert alarm.tensor_proto.string_val == [b"accuracy_cliff[all]@2: validation accuracy 0.500"]
 
 
 def test_logging_section_chooses_the_sinks(tmp_path: Path) -> None:
