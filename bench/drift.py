@@ -21,7 +21,7 @@ import json
 import random
 import statistics
 import time
-from contextlib import ExitStack
+from contextlib import nullcontext
 from unittest.mock import patch
 
 import torch
@@ -63,9 +63,9 @@ def measure(
 
     def once(cut: bool) -> tuple[float, dict[str, float]]:
         signals = RoleSignals()
-        with ExitStack() as stack:
-            if not cut:  # the baseline: every picked sequence forwarded whole
-                stack.enter_context(patch.object(diagnostics, "upto_last_picked", whole))
+        # the baseline: every picked sequence forwarded whole
+        baseline = nullcontext() if cut else patch.object(diagnostics, "upto_last_picked", whole)
+        with baseline:
             t0 = time.perf_counter()
             sampled_drift(
                 policy,
