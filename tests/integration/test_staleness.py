@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from learner_runs import demo_model_dir, rows, submit, voting_spec, wait_end
 
+from marl import trace_summary
 from marl.launcher import Cluster, service_threads
 
 pytestmark = pytest.mark.timeout(600)
@@ -27,7 +28,8 @@ def started_cluster(root: Path, workers: int, episodes_each: int) -> Iterator[Cl
         # the split an overlapped run gets: inference 1 thread, learner 1, or 2 once the
         # rollouts queued ahead are in
         c = Cluster(root, str(demo_model_dir()), engine="transformers", sandbox_replicas=0,
-                    workflow_replicas=workers, threads=service_threads(2, overlapped=True))
+                    workflow_replicas=workers, threads=service_threads(2, overlapped=True),
+                    trace_dir=root / "trace")
         c.start()
     yield c
     c.stop()
@@ -113,6 +115,16 @@ def test_overlapped_push_and_record_keep_the_version_pattern(
     # steps 1..STEPS-1 overlapped; the last checkpoints (and validates), so waits for it
     assert all(r["time/push_overlapped_s"] > 0 for r in records[:-1])
     assert "time/push_overlapped_s" not in records[-1]
+    # each step's heap trim waited for the update running beside its record (marl.heap)
+    assert cluster.trace_dir is not None
+    events = trace_summary.load(cluster.trace_dir)
+    learner = {e["pid"] for e in events if e.get("args", {}).get("name") == "learner"}
+    spans = [e for e in events if e["pid"] in learner and e.get("ph") == "X"]
+    trims = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["name"] == "heap trim"]
+    updates = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["name"] == "grpo step"]
+    assert len(trims) >= STEPS and len(updates) >= STEPS
+    for start, end in trims:
+        assert all(end <= u_start or start >= u_end for u_start, u_end in updates)
 
 
 def test_a_guard_stop_on_an_overlapped_step_stops_there(
