@@ -108,8 +108,8 @@ def trim_heap() -> None:
     """The learner's heap trim (`marl.heap`), run on the torch thread so that it never
     overlaps an update: one step ahead, a step's record is written while the next update
     runs, and a trim then handed back the pages of the activations that update was freeing
-    and reallocating, each to be faulted in again (demo Voting step, one process: 20-45
-    thousand faults and 5-15 % of its update; after the update, 6 ms and no faults)."""
+    and reallocating, each to be faulted in again (`bench/heap_trim.py`: on the demo's
+    Voting step, ~33,000 faults and 7-9 % of the update; after it, 5-7 ms and no faults)."""
     with trace.span("heap trim"):
         release_free_heap()
 
