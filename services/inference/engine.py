@@ -69,6 +69,12 @@ class Engine(Protocol):
 
     async def unload_adapter(self, key: str) -> None: ...
 
+    async def release_free_heap(self) -> None:
+        """Hand the process's free heap pages back to the OS (`marl.heap`) at a point where
+        no generation step of this process runs: one that runs meanwhile faults back in
+        the pages it is reusing."""
+        ...
+
     async def close(self) -> None: ...
 
 

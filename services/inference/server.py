@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 
 from marl import adapter_io, replicas, streams, trace
 from marl.aio_tasks import cancel_until_done
-from marl.heap import keep_freed_heap_until_trimmed, release_free_heap
+from marl.heap import keep_freed_heap_until_trimmed
 from marl.http_server import HttpServer
 from marl.prometheus_metrics import ADAPTER_VERSIONS
 from marl.serving import (
@@ -276,7 +276,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
                 await self.registry.added(LoadedVersion(ref.name, ref.version, int_id, m.sha256))
                 # the payload, the state dict and any version retired just now are freed
-                await asyncio.to_thread(release_free_heap)
+                await self.engine.release_free_heap()
         log.info("loaded %s@%d in %.3fs", ref.name, ref.version, time.monotonic() - started)
         return inference_pb2.PushAdapterResponse(
             ref=ref, loaded=True, load_seconds=time.monotonic() - started

@@ -173,6 +173,9 @@ class TransformersEngine:
     async def unload_adapter(self, key: str) -> None:
         await self._run_between_steps(self.lora.unload, key)
 
+    async def release_free_heap(self) -> None:
+        await self._run_between_steps(release_free_heap)
+
     # generation -------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:

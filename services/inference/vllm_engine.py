@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from marl import trace
+from marl.heap import release_free_heap
 from marl.model_id import base_model_id
 from services.inference.engine import AdapterWeights, GenerationRequest, GenerationResult
 
@@ -297,6 +298,11 @@ class VLLMEngine:
             shutil.rmtree(path, ignore_errors=True)
             raise ValueError(f"adapter {adapter.key}: int id {adapter.int_id} is already in use")
         self._loras[adapter.key] = request
+
+    async def release_free_heap(self) -> None:
+        """This process's heap: vLLM's engine core, which generates, runs in a process of its
+        own (AsyncLLM's default)."""
+        await asyncio.to_thread(release_free_heap)
 
     async def unload_adapter(self, key: str) -> None:
         """Forget `key` at once; remove it from vLLM when its requests are done.

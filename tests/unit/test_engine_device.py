@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from unittest.mock import patch
+
 import pytest
 import torch
 
 from marl.demo_model import demo_model_dir
 from marl.devices import resolve_device
 from marl.service_config import load_service_config
-from services.inference.engine import GenerationRequest
+from services.inference.engine import GenerationRequest, GenerationResult
 from services.inference.running_batch import decode_all
 from services.inference.transformers_engine import BASE, TransformersEngine
 
@@ -43,3 +47,29 @@ def test_engine_on_the_cpu_decodes_on_its_device() -> None:
     )
     assert len(first.token_ids) == len(first.logprobs) <= 4
     assert first.token_ids == again.token_ids  # seeded rows stay reproducible
+
+
+def test_heap_trim_runs_between_decode_steps_on_the_engine_thread() -> None:
+    """A trim asked for while a request decodes runs on the engine's thread, which takes it
+    between two decode steps, never beside one (where it would fault back in the pages the
+    step reuses)."""
+    engine = TransformersEngine(str(demo_model_dir()), device="cpu")
+    trims: list[str] = []
+
+    def trim() -> bool:
+        trims.append(threading.current_thread().name)
+        return True
+
+    async def go() -> tuple[list[str], GenerationResult]:
+        decoding = asyncio.create_task(
+            engine.generate(GenerationRequest([1, 2, 3], BASE, max_tokens=64, seed=7))
+        )
+        await asyncio.sleep(0.01)
+        before = len(trims)
+        await engine.release_free_heap()
+        return trims[before:], await decoding
+
+    with patch("services.inference.transformers_engine.release_free_heap", trim):
+        asked, result = asyncio.run(go())
+    assert 0 < len(result.token_ids) <= 64
+    assert asked and all(name.startswith("engine") for name in asked), asked
