@@ -93,6 +93,9 @@ def test_inference_worker_and_learner_sigterm_mid_run(tmp_path: Path) -> None:
             if kind == "workflow":  # held up on inference, its episodes are under way
                 for replica in (q for q in cluster.processes if q.kind == "inference"):
                     replica.proc.send_signal(signal.SIGSTOP)
+                # an episode past its last generation (scoring, sending) finishes meanwhile;
+                # one still in flight after this waits on the stopped replicas
+                time.sleep(1.0)
                 p = busy_worker(cluster)
                 p.proc.send_signal(signal.SIGTERM)
                 time.sleep(1.0)
