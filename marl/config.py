@@ -173,6 +173,14 @@ class LearnerSpec(_Spec):
     """Learner processes on this machine. Above 1, each holds an FSDP2 shard of the frozen
     decoder layers with their LoRA weights (gloo on CPU, NCCL on GPU, one GPU per
     process), and each step's sequences are split between them by tokens."""
+    policy_process: Literal["server", "own"] = "server"
+    """Where a one-process learner (`world_size` 1) keeps its policy: in the learner
+    server's process, or in a process of its own that the server drives over a pipe. One
+    step ahead, the server reads rollouts from Redis, queues tasks, pushes adapters and
+    logs records while the update runs; in one process that Python work and the update's
+    operator dispatch take turns at the interpreter lock. On the demo model on 2 CPU
+    cores that costs nothing measurable (`bench/policy_process.py`: `own` at 0.98-1.09x
+    the steps/s of `server`); where each operator is a short GPU kernel launch it may."""
 
 
 class SamplingSpec(_Spec):

@@ -1,10 +1,11 @@
 """The learner's policy held by `learner.world_size` processes, driven from the server.
 
 With one process the policy lives in the learner server itself and
-`MultiAdapterPolicy.call(fn, ...)` is `fn(policy, ...)`. With more, the server
-spawns one process per rank; they form a torch.distributed group (gloo on the
-CPU, NCCL with one GPU per rank) and each builds the same policy, its decoder
-layers sharded over the group (fsdp.py). `RankedPolicy.call(fn, ...)` sends the
+`MultiAdapterPolicy.call(fn, ...)` is `fn(policy, ...)`, or, with
+`learner.policy_process: own`, in one process the server spawns (no process group).
+With more, the server spawns one process per rank; they form a torch.distributed group
+(gloo on the CPU, NCCL with one GPU per rank) and each builds the same policy, its
+decoder layers sharded over the group (fsdp.py). `RankedPolicy.call(fn, ...)` sends the
 same call to every rank over its pipe, so all ranks run every collective in the
 same order, and returns rank 0's result. The server keeps the Runs API,
 checkpoints' files and adapter pushes; the ranks hold weights and optimizer
@@ -28,9 +29,11 @@ import torch
 
 from marl.config import LoraSpec, OptimSpec, RunSpec
 from marl.devices import resolve_device
+from marl.heap import keep_freed_heap_until_trimmed, release_free_heap
 from marl.launcher import how_it_ended
 from marl.redis_server import free_port
 from services.learner.errors import RunFailed
+from services.learner.threads import ThreadBurst
 
 log = logging.getLogger(__name__)
 
@@ -96,12 +99,19 @@ class PolicyArgs:
         )
 
 
-def open_policy(spec: RunSpec, policies: list[str]) -> PolicyHandle:
-    """The run's policy: in this process for `learner.world_size` 1, else in its ranks."""
+def open_policy(
+    spec: RunSpec, policies: list[str], burst: ThreadBurst | None = None
+) -> PolicyHandle:
+    """The run's policy: in this process, in one of its own, or in `learner.world_size`
+    ranks. `burst` paces a one-process policy's forwards (threads.ThreadBurst)."""
     args = PolicyArgs.of(spec, policies)
-    if spec.learner.world_size == 1:
-        return args.build(resolve_device(args.device))  # type: ignore[no-any-return]
-    return RankedPolicy.start(args, spec.learner.world_size)
+    if spec.learner.world_size == 1 and spec.learner.policy_process == "server":
+        policy = args.build(resolve_device(args.device))
+        if burst is not None:
+            policy.pace = burst.pace
+        return policy  # type: ignore[no-any-return]
+    size = spec.learner.world_size
+    return RankedPolicy.start(args, size, burst if size == 1 else None)
 
 
 def close_policy(policy: PolicyHandle) -> None:
@@ -117,21 +127,38 @@ def _target_modules(policy: Any, name: str) -> list[str]:
     return policy.target_modules(name)  # type: ignore[no-any-return]
 
 
-def _rank_main(rank: int, size: int, port: int, args: PolicyArgs, conn: Connection) -> None:
+def release_heap(policy: Any) -> None:
+    """The heap trim (`marl.heap`) in the process that holds `policy`: call it through
+    `PolicyHandle.call`, between updates."""
+    release_free_heap()
+
+
+def _rank_main(
+    rank: int,
+    size: int,
+    port: int,
+    args: PolicyArgs,
+    conn: Connection,
+    burst: ThreadBurst | None = None,
+) -> None:
     import torch.distributed as dist
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when ranks stop
+    keep_freed_heap_until_trimmed()  # as the server does: a step's frees serve the next
     try:
         device = resolve_device(args.device, rank)
         if device.startswith("cuda"):
             torch.cuda.set_device(device)
-        dist.init_process_group(
-            "nccl" if device.startswith("cuda") else "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=size,
-        )
+        if size > 1:
+            dist.init_process_group(
+                "nccl" if device.startswith("cuda") else "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=size,
+            )
         policy = args.build(device)
+        if burst is not None:
+            policy.pace = burst.pace
     except BaseException as e:  # noqa: BLE001 - reported to the server, which fails the run
         traceback.print_exc()  # to the learner's log; the run's error gets one line
         conn.send(("error", f"{type(e).__name__}: {e}"))
@@ -151,7 +178,8 @@ def _rank_main(rank: int, size: int, port: int, args: PolicyArgs, conn: Connecti
         except BaseException as e:  # noqa: BLE001
             traceback.print_exc()  # to the learner's log; the run's error gets one line
             conn.send(("error", f"{type(e).__name__}: {e}"))
-    dist.destroy_process_group()
+    if size > 1:
+        dist.destroy_process_group()
 
 
 class RankedPolicy:
@@ -162,7 +190,9 @@ class RankedPolicy:
         self._targets: dict[str, list[str]] = {}
 
     @classmethod
-    def start(cls, args: PolicyArgs, size: int) -> RankedPolicy:
+    def start(cls, args: PolicyArgs, size: int, burst: ThreadBurst | None = None) -> RankedPolicy:
+        """`size` processes; with one, a policy apart from the server's process, paced by
+        `burst` (which it must inherit: its shared state cannot travel down a pipe)."""
         ctx = mp.get_context("spawn")
         port = free_port()
         procs, conns = [], []
@@ -170,7 +200,7 @@ class RankedPolicy:
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(
                 target=_rank_main,
-                args=(rank, size, port, args, theirs),
+                args=(rank, size, port, args, theirs, burst),
                 name=f"marl-learner-rank{rank}",
                 daemon=True,
             )
@@ -184,7 +214,8 @@ class RankedPolicy:
         except BaseException:
             ranks.close(kill=True)
             raise
-        log.info("learner ranks up: %s", ", ".join(str(p.pid) for p in procs))
+        what = "ranks" if size > 1 else "policy process"
+        log.info("learner %s up: %s", what, ", ".join(str(p.pid) for p in procs))
         return ranks
 
     def call(self, fn: Callable[..., R], *args: Any) -> R:

@@ -11,13 +11,15 @@ forward runs with `burst` threads; the next step starts on its `share` again, wh
 own newly queued tasks start generating.
 
 The thread count of OpenMP (and so of torch's CPU operators) belongs to the thread that
-runs them, so the switch happens on the torch thread itself, at the forwards of the
-update (`MultiAdapterPolicy.features` calls `pace`); the event loop only says when.
+runs them, so the switch happens where the forwards run, at each forward of the update
+(`MultiAdapterPolicy.features` calls `pace`); the event loop only says when. That may be
+another process (`learner.policy_process`): the burst's state is shared memory, so the
+server's event loop starts steps and reports rollouts without calling into it.
 """
 
 from __future__ import annotations
 
-import threading
+import multiprocessing as mp
 import time
 
 import torch
@@ -27,8 +29,13 @@ class ThreadBurst:
     def __init__(self, share: int, burst: int):
         self.share = share
         self.burst = burst
-        self._idle = threading.Event()
-        self._burst_at: float | None = None
+        ctx = mp.get_context("spawn")  # the policy's own process is spawned (ranks.py)
+        self._idle = ctx.Event()
+        self._step = ctx.RawValue("q", 0)
+        """Steps started: `pace` goes back to the share when it sees a new one."""
+        self._burst_at = ctx.RawValue("d", 0.0)
+        """time.monotonic() of the burst this step (0: none yet); one clock per machine."""
+        self._paced_step = 0
 
     @classmethod
     def of_this_process(cls, burst: int) -> ThreadBurst:
@@ -40,22 +47,32 @@ class ThreadBurst:
         return self.burst > self.share
 
     def start_step(self) -> None:
-        """Torch thread, before a step's update: back to the share."""
+        """Any thread, before a step's update: its forwards go back to the share."""
         self._idle.clear()
-        self._burst_at = None
-        if torch.get_num_threads() != self.share:
-            torch.set_num_threads(self.share)
+        self._burst_at.value = 0.0
+        self._step.value += 1
 
     def rollouts_in(self) -> None:
         """Any thread: every rollout queued ahead has arrived; the cores are the learner's."""
         self._idle.set()
 
     def pace(self) -> None:
-        """Torch thread, before a forward: take the burst once the rollouts are in."""
-        if self._burst_at is None and self._idle.is_set():
-            self._burst_at = time.monotonic()
+        """The thread that runs the forwards, before each: the share at a step's start,
+        the burst once the rollouts are in."""
+        step = self._step.value
+        if step != self._paced_step:
+            self._paced_step = step
+            self.keep_share()
+        if self._burst_at.value == 0.0 and self._idle.is_set():
+            self._burst_at.value = time.monotonic()
             torch.set_num_threads(self.burst)
+
+    def keep_share(self) -> None:
+        """The calling thread back to the share (the torch thread, once a run ends)."""
+        if torch.get_num_threads() != self.share:
+            torch.set_num_threads(self.share)
 
     def burst_seconds(self) -> float:
         """How long the update has had the burst so far (0 when it never got it)."""
-        return 0.0 if self._burst_at is None else time.monotonic() - self._burst_at
+        at = self._burst_at.value
+        return 0.0 if at == 0.0 else time.monotonic() - at

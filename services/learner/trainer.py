@@ -42,7 +42,6 @@ from marl.config import RunSpec, dump_spec
 from marl.data import load_problems
 from marl.diagnostics.alarms import AlarmWatch
 from marl.diagnostics.signatures import parallel_roles, role_signatures
-from marl.heap import release_free_heap
 from marl.model_id import base_model_id
 from marl.torch_thread import TorchThread
 from marl.workflows import policy_of_role
@@ -104,14 +103,17 @@ def grpo_call(policy: PolicyHandle, *call: Any) -> Any:
         return policy.call(*call)
 
 
-def trim_heap() -> None:
-    """The learner's heap trim (`marl.heap`), run on the torch thread so that it never
-    overlaps an update: one step ahead, a step's record is written while the next update
-    runs, and a trim then handed back the pages of the activations that update was freeing
-    and reallocating, each to be faulted in again (`bench/heap_trim.py`: on the demo's
-    Voting step, ~33,000 faults and 7-9 % of the update; after it, 5-7 ms and no faults)."""
+def trim_heap(policy: PolicyHandle) -> None:
+    """The heap trim (`marl.heap`) of the process that holds the policy, run on the torch
+    thread so that it never overlaps an update: one step ahead, a step's record is written
+    while the next update runs, and a trim then handed back the pages of the activations
+    that update was freeing and reallocating, each to be faulted in again
+    (`bench/heap_trim.py`: on the demo's Voting step, ~33,000 faults and 7-9 % of the
+    update; after it, 5-7 ms and no faults)."""
+    from services.learner.ranks import release_heap
+
     with trace.span("heap trim"):
-        release_free_heap()
+        policy.call(release_heap)
 
 
 class RunExecutor:
@@ -180,7 +182,7 @@ class RunExecutor:
             await self.train()
         finally:
             if self.burst is not None:
-                await self.torch.run(self.burst.start_step)
+                await self.torch.run(self.burst.keep_share)
             await self.adapters.close()
             for sink in self.sinks:
                 await sink.close()
@@ -188,7 +190,6 @@ class RunExecutor:
                 self.torch.close()
 
     async def train(self) -> None:
-        from services.learner.policy import MultiAdapterPolicy
         from services.learner.ranks import close_policy, open_policy
         from services.learner.threads import ThreadBurst
 
@@ -204,12 +205,13 @@ class RunExecutor:
                 "lower it or use a larger data set"
             )
         await self.episodes.open(fresh=self.takeover > 0)
-        policy = await self.torch.run(open_policy, spec, sorted(set(self.roles.values())))
         burst = ThreadBurst.of_this_process(self.burst_threads)
         # a synchronous run's update has every core anyway; the ranks' threads are theirs
-        if burst.enabled and spec.train.max_staleness > 0 and isinstance(policy, MultiAdapterPolicy):
+        if burst.enabled and spec.train.max_staleness > 0 and spec.learner.world_size == 1:
             self.burst = burst
-            policy.pace = burst.pace
+        policy = await self.torch.run(
+            open_policy, spec, sorted(set(self.roles.values())), self.burst
+        )
         try:
             await self.train_with(policy, train, val)
         finally:
@@ -309,7 +311,7 @@ class RunExecutor:
                         trace_phases(self.run_id, done, released, t0, t1, t2, t3, t3)
                         pushed = asyncio.Event()
                         finishing = asyncio.create_task(
-                            self.finish(done, full, rollouts, snapshot, pushed)
+                            self.finish(policy, done, full, rollouts, snapshot, pushed)
                         )
                         continue
                 if judged is None and self.next_step_ahead(done, validator):
@@ -345,7 +347,7 @@ class RunExecutor:
                 )
                 with trace.span("record", run=self.run_id, step=done):
                     await self.log(done, record, policy, checkpointer, judged)
-                await self.torch.run(trim_heap)
+                await self.torch.run(trim_heap, policy)
             if finishing is not None:
                 await finishing
         except RunCancelled:
@@ -373,6 +375,7 @@ class RunExecutor:
 
     async def finish(
         self,
+        policy: PolicyHandle,
         step: int,
         full: dict[str, Any],
         rollouts: list[Rollout],
@@ -395,7 +398,7 @@ class RunExecutor:
             self.rollout_log.write(step, rollouts)
         with trace.span("record", run=self.run_id, step=step):
             await self.write(step, full, None)
-        await self.torch.run(trim_heap)
+        await self.torch.run(trim_heap, policy)
 
     async def update(self, policy: PolicyHandle, ahead: set[str], *call: Any) -> tuple[Any, float]:
         """`policy.call(*call)` (the step's update) and the seconds of it run with the burst
@@ -404,7 +407,7 @@ class RunExecutor:
         if self.burst is None:
             return await self.torch.run(grpo_call, policy, *call), 0.0
         burst = self.burst
-        await self.torch.run(burst.start_step)
+        burst.start_step()
         stop = asyncio.Event()
 
         async def read_ahead() -> None:

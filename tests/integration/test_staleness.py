@@ -55,11 +55,14 @@ def logged_rollouts(out: Path, step: int) -> list[dict[str, Any]]:
 
 
 def run(cluster: Cluster, tmp_path: Path, name: str, problems: int = 4,
-        workflow: str = "voting", **train: Any) -> tuple[Path, str]:
+        workflow: str = "voting", learner: dict[str, Any] | None = None,
+        **train: Any) -> tuple[Path, str]:
     out = tmp_path / name
     spec = voting_spec(name, out, steps=STEPS, group=4, problems=problems)
     spec["workflow"] = workflow
     spec["train"].update(train)
+    if learner is not None:
+        spec["learner"] = learner
     run_id = submit(cluster, spec)
     result = wait_end(cluster, run_id)
     assert result.state == "SUCCEEDED", result.error
@@ -85,12 +88,17 @@ def one_version_behind(out: Path) -> list[dict[str, Any]]:
     return records
 
 
+@pytest.mark.parametrize("policy_process", ["server", "own"])
 def test_one_step_ahead_trains_turns_at_most_one_version_old(
-    cluster: Cluster, tmp_path: Path
+    cluster: Cluster, tmp_path: Path, policy_process: str
 ) -> None:
-    out, run_id = run(cluster, tmp_path, "k1", max_staleness=1, checkpoint_interval=1,
-                      checkpoints_kept=STEPS)
+    """In the learner server's process or one of its own (`learner.policy_process`), whose
+    forwards the server's burst still paces."""
+    out, run_id = run(cluster, tmp_path, "k1", learner={"policy_process": policy_process},
+                      max_staleness=1, checkpoint_interval=1, checkpoints_kept=STEPS)
     records = one_version_behind(out)
+    learner_log = next(p.log_path for p in cluster.processes if p.kind == "learner")
+    assert ("learner policy process up" in learner_log.read_text()) == (policy_process == "own")
     for r in records:
         assert 0 < r["train/importance_weight_mean"] <= 2.0
         assert 0 <= r["time/update_burst_s"] <= r["time/update_s"]

@@ -1,6 +1,7 @@
 """ThreadBurst: the learner's update keeps its share of threads until the event loop says
 every rollout queued ahead is in, then takes the burst at its next forward, on the thread
-that runs the forwards (OpenMP's thread count belongs to the calling thread)."""
+that runs the forwards (OpenMP's thread count belongs to the calling thread), in this
+process or in the policy's own."""
 
 from __future__ import annotations
 
@@ -18,8 +19,7 @@ def test_the_burst_comes_at_the_first_forward_after_the_rollouts_are_in() -> Non
     burst = ThreadBurst(share=1, burst=2)
     here = torch.get_num_threads()
     try:
-        worker.call(burst.start_step)
-        assert worker.call(torch.get_num_threads) == 1
+        burst.start_step()  # from the event loop, or another process
         worker.call(burst.pace)
         assert worker.call(torch.get_num_threads) == 1
         assert burst.burst_seconds() == 0.0
@@ -31,9 +31,9 @@ def test_the_burst_comes_at_the_first_forward_after_the_rollouts_are_in() -> Non
         assert burst.burst_seconds() > 0.0
         assert torch.get_num_threads() == here  # only the torch thread's count moved
 
-        worker.call(burst.start_step)  # the next step: its tasks generate again
-        assert worker.call(torch.get_num_threads) == 1
+        burst.start_step()  # the next step: its tasks generate again
         assert burst.burst_seconds() == 0.0
+        assert worker.call(torch.get_num_threads) == 2  # not until the next forward
         worker.call(burst.pace)
         assert worker.call(torch.get_num_threads) == 1
     finally:
@@ -65,7 +65,7 @@ def test_an_update_paces_before_its_forwards_and_bursts_midway(model_dir: Path) 
     policy.pace = pace
     rollouts = voting_batch()
     try:
-        worker.call(burst.start_step)
+        burst.start_step()
         worker.call(step, policy, rollouts, "shared", s)
     finally:
         worker.close()
