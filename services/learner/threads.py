@@ -38,9 +38,11 @@ class ThreadBurst:
         self._paced_step = 0
 
     @classmethod
-    def of_this_process(cls, burst: int) -> ThreadBurst:
-        """Its share: the threads this process's torch starts with (OMP_NUM_THREADS)."""
-        return cls(torch.get_num_threads(), burst)
+    def of_this_process(cls, burst: int) -> ThreadBurst | None:
+        """Its share: the threads this process's torch starts with (OMP_NUM_THREADS); None
+        when `burst` is no more than that."""
+        made = cls(torch.get_num_threads(), burst)
+        return made if made.enabled else None
 
     @property
     def enabled(self) -> bool:

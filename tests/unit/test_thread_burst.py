@@ -44,7 +44,9 @@ def test_a_burst_no_larger_than_the_share_is_off() -> None:
     assert not ThreadBurst(share=2, burst=2).enabled
     assert not ThreadBurst(share=2, burst=0).enabled
     assert ThreadBurst(share=1, burst=2).enabled
-    assert ThreadBurst.of_this_process(0).share == torch.get_num_threads()
+    assert ThreadBurst.of_this_process(0) is None
+    made = ThreadBurst.of_this_process(torch.get_num_threads() + 1)
+    assert made is not None and made.share == torch.get_num_threads()
 
 
 def test_an_update_paces_before_its_forwards_and_bursts_midway(model_dir: Path) -> None:
