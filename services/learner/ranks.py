@@ -221,8 +221,13 @@ class RankedPolicy:
     def call(self, fn: Callable[..., R], *args: Any) -> R:
         """`fn(policy, *args)` on every rank; rank 0's result. `fn` must be importable by
         name (a module-level function) and `args` picklable."""
-        for conn in self.conns:
-            conn.send((fn, args))
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send((fn, args))
+            except OSError:  # it died since the last call
+                why = self._exit(rank)
+                self.close(kill=True)
+                raise RankFailed(why) from None
         return self._collect(None)  # type: ignore[no-any-return]
 
     def state_dict(self, policy: str) -> dict[str, torch.Tensor]:
@@ -255,7 +260,7 @@ class RankedPolicy:
                 rank = next(r for r, c in waiting.items() if c is item)
                 try:
                     status, value = self.conns[rank].recv()
-                except EOFError:
+                except (EOFError, OSError):  # closed, or reset by a killed process
                     why = self._exit(rank)
                     self.close(kill=True)
                     raise RankFailed(why) from None
@@ -263,7 +268,7 @@ class RankedPolicy:
                 if status == "error":
                     self.close(kill=True)
                     raise RankFailed(
-                        f"learner rank {rank} failed: {value} (its traceback is in the "
+                        f"{self._name(rank)} failed: {value} (its traceback is in the "
                         "learner's log)"
                     )
                 results[rank] = value
@@ -272,7 +277,10 @@ class RankedPolicy:
     def _exit(self, rank: int) -> str:
         proc = self.procs[rank]
         proc.join(5)
-        return f"learner rank {rank} (pid {proc.pid}) {how_it_ended(proc.exitcode)}"
+        return f"{self._name(rank)} (pid {proc.pid}) {how_it_ended(proc.exitcode)}"
+
+    def _name(self, rank: int) -> str:
+        return f"learner rank {rank}" if len(self.procs) > 1 else "learner policy process"
 
     def close(self, kill: bool = False) -> None:
         """Stop every rank: asked to when `kill` is False, else at once (after a failure,

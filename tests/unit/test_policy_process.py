@@ -5,13 +5,14 @@ drives from its side of the process boundary."""
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 from test_grpo_minibatch import ROLES, new_policy, spec, voting_batch
 
-from services.learner.ranks import PolicyArgs, RankedPolicy, release_heap
+from services.learner.ranks import PolicyArgs, RankedPolicy, RankFailed, release_heap
 from services.learner.threads import ThreadBurst
 from services.learner.update import grpo_step
 
@@ -74,3 +75,14 @@ def test_the_server_paces_the_forwards_of_a_policy_in_its_own_process(
         assert apart.call(paced_threads) == 1
     finally:
         apart.close()
+
+
+def test_a_killed_policy_process_fails_the_call_naming_it(model_dir: Path) -> None:
+    apart = own_process(model_dir)
+    pid = apart.procs[0].pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(
+        RankFailed, match=rf"learner policy process \(pid {pid}\) was killed by SIGKILL"
+    ):
+        apart.call(where)
