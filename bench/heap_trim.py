@@ -28,13 +28,11 @@ import threading
 import time
 
 import torch
-from learner import make_spec, voting_batch
+from learner import demo_policy, voting_batch
 from transformers import AutoTokenizer
 
 from marl.demo_model import demo_model_dir
 from marl.heap import keep_freed_heap_until_trimmed, release_free_heap
-from marl.workflows import policy_of_role
-from services.learner.policy import MultiAdapterPolicy
 from services.learner.update import grpo_step
 
 WAYS = ("between", "mid", "none")
@@ -54,14 +52,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if not keep_freed_heap_until_trimmed():
         raise SystemExit("this C library has no malloc_trim/mallopt: nothing to measure")
-    model = demo_model_dir()
-    rollouts = voting_batch(AutoTokenizer.from_pretrained(str(model)), 16, 8, 0)
+    rollouts = voting_batch(AutoTokenizer.from_pretrained(str(demo_model_dir())), 16, 8, 0)
     groups = [r.problem_id for r in rollouts]
-    spec = make_spec("shared", 8)
-    roles = policy_of_role(spec)
-    policy = MultiAdapterPolicy(
-        str(model), sorted(set(roles.values())), spec.lora, spec.optim, 1000, seed=0
-    )
+    spec, roles, policy = demo_policy("shared", 8, 0)
     trim_s: list[float] = []
 
     def step(way: str) -> tuple[float, int]:

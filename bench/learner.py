@@ -92,6 +92,18 @@ def make_spec(policy: str, group: int) -> RunSpec:
     return parse_spec(raw)
 
 
+def demo_policy(
+    policy: str, group: int, seed: int
+) -> tuple[RunSpec, dict[str, str], MultiAdapterPolicy]:
+    """The demo model's adapters for `make_spec(policy, group)`: its spec, role -> adapter
+    map and a fresh policy."""
+    spec = make_spec(policy, group)
+    roles = policy_of_role(spec)
+    model = str(demo_model_dir())
+    adapters = sorted(set(roles.values()))
+    return spec, roles, MultiAdapterPolicy(model, adapters, spec.lora, spec.optim, 1000, seed=seed)
+
+
 def qwen3_shape_bench(args: argparse.Namespace) -> None:
     import resource
     import tempfile
@@ -224,11 +236,7 @@ def main() -> None:
     groups = [r.problem_id for r in rollouts]
     runs: dict[str, dict[str, Any]] = {}
     for mode in ("shared", "isolated"):
-        spec = make_spec(mode, args.group)
-        roles = policy_of_role(spec)
-        policy = MultiAdapterPolicy(
-            str(model), sorted(set(roles.values())), spec.lora, spec.optim, 1000, seed=args.seed
-        )
+        spec, roles, policy = demo_policy(mode, args.group, args.seed)
         runs[mode] = {"spec": spec, "roles": roles, "policy": policy, "step_s": [], "diag": []}
 
     def one(mode: str) -> tuple[float, dict[str, float]]:

@@ -58,11 +58,6 @@ def adapter_bytes(policy: Any, p: str) -> bytes:
     return adapter_io.serialize(policy.state_dict(p))
 
 
-def _serialized(policy: Any, p: str) -> bytes:
-    """Adapter p's weights as pushed (one trip to the torch thread for both steps)."""
-    return policy.call(adapter_bytes, p)  # type: ignore[no-any-return]
-
-
 class AdapterSync:
     def __init__(
         self,
@@ -124,7 +119,7 @@ class AdapterSync:
         thread, so a later update queued there cannot change what is sent."""
         current = {}
         for p in self.policy_names:
-            payload = await self.torch.run(_serialized, policy, p)
+            payload = await self.torch.run(policy.call, adapter_bytes, p)
             manifest = adapter_io.make_manifest(
                 self.adapter_name(p),
                 self.versions[p],

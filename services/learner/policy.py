@@ -23,6 +23,7 @@ from peft import (
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from marl import heap
 from marl.config import LoraSpec, OptimSpec
 from marl.peft_lora import with_lora
 from services.learner import fsdp
@@ -164,6 +165,10 @@ class MultiAdapterPolicy:
         self.model.set_adapter(policy)
         for p in self.parameters(policy):
             p.requires_grad_(True)
+
+    def release_free_heap(self) -> None:
+        """This process's free heap pages back to the OS (`marl.heap`); between updates."""
+        heap.release_free_heap()
 
     def target_modules(self, policy: str) -> list[str]:
         config: Any = self.model.peft_config[policy]

@@ -27,9 +27,9 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from marl import heap
 from marl.config import LoraSpec, OptimSpec, RunSpec
 from marl.devices import resolve_device
-from marl.heap import keep_freed_heap_until_trimmed, release_free_heap
 from marl.launcher import how_it_ended
 from marl.redis_server import free_port
 from services.learner.errors import RunFailed
@@ -55,6 +55,11 @@ class PolicyHandle(Protocol):
     def state_dict(self, policy: str) -> dict[str, torch.Tensor]: ...
 
     def target_modules(self, policy: str) -> list[str]: ...
+
+    def release_free_heap(self) -> None:
+        """Hand free heap pages back to the OS (`marl.heap`) in every process that holds
+        the policy and in this one; between updates."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -110,8 +115,7 @@ def open_policy(
         if burst is not None:
             policy.pace = burst.pace
         return policy  # type: ignore[no-any-return]
-    size = spec.learner.world_size
-    return RankedPolicy.start(args, size, burst if size == 1 else None)
+    return RankedPolicy.start(args, spec.learner.world_size, burst)
 
 
 def close_policy(policy: PolicyHandle) -> None:
@@ -127,10 +131,8 @@ def _target_modules(policy: Any, name: str) -> list[str]:
     return policy.target_modules(name)  # type: ignore[no-any-return]
 
 
-def release_heap(policy: Any) -> None:
-    """The heap trim (`marl.heap`) in the process that holds `policy`: call it through
-    `PolicyHandle.call`, between updates."""
-    release_free_heap()
+def _release_free_heap(policy: Any) -> None:
+    policy.release_free_heap()
 
 
 def _rank_main(
@@ -144,7 +146,7 @@ def _rank_main(
     import torch.distributed as dist
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when ranks stop
-    keep_freed_heap_until_trimmed()  # as the server does: a step's frees serve the next
+    heap.keep_freed_heap_until_trimmed()  # as the server does: a step's frees serve the next
     try:
         device = resolve_device(args.device, rank)
         if device.startswith("cuda"):
@@ -232,6 +234,10 @@ class RankedPolicy:
 
     def state_dict(self, policy: str) -> dict[str, torch.Tensor]:
         return self.call(_state_dict, policy)
+
+    def release_free_heap(self) -> None:
+        self.call(_release_free_heap)
+        heap.release_free_heap()
 
     def target_modules(self, policy: str) -> list[str]:
         if policy not in self._targets:

@@ -41,8 +41,8 @@ class ThreadBurst:
     def of_this_process(cls, burst: int) -> ThreadBurst | None:
         """Its share: the threads this process's torch starts with (OMP_NUM_THREADS); None
         when `burst` is no more than that."""
-        made = cls(torch.get_num_threads(), burst)
-        return made if made.enabled else None
+        share = torch.get_num_threads()
+        return cls(share, burst) if burst > share else None
 
     @property
     def enabled(self) -> bool:

@@ -42,7 +42,6 @@ from marl.config import RunSpec, dump_spec
 from marl.data import load_problems
 from marl.diagnostics.alarms import AlarmWatch
 from marl.diagnostics.signatures import parallel_roles, role_signatures
-from marl.heap import release_free_heap
 from marl.model_id import base_model_id
 from marl.torch_thread import TorchThread
 from marl.workflows import policy_of_role
@@ -106,17 +105,13 @@ def grpo_call(policy: PolicyHandle, *call: Any) -> Any:
 
 def trim_heap(policy: PolicyHandle) -> None:
     """The heap trim (`marl.heap`) of the processes that hold the policy and of the server,
-    run on the torch thread so that it never overlaps an update: one step ahead, a step's record is written
-    while the next update runs, and a trim then handed back the pages of the activations
-    that update was freeing and reallocating, each to be faulted in again
+    run on the torch thread so that it never overlaps an update: one step ahead, a step's
+    record is written while the next update runs, and a trim then handed back the pages of
+    the activations that update was freeing and reallocating, each to be faulted in again
     (`bench/heap_trim.py`: on the demo's Voting step, ~33,000 faults and 7-9 % of the
     update; after it, 5-7 ms and no faults)."""
-    from services.learner.ranks import RankedPolicy, release_heap
-
     with trace.span("heap trim"):
-        policy.call(release_heap)
-        if isinstance(policy, RankedPolicy):  # and the server's own
-            release_free_heap()
+        policy.release_free_heap()
 
 
 class RunExecutor:

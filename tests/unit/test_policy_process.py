@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_grpo_minibatch import ROLES, new_policy, spec, voting_batch
 
-from services.learner.ranks import PolicyArgs, RankedPolicy, RankFailed, release_heap
+from services.learner.ranks import PolicyArgs, RankedPolicy, RankFailed
 from services.learner.threads import ThreadBurst
 from services.learner.update import grpo_step
 
@@ -45,7 +45,7 @@ def test_own_process_trains_as_the_server_process_does(model_dir: Path) -> None:
         pid, grouped = apart.call(where)
         got = apart.call(grpo_step, rollouts, groups, ROLES["shared"], s)
         state = apart.state_dict("shared")
-        apart.call(release_heap)
+        apart.release_free_heap()
     finally:
         apart.close()
 
