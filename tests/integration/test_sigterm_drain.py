@@ -18,10 +18,19 @@ import time
 from pathlib import Path
 
 import pytest
-from learner_runs import busy_worker, demo_model_dir, rows, sigterm, submit, voting_spec, wait_end
+from learner_runs import (
+    busy_worker,
+    demo_model_dir,
+    inflight_episodes,
+    rows,
+    sigterm,
+    submit,
+    voting_spec,
+    wait_end,
+)
 
 from marl.clients.sandbox import AsyncSandboxClient
-from marl.launcher import Cluster
+from marl.launcher import Cluster, Process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -71,6 +80,26 @@ def test_sandbox_sigterm_and_restart_under_load(tmp_path: Path) -> None:
         cluster.stop()
 
 
+def busy_with_replicas_stopped(cluster: Cluster) -> Process:
+    """A worker with an episode waiting on the inference replicas, which are stopped
+    (SIGSTOP): found busy, the replicas stopped, and still busy a second later (an episode
+    past its last generation, scoring or sending, finishes meanwhile). A stop that lands
+    between steps, when no episode runs and the next step's tasks wait for an adapter push
+    that the stopped replicas cannot ack, is undone and tried again."""
+    replicas = [q for q in cluster.processes if q.kind == "inference"]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        worker = busy_worker(cluster)
+        for replica in replicas:
+            replica.proc.send_signal(signal.SIGSTOP)
+        time.sleep(1.0)
+        if inflight_episodes(worker) > 0:
+            return worker
+        for replica in replicas:
+            replica.proc.send_signal(signal.SIGCONT)
+    raise AssertionError("no worker kept an episode in flight with the replicas stopped")
+
+
 def test_inference_worker_and_learner_sigterm_mid_run(tmp_path: Path) -> None:
     cluster = Cluster(tmp_path, str(demo_model_dir()), inference_replicas=2,
                       workflow_replicas=2, sandbox_replicas=0)
@@ -91,12 +120,7 @@ def test_inference_worker_and_learner_sigterm_mid_run(tmp_path: Path) -> None:
             p = next(p for p in cluster.processes if p.kind == kind)
             assert len(rows(out)) <= steps, f"the run ended before the {kind} was stopped"
             if kind == "workflow":  # held up on inference, its episodes are under way
-                for replica in (q for q in cluster.processes if q.kind == "inference"):
-                    replica.proc.send_signal(signal.SIGSTOP)
-                # an episode past its last generation (scoring, sending) finishes meanwhile;
-                # one still in flight after this waits on the stopped replicas
-                time.sleep(1.0)
-                p = busy_worker(cluster)
+                p = busy_with_replicas_stopped(cluster)
                 p.proc.send_signal(signal.SIGTERM)
                 time.sleep(1.0)
                 for replica in (q for q in cluster.processes if q.kind == "inference"):
