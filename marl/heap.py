@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -33,11 +34,13 @@ _M_MMAP_THRESHOLD = -3
 HEAP_TOP_PAD = 64 << 20
 """Address space the heap grows by at a time (pages are resident only once touched)."""
 MMAP_THRESHOLD = 32 << 20
-"""Blocks under this come from the heap (glibc's largest setting on 64-bit)."""
+"""Blocks under this come from the heap (glibc's largest setting on 64-bit), activations of
+a few MB among them. Every service sets it, the learner too (`bench/mmap_threshold.py`
+compares it with the 1 MiB the learner's policy used to set: on SmolLM2-135M's Voting
+step, fewer page faults and a faster step for a higher peak RSS)."""
 TRIM_THRESHOLD = 256 << 20
-"""Free heap top glibc keeps before it trims on its own. It bounds what a step with larger
-tensors keeps beyond what it holds: a SmolLM2-135M Voting step's peak RSS is 3.61 GB
-with these settings, 3.56 GB with glibc's defaults, 3.93 GB with a 2 GB threshold."""
+"""Free heap top glibc keeps before it trims on its own; the trim between steps returns
+the rest."""
 
 
 @functools.cache
@@ -75,17 +78,22 @@ def release_free_heap() -> bool:
     return True
 
 
-def keep_freed_heap_until_trimmed() -> bool:
+def keep_freed_heap_until_trimmed(mmap_threshold: int = MMAP_THRESHOLD) -> bool:
     """Freed blocks stay in the heap for reuse until `release_free_heap`; False where the
-    C library has no such settings. For a process that trims at its own quiet points."""
+    C library has no such settings. For a process that trims at its own quiet points.
+    `mmap_threshold`: blocks of at least this many bytes are mapped on their own (a bench
+    compares settings; the services keep the default). A setting the user gave glibc
+    through its own environment variable (`MALLOC_MMAP_THRESHOLD_=1048576` trades step
+    time for a lower peak) is left as glibc read it."""
     mallopt = _mallopt()
     if mallopt is None:
         return False
     return all(
         mallopt(option, value) == 1
-        for option, value in (
-            (_M_MMAP_THRESHOLD, MMAP_THRESHOLD),
-            (_M_TOP_PAD, HEAP_TOP_PAD),
-            (_M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+        for option, variable, value in (
+            (_M_MMAP_THRESHOLD, "MALLOC_MMAP_THRESHOLD_", mmap_threshold),
+            (_M_TOP_PAD, "MALLOC_TOP_PAD_", HEAP_TOP_PAD),
+            (_M_TRIM_THRESHOLD, "MALLOC_TRIM_THRESHOLD_", TRIM_THRESHOLD),
         )
+        if variable not in os.environ
     )

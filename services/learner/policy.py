@@ -7,7 +7,6 @@ comes from the tokens of the roles it serves.
 
 from __future__ import annotations
 
-import ctypes
 import math
 import warnings
 from collections.abc import Callable
@@ -65,20 +64,6 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def return_freed_memory() -> None:
-    """Serve tensors of 1 MiB and more from their own mappings, given back to the OS when
-    freed (glibc: a fixed M_MMAP_THRESHOLD). glibc's default raises the threshold to 32 MiB
-    after the first large free, after which every activation of a micro-batch comes from
-    the heap, whose free holes of varying sizes are kept: the resident set then creeps to
-    ~2x what is alive at once (measured on SmolLM2-135M: 4.4 -> 7.2 GB over one step). A
-    no-op off glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
-
-
 def _keep_threads() -> None:
     pass
 
@@ -99,7 +84,6 @@ class MultiAdapterPolicy:
         initialised torch.distributed group of more than one, the decoder layers are
         sharded over it (fsdp.shard) and every method here is collective: each rank must
         call it, in the same order."""
-        return_freed_memory()
         torch.manual_seed(seed)
         self.policies = list(policies)
         self.device = torch.device(device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes.util
 import json
+import os
 import subprocess
 import sys
 
@@ -40,7 +41,14 @@ def rss_kb():
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
-kept = sys.argv[1] == "keep" and keep_freed_heap_until_trimmed()
+kept = sys.argv[1] in ("keep", "policy") and keep_freed_heap_until_trimmed()
+if sys.argv[1] == "policy":  # as the learner does: its policy is built after the setting
+    from marl.config import RunSpec
+    from marl.demo_model import demo_model_dir
+    from services.learner.policy import MultiAdapterPolicy
+
+    spec = RunSpec()
+    policy = MultiAdapterPolicy(str(demo_model_dir()), ["shared"], spec.lora, spec.optim, 10)
 
 
 def one_round():  # like a step's activations: ~200 MB live at once, then all freed
@@ -61,9 +69,10 @@ print(json.dumps({"kept": kept, "faults_per_page": faults / (5 * 100 * 512),
 """
 
 
-def heap_rounds(mode: str) -> dict[str, float]:
+def heap_rounds(mode: str, env: dict[str, str] | None = None) -> dict[str, float]:
     out = subprocess.run(
-        [sys.executable, "-c", ROUNDS, mode], capture_output=True, text=True, check=True
+        [sys.executable, "-c", ROUNDS, mode], capture_output=True, text=True, check=True,
+        env=None if env is None else {**os.environ, **env},
     )
     return json.loads(out.stdout)  # type: ignore[no-any-return]
 
@@ -77,3 +86,19 @@ def test_freed_heap_is_kept_for_reuse_until_trimmed() -> None:
     assert kept["faults_per_page"] < 0.01, kept
     # what a round frees stays resident until the explicit trim, which still returns it
     assert kept["released_kb"] > 150 * 1024, kept
+
+
+@pytest.mark.skipif(ctypes.util.find_library("c") is None, reason="no C library found")
+def test_the_learners_policy_keeps_the_heap_setting() -> None:
+    """A policy once lowered glibc's mmap threshold to 1 MiB when it was built, so every
+    activation of a few MB was mapped, faulted in and unmapped again on each use."""
+    kept = heap_rounds("policy")
+    assert kept["kept"]
+    assert kept["faults_per_page"] < 0.01, kept
+
+
+@pytest.mark.skipif(ctypes.util.find_library("c") is None, reason="no C library found")
+def test_a_threshold_the_user_gave_glibc_is_kept() -> None:
+    kept = heap_rounds("keep", {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
+    assert kept["kept"]
+    assert kept["faults_per_page"] > 0.5, kept  # 2 MiB blocks are mapped and faulted anew
