@@ -28,7 +28,7 @@ import torch
 from learner import make_spec
 
 from marl.demo_model import demo_model_dir
-from marl.heap import keep_freed_heap_until_trimmed
+from marl.heap import LEARNER_MMAP_THRESHOLD, keep_freed_heap_until_trimmed
 from services.learner import diagnostics
 from services.learner.diagnostics import RoleSignals, sample_tokens, sampled_drift
 from services.learner.policy import MultiAdapterPolicy
@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    keep_freed_heap_until_trimmed()  # this process's policy allocates as the learner's does
+    keep_freed_heap_until_trimmed(LEARNER_MMAP_THRESHOLD)  # as the learner's process
     spec = make_spec("shared", GROUP)
     policy = MultiAdapterPolicy(
         str(demo_model_dir()), ["shared"], spec.lora, spec.optim, 10, seed=args.seed

@@ -48,7 +48,7 @@ from marl.config import RunSpec, parse_spec
 from marl.data import arithmetic
 from marl.demo import DEMO_SPEC
 from marl.demo_model import aggregator_example, demo_model_dir, solver_example
-from marl.heap import keep_freed_heap_until_trimmed
+from marl.heap import LEARNER_MMAP_THRESHOLD, keep_freed_heap_until_trimmed
 from marl.rollout import AdapterRef, Rollout, Turn
 from marl.workflows import policy_of_role
 from services.learner.policy import MultiAdapterPolicy
@@ -225,7 +225,7 @@ def main() -> None:
                          "warm-up and the median of the rest is reported")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    keep_freed_heap_until_trimmed()  # this process's policy allocates as the learner's does
+    keep_freed_heap_until_trimmed(LEARNER_MMAP_THRESHOLD)  # as the learner's process
     if args.model == "qwen3-0.6b-shape":
         qwen3_shape_bench(args)
         return

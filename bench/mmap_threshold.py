@@ -1,11 +1,11 @@
-"""The learner's glibc mmap threshold: 32 MiB (`marl.heap`, as every service sets it)
-against 1 MiB, which the learner's policy used to set when it was built.
+"""The learner's glibc mmap threshold: 1 MiB (`marl.heap.LEARNER_MMAP_THRESHOLD`) against
+the 32 MiB the inference replica keeps (`marl.heap.MMAP_THRESHOLD`).
 
 Under the threshold a block comes from the heap and is kept for reuse until the trim
 between steps; over it, the block is mapped on its own and unmapped when freed, so its
 pages fault in again at every use. A GRPO step on a real model frees and reallocates
-activations of a few MB thousands of times: a higher threshold saves those faults and
-keeps more of the step's free blocks resident until the trim.
+activations of a few MB thousands of times: a higher threshold saves those faults, and
+holds the heap's free holes resident until the trim, which raises the step's peak.
 
 Each way runs in a fresh process (the setting is process-wide, and so is peak RSS), the
 ways alternating `--rounds` times: `--steps` GRPO steps of one Voting batch under

@@ -32,7 +32,7 @@ from transformers import AutoTokenizer
 
 from marl.config import RunSpec
 from marl.demo_model import demo_model_dir
-from marl.heap import keep_freed_heap_until_trimmed
+from marl.heap import LEARNER_MMAP_THRESHOLD, keep_freed_heap_until_trimmed
 from marl.rollout import Rollout
 from marl.workflows import policy_of_role
 from services.learner.policy import MultiAdapterPolicy
@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    keep_freed_heap_until_trimmed()  # this process's policy allocates as the learner's does
+    keep_freed_heap_until_trimmed(LEARNER_MMAP_THRESHOLD)  # as the learner's process
     with tempfile.TemporaryDirectory(prefix="marl-shared-prompts-") as tmp:
         model = str(demo_model_dir() if args.model == "demo" else smollm2_dir(Path(tmp)))
         tokenizer = AutoTokenizer.from_pretrained(model)

@@ -35,9 +35,14 @@ HEAP_TOP_PAD = 64 << 20
 """Address space the heap grows by at a time (pages are resident only once touched)."""
 MMAP_THRESHOLD = 32 << 20
 """Blocks under this come from the heap (glibc's largest setting on 64-bit), activations of
-a few MB among them. Every service sets it, the learner too (`bench/mmap_threshold.py`
-compares it with the 1 MiB the learner's policy used to set: on SmolLM2-135M's Voting
-step, fewer page faults and a faster step for a higher peak RSS)."""
+a few MB among them: the inference replica's setting."""
+LEARNER_MMAP_THRESHOLD = 1 << 20
+"""The learner's: blocks of 1 MiB and more are mapped on their own. Its steps on real
+models hold the heap's free holes at the peak: against 32 MiB, a SmolLM2-135M Voting step
+(`bench/mmap_threshold.py`) peaked at 2.49 GiB RSS instead of 3.26 for 1.10x its step time,
+a Qwen3-0.6B-shaped one (`bench/learner.py --model qwen3-0.6b-shape --sequences 2
+--response-tokens 1024`) at 6.38 GiB instead of 9.24 for 1.08x. A learner bound by time
+rather than memory can take 32 MiB with `MALLOC_MMAP_THRESHOLD_=33554432`."""
 TRIM_THRESHOLD = 256 << 20
 """Free heap top glibc keeps before it trims on its own; the trim between steps returns
 the rest."""

@@ -146,7 +146,7 @@ def _rank_main(
     import torch.distributed as dist
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when ranks stop
-    heap.keep_freed_heap_until_trimmed()  # as the server does: a step's frees serve the next
+    heap.keep_freed_heap_until_trimmed(heap.LEARNER_MMAP_THRESHOLD)  # as the server does
     try:
         device = resolve_device(args.device, rank)
         if device.startswith("cuda"):

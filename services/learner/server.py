@@ -19,7 +19,7 @@ from marl import replicas, streams
 from marl.aio_tasks import cancel_until_done, raise_if_cancelled
 from marl.config import RunSpec, SpecError, dump_spec, load_spec_text
 from marl.data import load_problems
-from marl.heap import keep_freed_heap_until_trimmed
+from marl.heap import LEARNER_MMAP_THRESHOLD, keep_freed_heap_until_trimmed
 from marl.http_server import HttpServer
 from marl.metrics_export import extra_sinks
 from marl.model_id import base_model_id
@@ -358,7 +358,7 @@ def run(
     burst_threads: int = 0,
 ) -> None:
     configure_logging("learner")
-    keep_freed_heap_until_trimmed()  # a step's freed blocks are reused, and trimmed after it
+    keep_freed_heap_until_trimmed(LEARNER_MMAP_THRESHOLD)  # reused within a step, trimmed after
     asyncio.run(
         _serve(
             port,

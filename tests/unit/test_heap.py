@@ -41,7 +41,7 @@ def rss_kb():
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
-kept = sys.argv[1] in ("keep", "policy") and keep_freed_heap_until_trimmed()
+kept = sys.argv[1] in ("keep", "policy") and keep_freed_heap_until_trimmed()  # 32 MiB
 if sys.argv[1] == "policy":  # as the learner does: its policy is built after the setting
     from marl.config import RunSpec
     from marl.demo_model import demo_model_dir
@@ -90,8 +90,8 @@ def test_freed_heap_is_kept_for_reuse_until_trimmed() -> None:
 
 @pytest.mark.skipif(ctypes.util.find_library("c") is None, reason="no C library found")
 def test_the_learners_policy_keeps_the_heap_setting() -> None:
-    """A policy once lowered glibc's mmap threshold to 1 MiB when it was built, so every
-    activation of a few MB was mapped, faulted in and unmapped again on each use."""
+    """The process chooses its heap setting (marl.heap); a policy once lowered glibc's mmap
+    threshold to 1 MiB behind it when it was built."""
     kept = heap_rounds("policy")
     assert kept["kept"]
     assert kept["faults_per_page"] < 0.01, kept
