@@ -86,10 +86,10 @@ def release_free_heap() -> bool:
 def keep_freed_heap_until_trimmed(mmap_threshold: int = MMAP_THRESHOLD) -> bool:
     """Freed blocks stay in the heap for reuse until `release_free_heap`; False where the
     C library has no such settings. For a process that trims at its own quiet points.
-    `mmap_threshold`: blocks of at least this many bytes are mapped on their own (a bench
-    compares settings; the services keep the default). A setting the user gave glibc
-    through its own environment variable (`MALLOC_MMAP_THRESHOLD_=1048576` trades step
-    time for a lower peak) is left as glibc read it."""
+    `mmap_threshold`: blocks of at least this many bytes are mapped on their own (the
+    inference replica keeps the default, the learner passes LEARNER_MMAP_THRESHOLD). A
+    setting the user gave glibc through its own environment variable is left as glibc read
+    it (`MALLOC_MMAP_THRESHOLD_=33554432` gives the learner the replica's threshold)."""
     mallopt = _mallopt()
     if mallopt is None:
         return False
