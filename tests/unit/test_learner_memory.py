@@ -130,7 +130,9 @@ CHILD = textwrap.dedent(
     import json, sys
     import torch
     torch.set_num_threads(1)
+    from marl.heap import LEARNER_MMAP_THRESHOLD, keep_freed_heap_until_trimmed
     from tests.unit.test_learner_memory import run_step
+    keep_freed_heap_until_trimmed(LEARNER_MMAP_THRESHOLD)  # as the learner's process does
     model, n, budget, chunk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     result, _ = run_step(model, n, {"max_tokens_per_micro_batch": budget}, chunk)
     # VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec from the forking parent (a
@@ -143,8 +145,8 @@ CHILD = textwrap.dedent(
 
 
 def peak_rss_kb(model: Path, n: int, budget: int, chunk_bytes: int) -> int:
-    # no malloc settings here: MultiAdapterPolicy fixes glibc's mmap threshold itself, so
-    # the high-water mark is what was alive at once, not heap fragmentation
+    # the learner's heap setting maps blocks of 1 MiB and more on their own, so the
+    # high-water mark is what was alive at once, not the heap's free holes
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
         [sys.executable, "-c", CHILD, str(model), str(n), str(budget), str(chunk_bytes)],

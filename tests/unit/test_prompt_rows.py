@@ -140,5 +140,10 @@ def test_a_grpo_step_with_shared_prompts_is_the_step_without(
     for key in ("policy/shared/loss", "policy/shared/grad_norm", "role/solver/entropy",
                 "role/solver/perplexity", "role/solver/chi2", "role/solver/kl_base"):
         assert got.metrics[key] == pytest.approx(ref.metrics[key], rel=1e-4, abs=1e-5), key
-    for k, v in ref_state.items():  # AdamW at lr 0.1 amplifies rounding where a gradient is ~0
-        torch.testing.assert_close(got_state[k], v, rtol=1e-3, atol=1e-3)
+    # AdamW's first step at lr 0.1 moves an entry by ~lr * g / |g| whatever the gradient's
+    # size, so an entry whose gradient is ~0 lands wherever the rounding puts it (one of
+    # 8,192 by 1.2e-3 on one host). Masks or positions gone wrong move most entries by
+    # ~0.1 (measured: ~6,000 entries off by over 1e-3, mean 0.07-0.08).
+    diff = torch.cat([(got_state[k] - v).abs().flatten() for k, v in ref_state.items()])
+    assert (diff > 1e-3).float().mean().item() < 0.01, (diff > 1e-3).sum().item()
+    assert diff.mean().item() < 1e-4, diff.mean().item()
