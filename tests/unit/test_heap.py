@@ -49,6 +49,7 @@ if sys.argv[1] == "policy":  # as the learner does: its policy is built after th
 
     spec = RunSpec()
     policy = MultiAdapterPolicy(str(demo_model_dir()), ["shared"], spec.lora, spec.optim, 10)
+    release_free_heap()  # what building it (and the demo model, on a cold cache) left free
 
 
 def one_round():  # like a step's activations: ~200 MB live at once, then all freed

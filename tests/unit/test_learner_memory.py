@@ -157,13 +157,15 @@ def peak_rss_kb(model: Path, n: int, budget: int, chunk_bytes: int) -> int:
 
 def test_peak_memory_flat_as_the_step_grows_8x(tmp_path: Path) -> None:
     """A Qwen3-vocabulary tiny model: a step of 4 and of 32 sequences peak within 10 % of
-    each other at the same budget (measured: 494 and 486 MB); with a budget and chunks as
-    large as the step, the same 32 sequences peak far higher (686 MB: the measurement sees
-    vocabulary-wide logits, as the learner made them before)."""
+    each other at the same budget; with a budget and chunks as large as the step, the same
+    32 sequences peak higher: the measurement sees vocabulary-wide logits, as the learner
+    made them before (32 sequences x ~10 completion positions x 152k fp32 logits, ~190 MB).
+    Measured with the learner's heap setting, whose kept free heap (up to the trim
+    threshold) raises every peak alike: 633 MB at 32 sequences, 770 MB unbounded."""
     model = tiny_model(tmp_path / "m", QWEN3_VOCAB)
     chunk = 16 * 2**20  # ~27 positions of 152k fp32 logits
     small = peak_rss_kb(model, 4, 64, chunk)
     large = peak_rss_kb(model, 32, 64, chunk)
     unbounded = peak_rss_kb(model, 32, 10**6, 2**40)
     assert abs(large - small) <= 0.10 * small, (small, large)
-    assert unbounded > 1.25 * large, (large, unbounded)
+    assert unbounded - large > 64 * 1024, (large, unbounded)
