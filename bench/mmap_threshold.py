@@ -32,7 +32,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-WAYS_MIB = (1, 32)
+from marl.heap import LEARNER_MMAP_THRESHOLD, MMAP_THRESHOLD
+
+WAYS_MIB = (LEARNER_MMAP_THRESHOLD >> 20, MMAP_THRESHOLD >> 20)
+"""The learner's threshold first: the ratios are it over the replica's."""
 
 
 def peak_and_rss_gib() -> tuple[float, float]:
@@ -61,11 +64,11 @@ def child(model: str, mmap_mib: int, problems: int, group: int, steps: int) -> d
     rollouts = voting_batch(AutoTokenizer.from_pretrained(model), problems, group, 0)
     spec = make_spec("shared", group)
     policy = MultiAdapterPolicy(model, ["shared"], spec.lora, spec.optim, 10, seed=0)
-    groups = [r.problem_id for r in rollouts]
+    groups, roles = [r.problem_id for r in rollouts], policy_of_role(spec)
     step_s, faults = [], []
     for _ in range(steps):
         before, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
-        grpo_step(policy, rollouts, groups, policy_of_role(spec), spec)
+        grpo_step(policy, rollouts, groups, roles, spec)
         step_s.append(time.perf_counter() - t0)
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
         release_free_heap()
@@ -119,8 +122,8 @@ def main() -> None:
               f"peak RSS {s['peak_gib']:.2f} GiB  after the trim {s['rss_after_trim_gib']:.2f} GiB")
     low, high = summary[WAYS_MIB[0]], summary[WAYS_MIB[1]]
     step_ratio, peak_ratio = low["step_s"] / high["step_s"], low["peak_gib"] / high["peak_gib"]
-    print(f"step time 1 MiB / 32 MiB: {step_ratio:.2f}x; peak RSS 1 MiB / 32 MiB: "
-          f"{peak_ratio:.2f}x")
+    ways = f"{WAYS_MIB[0]} MiB / {WAYS_MIB[1]} MiB"
+    print(f"step time {ways}: {step_ratio:.2f}x; peak RSS {ways}: {peak_ratio:.2f}x")
     print(json.dumps({
         "bench": "mmap_threshold", "model": args.model, "problems": problems, "group": group,
         "summary": {str(k): v for k, v in summary.items()}, "step_ratio": round(step_ratio, 3),

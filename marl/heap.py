@@ -13,7 +13,8 @@ the trim threshold shrinks. A torch step frees and reallocates activations of a 
 thousands of times, and every page of each fresh mapping faults on first touch (tens of
 thousands of faults per step of the demo's Voting update; on a VM a fault costs well
 over a microsecond). `keep_freed_heap_until_trimmed` makes glibc keep what a step frees
-for the step's own next allocations; the services' explicit `release_free_heap` after a
+for the step's own next allocations (in the learner only blocks under 1 MiB, for its
+peak's sake: LEARNER_MMAP_THRESHOLD); the services' explicit `release_free_heap` after a
 step or a batch still returns it, so resident memory between steps is as before. A trim
 belongs on the thread that runs the torch work, between steps: in the middle of one it
 hands back the pages the step is freeing and reallocating, and they fault in again.
