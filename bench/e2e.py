@@ -93,14 +93,17 @@ def run_name(workflow: str, staleness: int) -> str:
     return f"e2e-{workflow}-k{staleness}"
 
 
-def spec(workflow: str, out: Path, args: argparse.Namespace, staleness: int) -> dict[str, Any]:
+def spec(
+    workflow: str, out: Path, args: argparse.Namespace, staleness: int, model_dir: str | None = None
+) -> dict[str, Any]:
+    """The run's spec body; `model_dir` None: the demo model."""
     return {
         "name": run_name(workflow, staleness),
         "workflow": workflow,
         "policy": "shared",
         "seed": 0,
         "out_dir": str(out),
-        "model": {"path": args.model_dir},
+        "model": {"path": model_dir or str(demo_model_dir())},
         "lora": {"rank": args.rank, "alpha": 2 * args.rank},
         "optim": {"lr": 2e-3, "warmup_steps": 0},
         "grpo": {"group_size": args.group},
@@ -333,7 +336,7 @@ def main() -> None:
             with cluster:
                 for wf in workflows:
                     out = root / f"{wf}-{n}-{run}"
-                    cpu = run_marl(cluster, spec(wf, out, args, k))
+                    cpu = run_marl(cluster, spec(wf, out, args, k, args.model_dir))
                     assert cpu is not None  # parse_args wants steps after the warm-up
                     outs.setdefault((wf, run), []).append(out)
                     use.setdefault((wf, run), []).append(cpu)

@@ -1,0 +1,54 @@
+"""The run specs the benches submit (bench/e2e.py's `spec`, shared by vs_trl.py and
+policy_process.py): each bench's own default arguments give a spec the learner accepts."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import e2e  # noqa: E402
+import vs_trl  # noqa: E402
+
+from marl.config import parse_spec  # noqa: E402
+from marl.demo_model import demo_model_dir  # noqa: E402
+
+
+@pytest.mark.parametrize("model", ["demo", "smollm2"])
+def test_e2e_spec_takes_each_models_defaults(
+    model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["e2e.py", "--model", model])
+    args = e2e.parse_args()
+    defaults = e2e.MODEL_DEFAULTS[model]
+    assert (args.problems, args.group, args.max_tokens) == (
+        defaults["problems"], defaults["group"], defaults["max_tokens"]
+    )
+    body = e2e.spec("voting", tmp_path / "out", args, 1, str(tmp_path / "model"))
+    spec = parse_spec(body)
+    assert spec.model.path == str(tmp_path / "model")
+    assert spec.train.max_staleness == 1
+    assert spec.train.problems_per_step == defaults["problems"]
+    assert spec.lora.rank == defaults["rank"]
+
+
+def test_an_explicit_argument_beats_the_models_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["e2e.py", "--model", "smollm2", "--problems", "2"])
+    args = e2e.parse_args()
+    assert args.problems == 2
+    assert args.group == e2e.MODEL_DEFAULTS["smollm2"]["group"]
+
+
+def test_vs_trl_builds_its_marl_run_from_e2es_spec(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vs_trl's arguments name no model: the spec runs the demo model."""
+    monkeypatch.setattr(sys, "argv", ["vs_trl.py"])
+    args = vs_trl.parse_args()
+    spec = parse_spec(e2e.spec("single", tmp_path / "out", args, args.max_staleness))
+    assert spec.model.path == str(demo_model_dir())
+    assert spec.workflow == "single"
+    assert spec.sampling.max_tokens == args.max_tokens
