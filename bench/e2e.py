@@ -69,6 +69,7 @@ from typing import Any
 import grpc
 import yaml
 from cpu_use import cpu_seconds
+from models import bench_model
 
 from marl.demo_model import demo_model_dir
 from marl.episode_cli import load_checkpoint
@@ -212,11 +213,11 @@ def figures_of(outs: list[Path], traced: list[StepTimes]) -> dict[str, float]:
     }
 
 
-async def engine_alone(out: Path, args: argparse.Namespace) -> float:
+async def engine_alone(out: Path, args: argparse.Namespace, model_dir: str) -> float:
     """Tokens/s of each of the run's steps' turn prompts as one batch, median over steps."""
     from services.inference.factory import make_engine
 
-    engine = await asyncio.to_thread(make_engine, args.engine, args.model_dir, "float32", args.rank)
+    engine = await asyncio.to_thread(make_engine, args.engine, model_dir, "float32", args.rank)
     final = load_checkpoint(str(out), ["shared"])["shared"]
     await engine.load_adapter(AdapterWeights(
         "bench/final@0", 1, final.rank, final.alpha, final.target_modules, final.state
@@ -256,8 +257,9 @@ def parse_args() -> argparse.Namespace:
     for name, default in MODEL_DEFAULTS[args.model].items():
         if getattr(args, name) is None:
             setattr(args, name, default)
-    if args.steps <= WARMUP_STEPS:
-        p.error(f"--steps must be over the {WARMUP_STEPS} warm-up steps")
+    if args.steps < WARMUP_STEPS + 2:
+        p.error(f"--steps must leave at least 2 steps after the {WARMUP_STEPS} warm-up steps "
+                "(steps/s is timed from the first measured step's start to the last's)")
     return args
 
 
@@ -313,12 +315,7 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory(prefix="marl-e2e-") as tmp:
         root = Path(tmp)
-        if args.model == "smollm2":
-            from shared_prompts import smollm2_dir
-
-            args.model_dir = str(smollm2_dir(root / "smollm2"))
-        else:
-            args.model_dir = str(demo_model_dir())
+        model_dir = bench_model(args.model, root)
         outs: dict[tuple[str, str], list[Path]] = {}
         traced: dict[tuple[str, str], list[StepTimes]] = {}
         use: dict[tuple[str, str], list[CpuUse]] = {}
@@ -329,14 +326,14 @@ def main() -> None:
                 threads["learner_burst"] = threads["learner"]
             figures[f"{run}_threads"] = threads
             trace_dir = root / f"trace-{n}-{run}"
-            cluster = Cluster(root / f"cluster-{n}-{run}", args.model_dir,
+            cluster = Cluster(root / f"cluster-{n}-{run}", model_dir,
                               engine=args.engine, sandbox_replicas=0,
                               workflow_replicas=args.workers, max_lora_rank=args.rank,
                               threads=threads, trace_dir=trace_dir)
             with cluster:
                 for wf in workflows:
                     out = root / f"{wf}-{n}-{run}"
-                    cpu = run_marl(cluster, spec(wf, out, args, k, args.model_dir))
+                    cpu = run_marl(cluster, spec(wf, out, args, k, model_dir))
                     assert cpu is not None  # parse_args wants steps after the warm-up
                     outs.setdefault((wf, run), []).append(out)
                     use.setdefault((wf, run), []).append(cpu)
@@ -348,7 +345,8 @@ def main() -> None:
                 )
             if n in (0, len(ORDER) - 1):
                 for wf in workflows:
-                    engine[wf].append(asyncio.run(engine_alone(outs[wf, "sync"][0], args)))
+                    rate = engine_alone(outs[wf, "sync"][0], args, model_dir)
+                    engine[wf].append(asyncio.run(rate))
         for wf in workflows:
             row: dict[str, Any] = {
                 run: figures_of(outs[wf, run], traced[wf, run]) for run in ("sync", "k1")

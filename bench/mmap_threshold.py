@@ -91,14 +91,9 @@ def main() -> None:
         return
     runs: dict[int, list[dict[str, Any]]] = {mib: [] for mib in WAYS_MIB}
     with tempfile.TemporaryDirectory(prefix="marl-mmap-") as tmp:
-        if args.model == "smollm2":
-            from shared_prompts import smollm2_dir
+        from models import bench_model
 
-            model_dir = str(smollm2_dir(Path(tmp)))
-        else:
-            from marl.demo_model import demo_model_dir
-
-            model_dir = str(demo_model_dir())
+        model_dir = bench_model(args.model, Path(tmp))
         for _ in range(args.rounds):
             for mib in WAYS_MIB:
                 out = subprocess.run(

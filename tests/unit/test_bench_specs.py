@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import e2e  # noqa: E402
 import vs_trl  # noqa: E402
+from models import bench_model  # noqa: E402
 
 from marl.config import parse_spec  # noqa: E402
 from marl.demo_model import demo_model_dir  # noqa: E402
@@ -52,3 +53,14 @@ def test_vs_trl_builds_its_marl_run_from_e2es_spec(
     assert spec.model.path == str(demo_model_dir())
     assert spec.workflow == "single"
     assert spec.sampling.max_tokens == args.max_tokens
+
+
+def test_the_demo_model_needs_no_import(tmp_path: Path) -> None:
+    assert bench_model("demo", tmp_path) == str(demo_model_dir())
+    assert not any(tmp_path.iterdir())
+
+
+def test_e2e_refuses_too_few_steps_to_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["e2e.py", "--steps", str(e2e.WARMUP_STEPS + 1)])
+    with pytest.raises(SystemExit):
+        e2e.parse_args()
