@@ -72,6 +72,7 @@ class EpisodeRunner:
         self.sandbox_address = sandbox_address
         self.stats = Stats()
         self._tokenizers: dict[str, Any] = {}
+        self._loading: dict[str, asyncio.Future[Any]] = {}
         self._renders: dict[str, Renders] = {}
         self._contexts: dict[str, int | None] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -81,14 +82,25 @@ class EpisodeRunner:
         self._refreshing: asyncio.Task[None] | None = None
         self._sandbox: Any = None
 
-    def tokenizer(self, model_path: str) -> Any:
-        if model_path not in self._tokenizers:
-            from transformers import AutoTokenizer
+    async def tokenizer(self, model_path: str) -> Any:
+        """The model's tokenizer, loaded once per model in a thread. A real tokenizer takes
+        ~1 s to load (Qwen3's, on 2 cores): on the event loop that would stall the
+        heartbeat and every episode in flight. A run's first episodes all wait on one
+        load; a load that fails is tried again by the next episode."""
+        if model_path in self._tokenizers:
+            return self._tokenizers[model_path]
+        loading = self._loading.get(model_path)
+        if loading is None:
+            loading = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, model_path))
+            self._loading[model_path] = loading
 
-            # local files only: a model name must never make a worker reach out to a hub
-            self._tokenizers[model_path] = AutoTokenizer.from_pretrained(
-                model_path, local_files_only=True)
-        return self._tokenizers[model_path]
+            def loaded(done: asyncio.Future[Any]) -> None:
+                del self._loading[model_path]
+                if not done.cancelled() and done.exception() is None:
+                    self._tokenizers[model_path] = done.result()
+
+            loading.add_done_callback(loaded)
+        return await asyncio.shield(loading)
 
     def context(self, model_path: str) -> int | None:
         """The model's context window, from its config.json (None if it has none to read)."""
@@ -128,13 +140,13 @@ class EpisodeRunner:
         self._replicas = sorted(info["address"] for info in live.values())
         self._replicas_at = time.monotonic()
 
-    def episode(self, task: Task, workflow: Workflow) -> Episode:
+    async def episode(self, task: Task, workflow: Workflow) -> Episode:
         caps = workflow.caps_for(WorkflowCaps(**task.caps), task.problem.task)
 
         async def oracle(answer: str) -> bool:
             return await self.score(task, answer) >= 1.0
 
-        tokenizer = self.tokenizer(task.model_path)
+        tokenizer = await self.tokenizer(task.model_path)
         if task.model_path not in self._renders:
             self._renders[task.model_path] = Renders(tokenizer)
         episode = Episode(task, tokenizer, [], caps, oracle, self._renders[task.model_path])
@@ -147,7 +159,7 @@ class EpisodeRunner:
         episode: Episode | None = None
         try:
             workflow = resolve(task.workflow)
-            episode = self.episode(task, workflow)
+            episode = await self.episode(task, workflow)
             episode.stubs = await self.stubs()
             final = await episode_run(workflow, episode, task)
             with trace.span("score", "score", task=task.id):
@@ -286,6 +298,13 @@ def dead_rollout(entry: streams.Entry, worker_id: str) -> Rollout:
         error=f"{streams.DEAD_LETTERED} after {entry.deliveries} deliveries",
         facts={},
     )
+
+
+def load_tokenizer(model_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    # local files only: a model name must never make a worker reach out to a hub
+    return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
 
 
 def import_tokenizers() -> None:

@@ -250,3 +250,69 @@ async def test_problems_spread_over_replicas_and_a_group_meets_on_one() -> None:
               for r in replicas]
     assert served[0] and served[1] and not served[0] & served[1]
     assert sum(len(r.seen) for r in replicas) == 48
+
+
+async def test_a_models_tokenizer_loads_once_in_a_thread_while_the_loop_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import asyncio
+    import time
+
+    from services.workflow import worker
+
+    loads: list[str] = []
+
+    def slow_load(model_path: str) -> Any:
+        loads.append(model_path)
+        time.sleep(0.3)  # what a real tokenizer's load costs, held off the event loop
+        return CharTokenizer()
+
+    monkeypatch.setattr(worker, "load_tokenizer", slow_load)
+    runner = EpisodeRunner(None, "w-test")
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    ticking = asyncio.create_task(ticker())
+    first_episodes = await asyncio.gather(*(runner.tokenizer("/models/m") for _ in range(3)))
+    ticking.cancel()
+    assert loads == ["/models/m"]
+    assert first_episodes[0] is first_episodes[1] is first_episodes[2]
+    assert ticks >= 10  # 0.3 s of load, the loop ticking every 10 ms beside it
+    assert await runner.tokenizer("/models/m") is first_episodes[0]
+    assert loads == ["/models/m"]
+
+
+async def test_a_failed_tokenizer_load_is_tried_again_by_the_next_episode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from services.workflow import worker
+
+    answers: list[Any] = [OSError("no tokenizer files in /models/m"), CharTokenizer()]
+
+    def load(model_path: str) -> Any:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(worker, "load_tokenizer", load)
+    runner = EpisodeRunner(None, "w-test")
+    with pytest.raises(OSError, match="no tokenizer files"):
+        await runner.tokenizer("/models/m")
+    assert isinstance(await runner.tokenizer("/models/m"), CharTokenizer)
+    assert answers == []
+
+
+async def test_the_demo_models_tokenizer_loads_from_its_directory() -> None:
+    from marl.demo_model import demo_model_dir
+
+    runner = EpisodeRunner(None, "w-test")
+    tokenizer = await runner.tokenizer(str(demo_model_dir()))
+    ids = tokenizer.encode("Solve 1 and 2", add_special_tokens=False)
+    assert len(ids) == 4 and tokenizer.unk_token_id not in ids
+    assert await runner.tokenizer(str(demo_model_dir())) is tokenizer
