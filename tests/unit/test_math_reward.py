@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from loop_ticks import loop_ticks
 
 from marl.rewards import math as math_reward
 from marl.rewards.math import FORMAT_PENALTY, last_boxed, score, score_async, warm_up
@@ -199,21 +200,12 @@ def test_time_limit_holds_in_threads(warm_pool: None) -> None:
 
 def test_time_limit_holds_in_asyncio(warm_pool: None) -> None:
     async def main() -> list[float]:
-        ticker = 0
-
-        async def tick() -> None:
-            nonlocal ticker
-            while True:
-                await asyncio.sleep(0.05)
-                ticker += 1
-
-        task = asyncio.create_task(tick())
-        scores = await asyncio.gather(
-            score_async(rf"\boxed{{{PATHOLOGICAL[0]}}}", "1", timeout_s=LIMIT_S),
-            score_async(r"\boxed{3}", "3.0"),
-        )
-        task.cancel()
-        assert ticker >= 5, "the event loop was blocked while scoring"
+        async with loop_ticks(0.05) as ticks:
+            scores = await asyncio.gather(
+                score_async(rf"\boxed{{{PATHOLOGICAL[0]}}}", "1", timeout_s=LIMIT_S),
+                score_async(r"\boxed{3}", "3.0"),
+            )
+        assert ticks.count >= 5, "the event loop was blocked while scoring"
         return list(scores)
 
     start = time.monotonic()

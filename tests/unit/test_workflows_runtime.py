@@ -3,17 +3,22 @@ make a failed rollout (left out of training) versus a bug (raised, task left pen
 
 from __future__ import annotations
 
+import asyncio
+import time
 import zlib
 from typing import Any
 
 import grpc
 import pytest
+from loop_ticks import loop_ticks
 from workflows_scripted import MATH, CharTokenizer, ScriptedEngine, make_episode, make_task
 
 from marl.config import WorkflowCaps
+from marl.demo_model import demo_model_dir
 from marl.rollout import Task
 from marl.workflows import prompts, resolve
 from services.workflow import episode as episode_module
+from services.workflow import worker
 from services.workflow.episode import PromptTooLong, Renders
 from services.workflow.worker import EpisodeRunner
 
@@ -255,11 +260,6 @@ async def test_problems_spread_over_replicas_and_a_group_meets_on_one() -> None:
 async def test_a_models_tokenizer_loads_once_in_a_thread_while_the_loop_runs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import asyncio
-    import time
-
-    from services.workflow import worker
-
     loads: list[str] = []
 
     def slow_load(model_path: str) -> Any:
@@ -269,20 +269,11 @@ async def test_a_models_tokenizer_loads_once_in_a_thread_while_the_loop_runs(
 
     monkeypatch.setattr(worker, "load_tokenizer", slow_load)
     runner = EpisodeRunner(None, "w-test")
-    ticks = 0
-
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            await asyncio.sleep(0.01)
-            ticks += 1
-
-    ticking = asyncio.create_task(ticker())
-    first_episodes = await asyncio.gather(*(runner.tokenizer("/models/m") for _ in range(3)))
-    ticking.cancel()
+    async with loop_ticks(0.01) as ticks:
+        first_episodes = await asyncio.gather(*(runner.tokenizer("/models/m") for _ in range(3)))
     assert loads == ["/models/m"]
     assert first_episodes[0] is first_episodes[1] is first_episodes[2]
-    assert ticks >= 10  # 0.3 s of load, the loop ticking every 10 ms beside it
+    assert ticks.count >= 10  # 0.3 s of load, the loop ticking every 10 ms beside it
     assert await runner.tokenizer("/models/m") is first_episodes[0]
     assert loads == ["/models/m"]
 
@@ -290,8 +281,6 @@ async def test_a_models_tokenizer_loads_once_in_a_thread_while_the_loop_runs(
 async def test_a_failed_tokenizer_load_is_tried_again_by_the_next_episode(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from services.workflow import worker
-
     answers: list[Any] = [OSError("no tokenizer files in /models/m"), CharTokenizer()]
 
     def load(model_path: str) -> Any:
@@ -309,8 +298,6 @@ async def test_a_failed_tokenizer_load_is_tried_again_by_the_next_episode(
 
 
 async def test_the_demo_models_tokenizer_loads_from_its_directory() -> None:
-    from marl.demo_model import demo_model_dir
-
     runner = EpisodeRunner(None, "w-test")
     tokenizer = await runner.tokenizer(str(demo_model_dir()))
     ids = tokenizer.encode("Solve 1 and 2", add_special_tokens=False)
