@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
@@ -73,6 +74,7 @@ class EpisodeRunner:
         self.stats = Stats()
         self._tokenizers: dict[str, Any] = {}
         self._loading: dict[str, asyncio.Future[Any]] = {}
+        self._preloaded: set[str] = set()
         self._renders: dict[str, Renders] = {}
         self._contexts: dict[str, int | None] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -83,24 +85,49 @@ class EpisodeRunner:
         self._sandbox: Any = None
 
     async def tokenizer(self, model_path: str) -> Any:
-        """The model's tokenizer, loaded once per model in a thread. A real tokenizer takes
-        ~1 s to load (Qwen3's, on 2 cores): on the event loop that would stall the
-        heartbeat and every episode in flight. A run's first episodes all wait on one
-        load; a load that fails is tried again by the next episode."""
-        if model_path in self._tokenizers:
-            return self._tokenizers[model_path]
-        loading = self._loading.get(model_path)
+        """The model's tokenizer, loaded once per model directory in a thread. A real
+        tokenizer takes ~1 s to load (Qwen3's, on 2 cores): on the event loop that would
+        stall the heartbeat and every episode in flight. A run's first episodes all wait
+        on one load, or find it done by `preload`; a load that fails is tried again by
+        the next episode."""
+        if model_path not in self._tokenizers:
+            path = os.path.realpath(model_path)
+            tokenizer = self._tokenizers.get(path)
+            if tokenizer is None:
+                tokenizer = await asyncio.shield(self._load(path))
+            self._tokenizers[model_path] = tokenizer
+        return self._tokenizers[model_path]
+
+    def preload(self, paths: Iterable[str]) -> None:
+        """Start loading the tokenizer of each model directory in `paths` that is not
+        loaded yet, in the background, once per directory (an episode retries a failed
+        one on demand)."""
+        for path in paths:
+            if path in self._tokenizers or path in self._preloaded:
+                continue
+            self._preloaded.add(path)
+
+            def failed(done: asyncio.Future[Any], path: str = path) -> None:
+                if not done.cancelled() and done.exception() is not None:
+                    log.info("no tokenizer preloaded from %s (%s); episodes load their "
+                             "task's model_path", path, done.exception())
+
+            self._load(path).add_done_callback(failed)
+
+    def _load(self, path: str) -> asyncio.Future[Any]:
+        """The load of `path`'s tokenizer in progress, started if none is."""
+        loading = self._loading.get(path)
         if loading is None:
-            loading = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, model_path))
-            self._loading[model_path] = loading
+            loading = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, path))
+            self._loading[path] = loading
 
             def loaded(done: asyncio.Future[Any]) -> None:
-                del self._loading[model_path]
+                del self._loading[path]
                 if not done.cancelled() and done.exception() is None:
-                    self._tokenizers[model_path] = done.result()
+                    self._tokenizers[path] = done.result()
 
             loading.add_done_callback(loaded)
-        return await asyncio.shield(loading)
+        return loading
 
     def context(self, model_path: str) -> int | None:
         """The model's context window, from its config.json (None if it has none to read)."""
@@ -280,6 +307,21 @@ async def heartbeat(r: Any, worker_id: str, ttl_s: float) -> None:
         await asyncio.sleep(min(1.0, ttl_s / 4))
 
 
+async def preload_served_tokenizers(runner: EpisodeRunner, period_s: float) -> None:
+    """Have `runner` load the tokenizer of every model a live inference replica serves
+    (joining ones too), as soon as the replica announces it, every `period_s`. A run's
+    first episodes then find it loaded: the load (~1 s for Qwen3's on 2 cores, once per
+    worker) runs while the worker waits for work, not inside a run's first step."""
+    while True:
+        try:
+            live = await replicas.live(runner.redis, "inference", include_joining=True)
+            runner.preload(str(info["model_path"]) for info in live.values()
+                           if info.get("model_path"))
+        except REDIS_DOWN:
+            raise_if_cancelled()  # the heartbeat logs the outage
+        await asyncio.sleep(period_s)
+
+
 def dead_rollout(entry: streams.Entry, worker_id: str) -> Rollout:
     """The rollout a dead-lettered task's run gets instead of one from its episode."""
     task = Task.from_dict(entry.data)
@@ -379,12 +421,16 @@ async def work_loop(
 
     await streams.beat(r, worker_id, heartbeat_ttl_s)  # alive before it holds anything
     beating = asyncio.create_task(heartbeat(r, worker_id, heartbeat_ttl_s))
+    preloading: asyncio.Task[None] | None = None
     backoff = 0.1
     try:
         await streams.ensure_group(r, streams.TASKS, streams.WORKERS_GROUP)
         # before the first read: a worker takes no task it cannot start yet
         await asyncio.to_thread(import_tokenizers)
         freeze_long_lived()  # the tokenizer classes' modules, most of a worker's objects
+        preloading = asyncio.create_task(
+            preload_served_tokenizers(runner, replicas.HEARTBEAT_S)
+        )
         log.info("%s reading tasks from %s (up to %d at once)", worker_id, streams.TASKS, concurrency)
         while not stopping():
             raise_if_cancelled()  # a cancel that redis-py lost mid-command (see aio_tasks)
@@ -417,7 +463,7 @@ async def work_loop(
     finally:
         for t in list(running):
             t.cancel()
-        await cancel_until_done([beating])
+        await cancel_until_done([beating] if preloading is None else [beating, preloading])
         try:  # a clean stop: what this worker held is claimable at once
             await asyncio.wait_for(streams.forget(r, worker_id), 2.0)
         except (TimeoutError, *REDIS_DOWN):

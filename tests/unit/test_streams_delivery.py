@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 from typing import Any
 
 import pytest
 
-from marl import streams
+from marl import replicas, streams
 from marl.config import RunSpec
 from marl.data.problem import Problem
+from marl.demo_model import demo_model_dir
 from marl.rollout import AdapterRef, Rollout, Task
 from services.workflow import worker
 
@@ -408,4 +410,29 @@ async def test_tasks_naming_a_version_still_being_pushed_wait_for_its_ack(
         assert await in_stream() == [1, 1, 2, 2]
         assert episodes.queue == []
     finally:
+        await r.aclose()
+
+
+async def test_a_worker_loads_the_tokenizer_of_an_announced_model_before_any_task(
+    redis_url: str,
+) -> None:
+    """A replica still joining announces its model: the worker loads that model's
+    tokenizer while it waits for work, and a task's first episode finds it loaded."""
+    model = os.path.realpath(demo_model_dir())
+    r = streams.connect(redis_url)
+    runner = worker.EpisodeRunner(r, "w1")
+    await replicas.announce(r, "inference", "i0", {"address": "127.0.0.1:1", "serving": False,
+                                                   "model_path": model})
+    loop = asyncio.create_task(worker.work_loop(runner, concurrency=4, heartbeat_ttl_s=2.0))
+    try:
+        deadline = time.monotonic() + 20
+        while model not in runner._tokenizers:
+            assert time.monotonic() < deadline, "the announced model's tokenizer never loaded"
+            await asyncio.sleep(0.05)
+        assert await runner.tokenizer(str(demo_model_dir())) is runner._tokenizers[model]
+        assert await r.xlen(streams.TASKS) == 0
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        await runner.close()
         await r.aclose()

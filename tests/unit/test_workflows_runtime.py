@@ -4,8 +4,10 @@ make a failed rollout (left out of training) versus a bug (raised, task left pen
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import zlib
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -303,3 +305,49 @@ async def test_the_demo_models_tokenizer_loads_from_its_directory() -> None:
     ids = tokenizer.encode("Solve 1 and 2", add_special_tokens=False)
     assert len(ids) == 4 and tokenizer.unk_token_id not in ids
     assert await runner.tokenizer(str(demo_model_dir())) is tokenizer
+
+
+async def test_a_preloaded_tokenizer_serves_episodes_that_name_its_directory_another_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loads: list[str] = []
+
+    def load(model_path: str) -> Any:
+        loads.append(model_path)
+        return CharTokenizer()
+
+    monkeypatch.setattr(worker, "load_tokenizer", load)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "model")
+    runner = EpisodeRunner(None, "w-test")
+    runner.preload([str(tmp_path / "model")])
+    runner.preload([str(tmp_path / "model")])  # a second announcement while it loads
+    tokenizer = await runner.tokenizer(str(tmp_path / "link"))
+    assert loads == [str(tmp_path / "model")]
+    assert await runner.tokenizer(str(tmp_path / "model")) is tokenizer
+    runner.preload([str(tmp_path / "model")])
+    assert loads == [str(tmp_path / "model")]
+
+
+async def test_a_failed_preload_is_not_repeated_and_an_episode_tries_again(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    answers: list[Any] = [OSError("no tokenizer files in /models/m"), CharTokenizer()]
+
+    def load(model_path: str) -> Any:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(worker, "load_tokenizer", load)
+    runner = EpisodeRunner(None, "w-test")
+    with caplog.at_level(logging.INFO, logger=worker.__name__):
+        runner.preload(["/models/m"])
+        await asyncio.sleep(0.2)
+        runner.preload(["/models/m"])
+        await asyncio.sleep(0.1)
+    assert len(answers) == 1  # one attempt, however often the replica is announced
+    assert "no tokenizer preloaded from /models/m (no tokenizer files" in caplog.text
+    assert isinstance(await runner.tokenizer("/models/m"), CharTokenizer)
+    assert answers == []
