@@ -280,9 +280,9 @@ async def test_a_models_tokenizer_loads_once_in_a_thread_while_the_loop_runs(
     assert loads == ["/models/m"]
 
 
-async def test_a_failed_tokenizer_load_is_tried_again_by_the_next_episode(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def failing_once_then_loading(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Makes the worker's first tokenizer load fail and its second succeed; the answers
+    left to give are returned."""
     answers: list[Any] = [OSError("no tokenizer files in /models/m"), CharTokenizer()]
 
     def load(model_path: str) -> Any:
@@ -292,6 +292,13 @@ async def test_a_failed_tokenizer_load_is_tried_again_by_the_next_episode(
         return answer
 
     monkeypatch.setattr(worker, "load_tokenizer", load)
+    return answers
+
+
+async def test_a_failed_tokenizer_load_is_tried_again_by_the_next_episode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    answers = failing_once_then_loading(monkeypatch)
     runner = EpisodeRunner(None, "w-test")
     with pytest.raises(OSError, match="no tokenizer files"):
         await runner.tokenizer("/models/m")
@@ -332,15 +339,7 @@ async def test_a_preloaded_tokenizer_serves_episodes_that_name_its_directory_ano
 async def test_a_failed_preload_is_not_repeated_and_an_episode_tries_again(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    answers: list[Any] = [OSError("no tokenizer files in /models/m"), CharTokenizer()]
-
-    def load(model_path: str) -> Any:
-        answer = answers.pop(0)
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
-
-    monkeypatch.setattr(worker, "load_tokenizer", load)
+    answers = failing_once_then_loading(monkeypatch)
     runner = EpisodeRunner(None, "w-test")
     with caplog.at_level(logging.INFO, logger=worker.__name__):
         runner.preload(["/models/m"])
