@@ -1,6 +1,6 @@
 """Single-agent GRPO: marl's Single workflow against TRL's `GRPOTrainer`, same setup.
 
-Both train the shipped demo model with a LoRA (rank `--rank`, alpha 2x) on the same
+Both train the shipped demo model in float32 with a LoRA (rank `--rank`, alpha 2x) on the same
 arithmetic problems, prompts (the generator's chat messages, through the tokenizer's
 chat template) and reward (`marl.rewards.math.score`, format penalty included): `--problems`
 problems a step, `--group` samples each, at most `--max-tokens` new tokens, temperature
@@ -72,6 +72,43 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def trl_settings(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """`GRPOConfig`'s arguments for marl's setup. TRL trains in bf16 autocast unless told
+    otherwise; marl's learner trains the demo model in float32 (`model.dtype`), and on a
+    CPU without native bf16 (AVX2 alone) a bf16 matmul of the demo's shapes takes ~58x
+    an fp32 one, which made TRL's step ~9x slower on such a host: both train in fp32."""
+    batch = args.problems * args.group
+    return dict(
+        output_dir=str(out),
+        max_steps=args.steps,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        num_generations=args.group,
+        generation_batch_size=batch,
+        max_completion_length=args.max_tokens,
+        temperature=1.0,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        loss_type="grpo",
+        scale_rewards="group",
+        num_iterations=1,
+        use_cpu=True,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        seed=args.seed,
+        disable_dropout=True,
+        bf16=False,
+        fp16=False,
+    )
+
+
 def run_trl(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     try:
         from datasets import Dataset
@@ -98,34 +135,7 @@ def run_trl(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             if logs and "reward" in logs:
                 rewards.append(float(logs["reward"]))
 
-    batch = args.problems * args.group
-    config = GRPOConfig(
-        output_dir=str(out),
-        max_steps=args.steps,
-        per_device_train_batch_size=batch,
-        gradient_accumulation_steps=1,
-        num_generations=args.group,
-        generation_batch_size=batch,
-        max_completion_length=args.max_tokens,
-        temperature=1.0,
-        learning_rate=LR,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        beta=0.0,
-        epsilon=0.2,
-        epsilon_high=0.28,
-        loss_type="grpo",
-        scale_rewards="group",
-        num_iterations=1,
-        use_cpu=True,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        seed=args.seed,
-        disable_dropout=True,
-    )
+    config = GRPOConfig(**trl_settings(args, out))
     trainer = GRPOTrainer(
         model=str(demo_model_dir()),
         reward_funcs=reward,

@@ -55,6 +55,17 @@ def test_vs_trl_builds_its_marl_run_from_e2es_spec(
     assert spec.sampling.max_tokens == args.max_tokens
 
 
+def test_vs_trl_trains_both_in_marls_precision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRL's GRPOConfig turns bf16 autocast on by default; marl trains in float32."""
+    monkeypatch.setattr(sys, "argv", ["vs_trl.py"])
+    args = vs_trl.parse_args()
+    spec = parse_spec(e2e.spec("single", tmp_path / "out", args, args.max_staleness))
+    settings = vs_trl.trl_settings(args, tmp_path / "trl")
+    assert spec.model.dtype == "float32"
+    assert settings["bf16"] is False and settings["fp16"] is False
+    assert settings["max_completion_length"] == spec.sampling.max_tokens
+
+
 def test_the_demo_model_needs_no_import(tmp_path: Path) -> None:
     assert bench_model("demo", tmp_path) == str(demo_model_dir())
     assert not any(tmp_path.iterdir())
