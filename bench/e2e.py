@@ -69,6 +69,7 @@ from typing import Any
 import grpc
 import yaml
 from cpu_use import cpu_seconds
+from host import describe, host
 from models import bench_model
 
 from marl.demo_model import demo_model_dir
@@ -371,7 +372,9 @@ def main() -> None:
             )
             row["k1_vs_sync"] = row["k1"]["steps_per_s"] / row["sync"]["steps_per_s"]
             figures[wf] = row
+    figures["host"] = host()
     print_table(figures)
+    print(describe(figures["host"]))
     print(json.dumps(figures))
 
 

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from host import describe, host
 
 from marl import adapter_io
 from marl.heap import keep_freed_heap_until_trimmed
@@ -364,7 +365,9 @@ def main() -> None:
             figures.update(asyncio.run(push_latency(args, model_path)))
         if args.skip != "staggered" and args.engine == "transformers":
             figures.update(asyncio.run(staggered(args, model_path)))
+    figures["host"] = host()
     print_table(figures)
+    print(describe(figures["host"]))
     print(json.dumps(figures))
 
 

@@ -45,6 +45,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+from host import describe, host
+
 from marl.clients import SandboxClient
 from marl.redis_server import free_port
 from marl.serving import wait_healthy
@@ -166,6 +168,7 @@ def main() -> None:
         (f"sandbox, tier {tier}, via HTTP run_code", http_rate, http_ms),
         ("sandbox, tier rlimits, via gRPC", None, floor_ms),  # its latency alone is timed
     ]
+    facts = host()
     print(f"trivial jobs, {cores} cores, {args.workers} in flight, "
           f"{per_round * args.rounds} jobs per side")
     print(f"{'':44s} {'jobs/s':>9s} {'p50 ms (1 in flight)':>22s}")
@@ -176,8 +179,9 @@ def main() -> None:
     print(f"isolation overhead per job vs bare python -c: {sand_ms - bare_ms:+.2f} ms")
     print(f"namespaces+seccomp on top of the rlimits tier: {sand_ms - floor_ms:+.2f} ms")
     print(f"HTTP (SandboxFusion) vs gRPC throughput: {http_rate / sand_rate:.2f}x")
+    print(describe(facts))
     print(json.dumps({
-        "tier": tier, "cores": cores, "workers": args.workers,
+        "host": facts, "tier": tier, "cores": cores, "workers": args.workers,
         "bare_jobs_per_s": round(bare_rate, 1), "sandbox_jobs_per_s": round(sand_rate, 1),
         "ratio_vs_bare": round(sand_rate / bare_rate, 3),
         "bare_p50_ms": round(bare_ms, 2), "sandbox_p50_ms": round(sand_ms, 2),

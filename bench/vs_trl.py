@@ -37,6 +37,7 @@ from typing import Any
 
 from e2e import run_marl
 from e2e import spec as e2e_spec
+from host import describe, host
 
 from marl.config import DataSpec
 from marl.data import load_problems
@@ -218,6 +219,7 @@ def main() -> None:
         "marl_reward": marl["reward"],
     }
     figures["marl_over_trl"] = figures["marl_step_s"] / figures["trl_step_s"]
+    figures["host"] = host()
     print(
         f"single-agent GRPO, demo model, {args.problems} problems x {args.group}, "
         f"<= {args.max_tokens} tokens, LoRA rank {args.rank}, {args.steps} steps "
@@ -235,6 +237,7 @@ def main() -> None:
     for name in ("trl", "marl"):
         curve = " ".join(f"{r:+.2f}" for r in figures[f"{name}_reward"])
         print(f"{name:>4} reward by step: {curve}")
+    print(describe(figures["host"]))
     print(json.dumps(figures))
 
 

@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import e2e  # noqa: E402
+import host  # noqa: E402
 import vs_trl  # noqa: E402
 from models import bench_model  # noqa: E402
 
@@ -75,3 +76,26 @@ def test_e2e_refuses_too_few_steps_to_time(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(sys, "argv", ["e2e.py", "--steps", str(e2e.WARMUP_STEPS + 1)])
     with pytest.raises(SystemExit):
         e2e.parse_args()
+
+
+CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 1
+model name\t: AMD EPYC
+flags\t\t: fpu sse2 avx avx2 fma
+
+processor\t: 1
+model name\t: another CPU
+flags\t\t: avx512f avx512_bf16
+"""
+
+
+def test_the_host_line_names_the_first_cpu_and_its_matmul_flags() -> None:
+    facts = host.host(CPUINFO)
+    assert (facts["cpu"], facts["cpu_family"], facts["cpu_model"]) == ("AMD EPYC", "25", "1")
+    assert facts["flags"] == ["avx2"]
+    assert host.describe({**facts, "cores": 2}) == "host: AMD EPYC (family 25 model 1), 2 cores, avx2"
+    assert host.describe({**facts, "cores": 2, "flags": []}).endswith(
+        "2 cores, none of avx2, avx512f, avx512_bf16, amx_bf16"
+    )
