@@ -17,7 +17,8 @@ FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 
 def host(cpuinfo: str | None = None) -> dict[str, Any]:
     """The CPU (the first processor of /proc/cpuinfo, or of `cpuinfo`), the cores this
-    process may run on, and which of FLAGS the CPU has."""
+    process may run on (what `taskset` leaves it, not the machine's), and which of FLAGS
+    the CPU has."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()

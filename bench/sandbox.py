@@ -161,14 +161,14 @@ def main() -> None:
     bare_ms, sand_ms = statistics.median(bare_lat), statistics.median(sand_lat)
     floor_ms = statistics.median(floor_lat)
     http_rate, http_ms = statistics.median(http_tp), statistics.median(http_lat)
-    cores = len(os.sched_getaffinity(0))  # what `taskset` leaves this run, not the machine's
+    facts = host()
+    cores = facts["cores"]  # what `taskset` leaves this run, not the machine's
     rows: list[tuple[str, float | None, float]] = [
         ("bare `python -c` subprocess", bare_rate, bare_ms),
         (f"sandbox, tier {tier}, via gRPC", sand_rate, sand_ms),
         (f"sandbox, tier {tier}, via HTTP run_code", http_rate, http_ms),
         ("sandbox, tier rlimits, via gRPC", None, floor_ms),  # its latency alone is timed
     ]
-    facts = host()
     print(f"trivial jobs, {cores} cores, {args.workers} in flight, "
           f"{per_round * args.rounds} jobs per side")
     print(f"{'':44s} {'jobs/s':>9s} {'p50 ms (1 in flight)':>22s}")

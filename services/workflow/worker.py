@@ -147,10 +147,8 @@ class EpisodeRunner:
         refresh that every episode asking meanwhile awaits. They all resume in the same
         turn of the event loop and reach `Generate` together, so their turns go out as
         one GenerateMany (a lock would hand them on one per loop turn, a call each)."""
-        if time.monotonic() - self._replicas_at > replicas.HEARTBEAT_S or not self._replicas:
-            if self._refreshing is None or self._refreshing.done():
-                self._refreshing = asyncio.create_task(self._refresh_replicas())
-            await asyncio.shield(self._refreshing)  # its error reaches every waiter
+        if self.replicas_age() > replicas.HEARTBEAT_S or not self._replicas:
+            await self.refresh_replicas()
         if not self._replicas:
             raise NoReplica("no live inference replica is registered in Redis")
         out = []
@@ -162,10 +160,26 @@ class EpisodeRunner:
             out.append(self._batching[addr])
         return out
 
+    def replicas_age(self) -> float:
+        """Seconds since the replica registry was last read."""
+        return time.monotonic() - self._replicas_at
+
+    async def refresh_replicas(self) -> None:
+        """Read the replica registry once for every caller asking meanwhile (its error
+        reaches each of them)."""
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.create_task(self._refresh_replicas())
+        await asyncio.shield(self._refreshing)
+
     async def _refresh_replicas(self) -> None:
-        live = await replicas.live(self.redis, "inference")
-        self._replicas = sorted(info["address"] for info in live.values())
+        """The serving replicas to route to; every announced model's tokenizer, joining
+        replicas' too, to `preload`."""
+        live = await replicas.live(self.redis, "inference", include_joining=True)
+        self._replicas = sorted(
+            info["address"] for info in live.values() if info.get("serving", True)
+        )
         self._replicas_at = time.monotonic()
+        self.preload(str(info["model_path"]) for info in live.values() if info.get("model_path"))
 
     async def episode(self, task: Task, workflow: Workflow) -> Episode:
         caps = workflow.caps_for(WorkflowCaps(**task.caps), task.problem.task)
@@ -308,18 +322,21 @@ async def heartbeat(r: Any, worker_id: str, ttl_s: float) -> None:
 
 
 async def preload_served_tokenizers(runner: EpisodeRunner, period_s: float) -> None:
-    """Have `runner` load the tokenizer of every model a live inference replica serves
-    (joining ones too), as soon as the replica announces it, every `period_s`. A run's
-    first episodes then find it loaded: the load (~1 s for Qwen3's on 2 cores, once per
-    worker) runs while the worker waits for work, not inside a run's first step."""
+    """Keep `runner`'s replica list no older than `period_s` while no episode asks for it,
+    so every model a replica announces (a joining one too) has its tokenizer loaded
+    before a run's first episodes: the load (~1 s for Qwen3's on 2 cores, once per
+    worker) runs while the worker waits for work, not inside a run's first step.
+    Episodes share the same reads (`EpisodeRunner.stubs`)."""
     while True:
+        age = runner.replicas_age()
+        if age < period_s:
+            await asyncio.sleep(period_s - age)
+            continue
         try:
-            live = await replicas.live(runner.redis, "inference", include_joining=True)
-            runner.preload(str(info["model_path"]) for info in live.values()
-                           if info.get("model_path"))
+            await runner.refresh_replicas()
         except REDIS_DOWN:
             raise_if_cancelled()  # the heartbeat logs the outage
-        await asyncio.sleep(period_s)
+            await asyncio.sleep(period_s)
 
 
 def dead_rollout(entry: streams.Entry, worker_id: str) -> Rollout:
@@ -420,16 +437,15 @@ async def work_loop(
         return entries
 
     await streams.beat(r, worker_id, heartbeat_ttl_s)  # alive before it holds anything
-    beating = asyncio.create_task(heartbeat(r, worker_id, heartbeat_ttl_s))
-    preloading: asyncio.Task[None] | None = None
+    background = [asyncio.create_task(heartbeat(r, worker_id, heartbeat_ttl_s))]
     backoff = 0.1
     try:
         await streams.ensure_group(r, streams.TASKS, streams.WORKERS_GROUP)
         # before the first read: a worker takes no task it cannot start yet
         await asyncio.to_thread(import_tokenizers)
         freeze_long_lived()  # the tokenizer classes' modules, most of a worker's objects
-        preloading = asyncio.create_task(
-            preload_served_tokenizers(runner, replicas.HEARTBEAT_S)
+        background.append(
+            asyncio.create_task(preload_served_tokenizers(runner, replicas.HEARTBEAT_S))
         )
         log.info("%s reading tasks from %s (up to %d at once)", worker_id, streams.TASKS, concurrency)
         while not stopping():
@@ -463,7 +479,7 @@ async def work_loop(
     finally:
         for t in list(running):
             t.cancel()
-        await cancel_until_done([beating] if preloading is None else [beating, preloading])
+        await cancel_until_done(background)
         try:  # a clean stop: what this worker held is claimable at once
             await asyncio.wait_for(streams.forget(r, worker_id), 2.0)
         except (TimeoutError, *REDIS_DOWN):

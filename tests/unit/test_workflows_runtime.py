@@ -343,9 +343,9 @@ async def test_a_failed_preload_is_not_repeated_and_an_episode_tries_again(
     runner = EpisodeRunner(None, "w-test")
     with caplog.at_level(logging.INFO, logger=worker.__name__):
         runner.preload(["/models/m"])
-        await asyncio.sleep(0.2)
+        await asyncio.gather(*runner._loading.values(), return_exceptions=True)
         runner.preload(["/models/m"])
-        await asyncio.sleep(0.1)
+        await asyncio.gather(*runner._loading.values(), return_exceptions=True)
     assert len(answers) == 1  # one attempt, however often the replica is announced
     assert "no tokenizer preloaded from /models/m (no tokenizer files" in caplog.text
     assert isinstance(await runner.tokenizer("/models/m"), CharTokenizer)
