@@ -39,7 +39,10 @@ def make_manifest(
     alpha: float,
     target_modules: list[str],
     payload: bytes,
+    keep_versions: int = 0,
 ) -> common_pb2.AdapterManifest:
+    """`keep_versions`: how many versions of this adapter the replica keeps (see
+    `AdapterManifest.keep_versions`); 0 leaves it to the replica."""
     return common_pb2.AdapterManifest(
         ref=common_pb2.AdapterRef(name=name, version=version),
         base_model=base_model,
@@ -49,6 +52,7 @@ def make_manifest(
         sha256=hashlib.sha256(payload).hexdigest(),
         size_bytes=len(payload),
         format="safetensors",
+        keep_versions=keep_versions,
     )
 
 

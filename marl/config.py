@@ -153,12 +153,13 @@ class TrainSpec(_Spec):
     """A step whose rollouts do not all arrive in time fails the run."""
     rollouts_logged: int = Field(8, ge=0)
     """Whole rollouts (every role's turn) written per step to `rollouts/step_N.jsonl`."""
-    max_staleness: int = Field(0, ge=0)
+    max_staleness: int = Field(0, ge=0, le=63)
     """K: the learner keeps the next K steps' tasks queued while it trains, so workers
     generate for steps t+1..t+K during step t's update. A rollout with a turn more than K
     versions behind its adapter's version at training time is dropped (counted in
-    `train/stale_dropped`). 0 is the paper's synchronous loop. Inference replicas must
-    keep K+1 versions of each adapter (their `retention` setting, 2 by default)."""
+    `train/stale_dropped`). 0 is the paper's synchronous loop. Every push asks the
+    inference replicas to keep K+1 versions of each adapter (at least their `retention`),
+    so a task queued K versions before it is generated still finds its version."""
     staleness_scope: Literal["episode", "turn"] = "episode"
     """With max_staleness >= 1: `episode` serves every turn of an episode with the
     versions current when its task was queued; `turn` serves each turn with the newest

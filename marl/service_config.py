@@ -60,7 +60,8 @@ class InferenceConfig(_RedisConfig):
     """transformers engine: where the model runs (`auto`: the first GPU when torch sees
     one). vLLM places itself."""
     retention: int = Field(default=2, ge=1, le=64)
-    """Versions of each adapter kept loaded; older ones are unloaded once no request uses them."""
+    """Versions of each adapter kept loaded; older ones are unloaded once no request uses them.
+    A run's pushes may ask for more (`train.max_staleness` + 1)."""
     max_lora_rank: int = Field(default=64, ge=1, le=1024)
     """Largest adapter rank this replica accepts (vLLM sizes its LoRA buffers by it)."""
     http_port: int | None = Field(default=None, ge=0, le=65535)

@@ -15,7 +15,7 @@ class AdapterRef(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class AdapterManifest(_message.Message):
-    __slots__ = ("ref", "base_model", "rank", "alpha", "target_modules", "sha256", "size_bytes", "format")
+    __slots__ = ("ref", "base_model", "rank", "alpha", "target_modules", "sha256", "size_bytes", "format", "keep_versions")
     REF_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class AdapterManifest(_message.Message):
     SHA256_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
+    KEEP_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     ref: AdapterRef
     base_model: str
     rank: int
@@ -32,4 +33,5 @@ class AdapterManifest(_message.Message):
     sha256: str
     size_bytes: int
     format: str
-    def __init__(self, ref: _Optional[_Union[AdapterRef, _Mapping]] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., format: _Optional[str] = ...) -> None: ...
+    keep_versions: int
+    def __init__(self, ref: _Optional[_Union[AdapterRef, _Mapping]] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., format: _Optional[str] = ..., keep_versions: _Optional[int] = ...) -> None: ...

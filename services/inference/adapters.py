@@ -3,8 +3,10 @@
 Every version is its own adapter (`run/policy@version`, its own int id), never
 reloaded in place. A request holds its version for its whole life; a version
 older than the newest `retention` of its adapter is unloaded only once no
-request holds it. A request for a version that is not loaded fails; there is no
-fallback to the base model.
+request holds it. A push may ask for more versions of its adapter to be kept
+(`keep`: a run with bounded staleness K queues tasks K versions ahead of their
+generation, so it needs K + 1). A request for a version that is not loaded fails;
+there is no fallback to the base model.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+
+MAX_KEEP_VERSIONS = 64
+"""The most versions of one adapter a push may ask a replica to keep."""
 
 
 class AdapterNotLoaded(LookupError):
@@ -44,6 +49,8 @@ class AdapterRegistry:
         self._unload = unload
         self.retention = retention
         self._versions: dict[str, LoadedVersion] = {}
+        self._kept: dict[str, int] = {}
+        """Adapter name -> versions kept, where its pushes asked for more than `retention`."""
         self._next_int_id = 1
         self._lock = asyncio.Lock()
 
@@ -65,15 +72,26 @@ class AdapterRegistry:
             for v in self._versions.values()
         )
 
-    async def added(self, loaded: LoadedVersion) -> None:
-        """Record a freshly loaded version and retire what falls out of retention."""
+    def kept(self, name: str) -> int:
+        """How many versions of adapter `name` stay loaded (its newest ones)."""
+        return self._kept.get(name, self.retention)
+
+    async def added(self, loaded: LoadedVersion, keep: int = 0) -> None:
+        """Record a freshly loaded version and retire what falls out of retention: the
+        newest `retention` versions of its adapter stay, or `keep` (1..MAX_KEEP_VERSIONS)
+        when more; the latest push's `keep` holds for the adapter from then on."""
+        assert 0 <= keep <= MAX_KEEP_VERSIONS
         async with self._lock:
             self._versions[loaded.key] = loaded
+            if keep > self.retention:
+                self._kept[loaded.name] = keep
+            else:
+                self._kept.pop(loaded.name, None)
             same = sorted(
                 (v for v in self._versions.values() if v.name == loaded.name and not v.retired),
                 key=lambda v: v.version,
             )
-            for old in same[: -self.retention]:
+            for old in same[: -self.kept(loaded.name)]:
                 old.retired = True
             await self._collect()
 
@@ -118,3 +136,6 @@ class AdapterRegistry:
             if v.retired and v.in_flight == 0:
                 del self._versions[key]
                 await self._unload(key)
+        named = {v.name for v in self._versions.values()}
+        for name in [n for n in self._kept if n not in named]:
+            del self._kept[name]  # a run's adapters all unloaded: its setting goes too

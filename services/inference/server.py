@@ -34,6 +34,7 @@ from marl.serving import (
 )
 from marl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.inference.adapters import (
+    MAX_KEEP_VERSIONS,
     AdapterNotLoaded,
     AdapterRegistry,
     LoadedVersion,
@@ -274,7 +275,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                     )
                 except ValueError as err:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-                await self.registry.added(LoadedVersion(ref.name, ref.version, int_id, m.sha256))
+                await self.registry.added(
+                    LoadedVersion(ref.name, ref.version, int_id, m.sha256), keep=m.keep_versions
+                )
                 # the payload, the state dict and any version retired just now are freed
                 await self.engine.release_free_heap()
         log.info("loaded %s@%d in %.3fs", ref.name, ref.version, time.monotonic() - started)
@@ -302,6 +305,12 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             return grpc.StatusCode.INVALID_ARGUMENT, f"adapter {ref}: unknown format {m.format!r}"
         if not 0 < m.size_bytes <= MAX_ADAPTER_BYTES:
             return grpc.StatusCode.INVALID_ARGUMENT, f"adapter {ref}: bad size_bytes {m.size_bytes}"
+        if not 0 <= m.keep_versions <= MAX_KEEP_VERSIONS:
+            return (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"adapter {ref}: manifest.keep_versions {m.keep_versions} is outside "
+                f"0..{MAX_KEEP_VERSIONS} (a run asks for train.max_staleness + 1)",
+            )
         return None
 
     async def ListAdapters(

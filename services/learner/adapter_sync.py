@@ -128,6 +128,8 @@ class AdapterSync:
                 self.spec.lora.alpha,
                 policy.target_modules(p),
                 payload,
+                # tasks queued K versions before they are generated still find theirs
+                keep_versions=self.spec.train.max_staleness + 1,
             )
             current[p] = Published(self.versions[p], manifest, payload)
         return current

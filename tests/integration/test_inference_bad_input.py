@@ -36,7 +36,10 @@ ADAPTER = common_pb2.AdapterRef(name="bad-input/p", version=0)
 
 
 @pytest.fixture(scope="module")
-def stub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[inference_pb2_grpc.InferenceStub]:
+def replica(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[inference_pb2_grpc.InferenceStub, str, bytes]]:
+    """The replica's stub, its base model and the payload of the adapter pushed to it."""
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
@@ -56,9 +59,16 @@ def stub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[inference_pb2_grp
         payload = adapter_io.serialize(state)
         manifest = adapter_io.make_manifest(ADAPTER.name, 0, base, 4, 8.0, TARGETS, payload)
         assert s.PushAdapter(adapter_io.chunks(manifest, payload), timeout=60).loaded
-        yield s
+        yield s, base, payload
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(
+    replica: tuple[inference_pb2_grpc.InferenceStub, str, bytes],
+) -> inference_pb2_grpc.InferenceStub:
+    return replica[0]
 
 
 def request(ids: list[int] | None = None, **sampling: Any) -> inference_pb2.GenerateRequest:
@@ -205,3 +215,42 @@ def test_engine_failure_stays_with_its_own_request() -> None:
     results = asyncio.run(run())
     assert isinstance(results.pop(2), Exception)
     assert all(len(r.token_ids) == 3 for r in results), results
+
+
+def test_a_push_keeps_the_versions_its_manifest_asks_for(
+    replica: tuple[inference_pb2_grpc.InferenceStub, str, bytes],
+) -> None:
+    """The replica keeps 2 versions of an adapter by its own setting; a run with
+    train.max_staleness 2 asks for 3, and a version 2 pushes old still serves. A push
+    asking for more than the replica allows is refused, naming the field."""
+    s, base, payload = replica
+    name = "keep/p"
+
+    def push(version: int, keep: int) -> None:
+        manifest = adapter_io.make_manifest(
+            name, version, base, 4, 8.0, TARGETS, payload, keep_versions=keep)
+        assert s.PushAdapter(adapter_io.chunks(manifest, payload), timeout=60).loaded
+
+    def loaded() -> list[int]:
+        listed = s.ListAdapters(inference_pb2.ListAdaptersRequest(), timeout=10).adapters
+        return sorted(a.ref.version for a in listed if a.ref.name == name)
+
+    for version in (1, 2, 3):
+        push(version, keep=3)
+    assert loaded() == [1, 2, 3]
+    first = inference_pb2.GenerateRequest(
+        prompt_token_ids=[5, 6, 7], adapter=common_pb2.AdapterRef(name=name, version=1),
+        sampling=inference_pb2.SamplingParams(max_tokens=2))
+    assert s.Generate(first, timeout=30).served_by.version == 1
+    push(4, keep=0)  # back to the replica's own 2
+    assert loaded() == [3, 4]
+    code, details = code_and_details(s, first)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "keep/p@1 is not loaded" in details
+
+    too_many = adapter_io.make_manifest(
+        name, 5, base, 4, 8.0, TARGETS, payload, keep_versions=65)
+    with pytest.raises(grpc.RpcError) as err:
+        s.PushAdapter(adapter_io.chunks(too_many, payload), timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "manifest.keep_versions 65 is outside 0..64" in (err.value.details() or "")
+    assert loaded() == [3, 4]

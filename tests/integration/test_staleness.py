@@ -197,3 +197,17 @@ def test_turn_scope_episodes_take_newer_versions_mid_episode(
             changed += versions != sorted(versions) or len(set(versions)) > 1
     print(f"\n{changed} episodes changed version between turns")
     assert changed > 0
+
+
+def test_tasks_queued_k_versions_ahead_find_their_version(
+    one_at_a_time: Cluster, tmp_path: Path
+) -> None:
+    """K = 2 on replicas that keep 2 versions of an adapter by their own setting: with one
+    episode at a time, a step's last tasks start after two more pushes, and each push asks
+    the replica to keep K + 1 = 3 versions (`AdapterManifest.keep_versions`). Before it
+    did, ~90 % of such a run's episodes failed with 'adapter ... is not loaded'."""
+    out, _ = run(one_at_a_time, tmp_path, "k2", workflow="single", max_staleness=2)
+    records = [r for r in rows(out) if r["step"] > 0]
+    assert [r["train/episode_errors"] for r in records] == [0] * STEPS
+    assert all(r["train/stale_dropped"] == 0 for r in records)
+    assert max(r["train/staleness_max"] for r in records) == 2

@@ -49,3 +49,23 @@ async def test_holds_a_version_or_a_newer_one_until_retired() -> None:
     await reg.retire("r/p", 2)
     assert not reg.holds("r/p", 1)  # still loaded for its request, but retired
     await reg.release(held)
+
+
+async def test_a_push_may_keep_more_versions_than_retention() -> None:
+    unloaded: list[str] = []
+
+    async def unload(key: str) -> None:
+        unloaded.append(key)
+
+    reg = AdapterRegistry(unload, retention=2)
+    for v in range(5):
+        await reg.added(LoadedVersion("r/p", v, reg.next_int_id(), str(v)), keep=3)
+    await reg.added(LoadedVersion("r/q", 0, reg.next_int_id(), "q"), keep=1)  # below: 2
+    await reg.added(LoadedVersion("r/q", 1, reg.next_int_id(), "q"), keep=1)
+    assert unloaded == ["r/p@0", "r/p@1"]
+    assert [(v.name, v.version) for v in reg.all()] == [
+        ("r/p", 2), ("r/p", 3), ("r/p", 4), ("r/q", 0), ("r/q", 1)]
+    assert (reg.kept("r/p"), reg.kept("r/q")) == (3, 2)
+    for v in (2, 3, 4):  # the run ends: its adapters are released, and its setting with them
+        await reg.retire("r/p", v)
+    assert reg.kept("r/p") == 2 and "r/p" not in reg._kept
