@@ -19,6 +19,11 @@ def format_step(m: dict[str, Any], total: int) -> str:
         parts.append(f"VAL ACC {m['val/accuracy']:.3f}")
     if "time/step_s" in m:
         parts.append(f"{m['time/step_s']:.1f}s/step")
+    if m.get("train/episode_errors"):  # scored 0; each logged rollout carries its error
+        parts.append(f"{m['train/episode_errors']} EPISODES FAILED "
+                     f"(rollouts/step_{m['step']:06d}.jsonl)")
+    if m.get("val/episode_errors"):
+        parts.append(f"{m['val/episode_errors']} VALIDATION EPISODES FAILED")
     if m.get("alarms"):
         parts.append(f"ALARMS {','.join(m['alarms'])}")
     if m.get("guard"):

@@ -113,7 +113,9 @@ class StreamSink:
 
 
 class RolloutLog:
-    """A few whole transcripts per step, for reading what each role actually says."""
+    """A few whole transcripts per step, for reading what each role actually says: evenly
+    spaced over the step's rollouts, and the first failed one whenever the step has one
+    and none of those failed (its `error` says why; `train/episode_errors` counts them)."""
 
     def __init__(self, folder: Path, per_step: int):
         self.folder = folder
@@ -124,6 +126,9 @@ class RolloutLog:
             return
         self.folder.mkdir(exist_ok=True)
         picked = rollouts[:: max(1, len(rollouts) // self.per_step)][: self.per_step]
+        failed = next((r for r in rollouts if r.error is not None), None)
+        if failed is not None and all(r.error is None for r in picked):
+            picked[-1] = failed
         with open(self.folder / f"step_{step:06d}.jsonl", "w") as f:
             for r in picked:
                 f.write(json.dumps(r.to_dict()) + "\n")
