@@ -72,12 +72,14 @@ from cpu_use import cpu_seconds
 from host import describe, host
 from models import bench_model
 
+from marl.config import parse_spec
 from marl.demo_model import demo_model_dir
 from marl.episode_cli import load_checkpoint
 from marl.heap import keep_freed_heap_until_trimmed
 from marl.launcher import DEFAULT_CORES, Cluster, service_threads
 from marl.trace_summary import StepTimes, load, shares, step_times, steps_per_s
 from marl.v1 import learner_pb2, learner_pb2_grpc
+from marl.workflows.routing import adapter_versions_in_flight
 from services.inference.engine import AdapterWeights, GenerationRequest
 
 WARMUP_STEPS = 2
@@ -327,10 +329,12 @@ def main() -> None:
                 threads["learner_burst"] = threads["learner"]
             figures[f"{run}_threads"] = threads
             trace_dir = root / f"trace-{n}-{run}"
+            slots = max(adapter_versions_in_flight(parse_spec(spec(wf, root, args, k, model_dir)))
+                        for wf in workflows)
             cluster = Cluster(root / f"cluster-{n}-{run}", model_dir,
                               engine=args.engine, sandbox_replicas=0,
                               workflow_replicas=args.workers, max_lora_rank=args.rank,
-                              threads=threads, trace_dir=trace_dir)
+                              max_loras=slots, threads=threads, trace_dir=trace_dir)
             with cluster:
                 for wf in workflows:
                     out = root / f"{wf}-{n}-{run}"

@@ -37,7 +37,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     flags["http_port"] = args.http_port
     flags["trace_dir"] = args.trace_dir
     if args.service == "inference":
-        flags.update(model=args.model, engine=args.engine, max_lora_rank=args.max_lora_rank)
+        flags.update(model=args.model, engine=args.engine, max_lora_rank=args.max_lora_rank,
+                     max_loras=args.max_loras)
     elif args.service == "workflow":
         flags.update(
             sandbox=args.sandbox,
@@ -345,6 +346,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", default=None, choices=["auto", "vllm", "transformers"])
     p.add_argument(
         "--max-lora-rank", type=int, default=None, help="inference: largest adapter rank served"
+    )
+    p.add_argument(
+        "--max-loras", type=int, default=None,
+        help="inference (vLLM): adapter versions one batch can mix",
     )
     p.add_argument("--sandbox", default=None, help="workflow: sandbox address for code rewards")
     p.add_argument(

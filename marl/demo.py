@@ -49,6 +49,7 @@ def run_demo(
     from marl.launcher import DEFAULT_CORES, Cluster, service_threads
     from marl.progress import follow_run
     from marl.v1 import learner_pb2, learner_pb2_grpc
+    from marl.workflows.routing import adapter_versions_in_flight
 
     data = apply_overrides(DEMO_SPEC, overrides)
     if steps is not None:
@@ -82,6 +83,7 @@ def run_demo(
         engine=engine,
         sandbox_replicas=int(os.environ.get("MARL_DEMO_SANDBOXES", "1")),
         max_lora_rank=spec.lora.rank,
+        max_loras=adapter_versions_in_flight(spec),
         threads=service_threads(DEFAULT_CORES, overlapped=spec.train.max_staleness > 0),
         trace_dir=out_dir / "trace" if trace else None,
     )

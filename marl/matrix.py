@@ -38,6 +38,7 @@ from typing import Any, TextIO
 import yaml
 
 from marl.config import RunSpec, SpecError, apply_overrides, parse_spec
+from marl.workflows.routing import adapter_versions_in_flight
 
 AXES = ("task", "model", "workflow", "policy", "seed")
 """Axis names a matrix may have; every other key of `axes` is refused."""
@@ -249,7 +250,8 @@ def run_matrix(
         spec = cells[0].spec
         started = time.monotonic()
         cluster = Cluster(root / "cluster", spec.model.path, engine=_engine(spec),
-                          max_lora_rank=max(c.spec.lora.rank for c in cells))
+                          max_lora_rank=max(c.spec.lora.rank for c in cells),
+                          max_loras=max(adapter_versions_in_flight(c.spec) for c in cells))
         endpoints = cluster.start()
         out.write(f"cluster up in {time.monotonic() - started:.0f}s (model {model})\n")
         try:

@@ -67,8 +67,11 @@ class InferenceConfig(_RedisConfig):
     http_port: int | None = Field(default=None, ge=0, le=65535)
     """Port of the HTTP (OpenAI-compatible) front end; none when unset."""
     max_loras: int = Field(default=4, ge=1, le=256)
-    """vLLM: adapters that can share one batch; at least a run's adapter count (one under
-    Shared-Policy, one per role type under Isolated-Policy) times the runs served at once."""
+    """vLLM: adapter versions that can share one batch. A run may have its adapter count
+    (one under Shared-Policy, one per role type under Isolated-Policy) times
+    `train.max_staleness` + 1 in flight (`marl.workflows.routing.adapter_versions_in_flight`);
+    size this for the runs served at once. Clusters `marl demo` and `marl matrix` start are
+    sized so; a learner logs a warning naming a replica with fewer."""
     max_model_len: int | None = Field(default=None, ge=16)
     """vLLM: longest prompt plus response a request may have (default: the model's)."""
     max_num_seqs: int = Field(default=256, ge=1, le=65_536)

@@ -128,13 +128,15 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("base_model", "engine", "replica_id", "max_lora_rank")
+    __slots__ = ("base_model", "engine", "replica_id", "max_lora_rank", "lora_slots")
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    LORA_SLOTS_FIELD_NUMBER: _ClassVar[int]
     base_model: str
     engine: str
     replica_id: str
     max_lora_rank: int
-    def __init__(self, base_model: _Optional[str] = ..., engine: _Optional[str] = ..., replica_id: _Optional[str] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
+    lora_slots: int
+    def __init__(self, base_model: _Optional[str] = ..., engine: _Optional[str] = ..., replica_id: _Optional[str] = ..., max_lora_rank: _Optional[int] = ..., lora_slots: _Optional[int] = ...) -> None: ...

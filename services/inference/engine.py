@@ -59,6 +59,9 @@ class Engine(Protocol):
     base_model: str
     """Identity of the served base model (its directory's name + config hash)."""
     max_lora_rank: int
+    lora_slots: int | None
+    """Adapter versions one batch can mix (vLLM's `max_loras`); None: any number. A request
+    for another version waits until a batch has room for it."""
     eos_token_ids: list[int]
 
     async def generate(self, request: GenerationRequest) -> GenerationResult: ...

@@ -348,6 +348,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             base_model=self.engine.base_model,
             engine=self.engine.name,
             replica_id=self.replica_id,
+            lora_slots=self.engine.lora_slots or 0,
             max_lora_rank=self.engine.max_lora_rank,
         )
 
@@ -426,7 +427,8 @@ async def _serve(
         if openai is not None:
             await openai.load_tokenizer()
         service.attach(engine, AdapterRegistry(engine.unload_adapter, retention=retention))
-        info.update(base_model=engine.base_model, engine=engine.name)
+        info.update(base_model=engine.base_model, engine=engine.name,
+                    lora_slots=engine.lora_slots)
         if redis_client is not None:
             await await_current_adapters(server, service, redis_client, info)
 

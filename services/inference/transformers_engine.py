@@ -97,6 +97,7 @@ def burst_wait_s(
 
 class TransformersEngine:
     name = "transformers"
+    lora_slots: int | None = None  # a batch groups its rows by adapter, however many
 
     def __init__(
         self,

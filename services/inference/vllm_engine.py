@@ -222,6 +222,7 @@ class VLLMEngine:
         self.model_path = model_path
         self.base_model = base_model_id(model_path)
         self.max_lora_rank = supported_rank(max_lora_rank)
+        self.lora_slots: int | None = max_loras
         args = AsyncEngineArgs(
             model=model_path,
             dtype=dtype,

@@ -85,6 +85,8 @@ class AdapterSync:
         self._failed_at: dict[tuple[str, str, int], float] = {}
         self._publish_lock = asyncio.Lock()
         self._sync: asyncio.Task[None] | None = None
+        self._short_of_slots: set[str] = set()
+        """Replicas already warned of (`check_lora_slots`)."""
 
     def adapter_name(self, policy: str) -> str:
         return f"{self.run_id}/{policy}"
@@ -270,6 +272,7 @@ class AdapterSync:
             live = await replicas.live(self.r, "inference", include_joining=True)
             matching = {k: v for k, v in live.items() if v.get("base_model") == self.base_model}
             if matching:
+                self.check_lora_slots(matching)
                 return matching
             if time.monotonic() > deadline:
                 seen = sorted({str(v.get("base_model")) for v in live.values()})
@@ -278,6 +281,27 @@ class AdapterSync:
                     f"(live replicas serve {seen or 'nothing'}); start one with the run's model.path"
                 )
             await asyncio.sleep(1.0)
+
+
+    def check_lora_slots(self, targets: dict[str, dict[str, Any]]) -> None:
+        """Warn, once per replica, when a replica's batches hold fewer adapter versions
+        (vLLM's `max_loras`) than this run may have in flight: requests beyond its slots
+        then wait for a batch with room, and generation slows without failing."""
+        need = len(self.policy_names) * (self.spec.train.max_staleness + 1)  # see
+        # marl.workflows.routing.adapter_versions_in_flight
+        for rid, info in targets.items():
+            slots = info.get("lora_slots")
+            if slots is None or slots >= need or rid in self._short_of_slots:
+                continue
+            self._short_of_slots.add(rid)
+            log.warning(
+                "run %s may have %d adapter versions in flight (%d adapters x "
+                "train.max_staleness + 1 = %d), but inference replica %s (%s) batches at "
+                "most %d (its max_loras): requests for the others wait for a batch with "
+                "room. Start it with max_loras >= %d.",
+                self.run_id, need, len(self.policy_names),
+                self.spec.train.max_staleness + 1, rid, info.get("address"), slots, need,
+            )
 
 
 def _log_crash(task: asyncio.Task[None]) -> None:

@@ -217,6 +217,11 @@ def test_engine_failure_stays_with_its_own_request() -> None:
     assert all(len(r.token_ids) == 3 for r in results), results
 
 
+def test_info_says_a_batch_mixes_any_number_of_adapters(stub: Any) -> None:
+    info = stub.GetInfo(inference_pb2.GetInfoRequest(), timeout=10)
+    assert (info.engine, info.lora_slots) == ("transformers", 0)
+
+
 def test_a_push_keeps_the_versions_its_manifest_asks_for(
     replica: tuple[inference_pb2_grpc.InferenceStub, str, bytes],
 ) -> None:

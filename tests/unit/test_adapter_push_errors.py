@@ -52,3 +52,26 @@ async def test_a_push_error_is_a_lost_replica_or_a_refusal(
     assert address in str(raised.value)
     assert "run-1/shared@3" in str(raised.value)
     assert servicer.chunks >= 1
+
+
+def test_a_replica_with_fewer_lora_slots_than_the_run_needs_is_named_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two adapters at train.max_staleness 1: up to 4 versions in flight. A vLLM replica
+    with max_loras 2 is warned of, once; one with 4 and a transformers one (no limit) not."""
+    spec = RunSpec.model_validate({"policy": "isolated", "workflow": "voting",
+                                   "train": {"max_staleness": 1}})
+    sync = AdapterSync("run-1", spec, None, {"generator": "generator", "aggregator": "aggregator"},
+                       "base", None)  # type: ignore[arg-type]
+    targets = {"inference-a": {"address": "127.0.0.1:1", "lora_slots": 2},
+               "inference-b": {"address": "127.0.0.1:2", "lora_slots": 4},
+               "inference-c": {"address": "127.0.0.1:3", "lora_slots": None}}
+    with caplog.at_level("WARNING", logger="services.learner.adapter_sync"):
+        sync.check_lora_slots(targets)
+        sync.check_lora_slots(targets)
+    assert [r.getMessage() for r in caplog.records] == [
+        "run run-1 may have 4 adapter versions in flight (2 adapters x train.max_staleness + 1"
+        " = 2), but inference replica inference-a (127.0.0.1:1) batches at most 2 (its "
+        "max_loras): requests for the others wait for a batch with room. Start it with "
+        "max_loras >= 4."
+    ]

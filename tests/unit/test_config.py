@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from marl.config import RunSpec, SpecError, apply_overrides, load_spec_text, parse_spec
 from marl.workflows import policy_of_role
+from marl.workflows.routing import adapter_versions_in_flight
 
 
 def test_defaults_are_the_papers() -> None:
@@ -58,6 +60,19 @@ def test_bad_value_is_named() -> None:
 def test_malformed_override() -> None:
     with pytest.raises(SpecError, match="key=value"):
         apply_overrides({}, ["policy"])
+
+
+def test_adapter_versions_in_flight_size_a_vllm_replicas_lora_slots() -> None:
+    def versions(**fields: object) -> int:
+        return adapter_versions_in_flight(RunSpec.model_validate(fields))
+
+    assert versions(workflow="orch_workers", policy="shared") == 1
+    assert versions(workflow="orch_workers", policy="isolated") == 3
+    assert versions(workflow="orch_workers", policy="isolated", train={"max_staleness": 2}) == 9
+    assert versions(workflow="voting", policy_groups={"generator": "a", "aggregator": "a"},
+                    train={"max_staleness": 1}) == 2
+    with pytest.raises(ValidationError, match="less than or equal to 63"):
+        RunSpec.model_validate({"train": {"max_staleness": 64}})
 
 
 def test_policy_routing() -> None:
