@@ -282,13 +282,12 @@ class AdapterSync:
                 )
             await asyncio.sleep(1.0)
 
-
     def check_lora_slots(self, targets: dict[str, dict[str, Any]]) -> None:
         """Warn, once per replica, when a replica's batches hold fewer adapter versions
-        (vLLM's `max_loras`) than this run may have in flight: requests beyond its slots
-        then wait for a batch with room, and generation slows without failing."""
-        need = len(self.policy_names) * (self.spec.train.max_staleness + 1)  # see
-        # marl.workflows.routing.adapter_versions_in_flight
+        (vLLM's `max_loras`) than this run may have in flight, each adapter's newest and
+        the K before it (`marl.workflows.routing.adapter_versions_in_flight`): requests
+        beyond its slots then wait for a batch with room, and generation slows."""
+        need = len(self.policy_names) * (self.spec.train.max_staleness + 1)
         for rid, info in targets.items():
             slots = info.get("lora_slots")
             if slots is None or slots >= need or rid in self._short_of_slots:
