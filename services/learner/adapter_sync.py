@@ -79,6 +79,9 @@ class AdapterSync:
         self.version_base = version_base
         self.versions = dict.fromkeys(self.policy_names, version_base)
         self.current: dict[str, Published] = {}
+        self.recent: dict[str, list[Published]] = {}
+        """Policy -> its last train.max_staleness + 1 versions, oldest first: what tasks
+        queued ahead may still name, so what a replica that joins mid-run gets."""
         # (replica id, policy, version): acknowledged, being pushed, last failed at
         self._acked: set[tuple[str, str, int]] = set()
         self._pushes: dict[tuple[str, str, int], asyncio.Task[None]] = {}
@@ -141,6 +144,11 @@ class AdapterSync:
         Publishing first means a replica that joins meanwhile either is one of these
         targets or waits for this version before it serves."""
         self.current = current
+        for p, pub in current.items():
+            recent = self.recent.setdefault(p, [])
+            if not recent or recent[-1].version != pub.version:
+                recent.append(pub)
+            del recent[: -(self.spec.train.max_staleness + 1)]
         await self.publish()
         targets = await self.replicas()
         results = await asyncio.gather(
@@ -172,10 +180,12 @@ class AdapterSync:
             versions = {self.adapter_name(p): pub.version for p, pub in self.current.items()}
             await replicas.publish_current(self.r, self.base_model, self.run_id, versions)
 
-    def _push_to(self, rid: str, address: str, p: str) -> asyncio.Task[None]:
-        """The push of p's current version to one replica; a push already under way (from a
-        step or from the sync loop) is shared, not repeated."""
-        pub = self.current[p]
+    def _push_to(
+        self, rid: str, address: str, p: str, pub: Published | None = None
+    ) -> asyncio.Task[None]:
+        """The push of one version of p (default: its current one) to one replica; a push
+        already under way (from a step or from the sync loop) is shared, not repeated."""
+        pub = pub or self.current[p]
         key = (rid, p, pub.version)
         task = self._pushes.get(key)
         if task is None:
@@ -244,7 +254,8 @@ class AdapterSync:
 
     async def sync_replicas(self) -> None:
         """Keep the published versions fresh and push them to every live replica that has
-        not acknowledged them: one that started mid-run waits for them before it serves."""
+        not acknowledged them: one that started mid-run waits for the current ones before
+        it serves, and gets the K before them too (`recent`), which queued tasks name."""
         while True:
             await asyncio.sleep(SYNC_INTERVAL_S)
             if not self.current:
@@ -256,15 +267,18 @@ class AdapterSync:
             for rid, info in live.items():
                 if info.get("base_model") != self.base_model:
                     continue
-                for p, pub in self.current.items():
-                    key = (rid, p, pub.version)
-                    failed_at = self._failed_at.get(key)
-                    if key in self._acked or key in self._pushes:
-                        continue
-                    if failed_at is not None and now - failed_at < SYNC_RETRY_S:
-                        continue
-                    log.info("pushing %s@%d to replica %s", self.adapter_name(p), pub.version, rid)
-                    self._push_to(rid, info["address"], p)
+                for p, current in self.current.items():
+                    for pub in self.recent.get(p, [current]):
+                        key = (rid, p, pub.version)
+                        failed_at = self._failed_at.get(key)
+                        if key in self._acked or key in self._pushes:
+                            continue
+                        if failed_at is not None and now - failed_at < SYNC_RETRY_S:
+                            continue
+                        log.info(
+                            "pushing %s@%d to replica %s", self.adapter_name(p), pub.version, rid
+                        )
+                        self._push_to(rid, info["address"], p, pub)
 
     async def replicas(self) -> dict[str, dict[str, Any]]:
         deadline = time.monotonic() + REPLICA_WAIT_S
