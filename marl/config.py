@@ -160,6 +160,12 @@ class TrainSpec(_Spec):
     `train/stale_dropped`). 0 is the paper's synchronous loop. Every push asks the
     inference replicas to keep K+1 versions of each adapter (at least their `retention`),
     so a task queued K versions before it is generated still finds its version."""
+    @property
+    def versions_per_adapter(self) -> int:
+        """Versions of one adapter that queued tasks may name at once: the newest and the
+        max_staleness before it. Replicas keep that many, and a joining replica gets them."""
+        return self.max_staleness + 1
+
     staleness_scope: Literal["episode", "turn"] = "episode"
     """With max_staleness >= 1: `episode` serves every turn of an episode with the
     versions current when its task was queued; `turn` serves each turn with the newest

@@ -104,9 +104,10 @@ class Cluster:
     sandbox_replicas: int = 1
     learner: bool = True
     max_lora_rank: int = 64
-    max_loras: int = 4
-    """vLLM's LoRA slots per batch; for a cluster started for known runs,
-    `adapter_versions_in_flight` of each (the transformers engine has no such limit)."""
+    max_loras: int | None = None
+    """vLLM's LoRA slots per batch (None: the inference config's); for a cluster started
+    for known runs, `adapter_versions_in_flight` of each. The transformers engine has no
+    such limit."""
     threads: dict[str, int] = field(
         default_factory=lambda: service_threads(DEFAULT_CORES, overlapped=False)
     )
@@ -216,7 +217,7 @@ class Cluster:
         return [
             *("--redis", self.redis_url, "--model", self.model_path, "--engine", self.engine),
             *("--max-lora-rank", str(self.max_lora_rank)),
-            *("--max-loras", str(self.max_loras)),
+            *(() if self.max_loras is None else ("--max-loras", str(self.max_loras))),
         ]
 
     def add_inference_replica(self, wait: bool = True, timeout_s: float = 300.0) -> Process:

@@ -26,9 +26,8 @@ def policy_of_role(spec: RunSpec) -> dict[str, str]:
 
 def adapter_versions_in_flight(spec: RunSpec) -> int:
     """Adapter versions the run's requests may name at once, what a vLLM replica's
-    `max_loras` should be for it: each adapter's newest version and, with
-    train.max_staleness K, the K before it (tasks queued ahead)."""
-    return len(set(policy_of_role(spec).values())) * (spec.train.max_staleness + 1)
+    `max_loras` should be for it: `train.versions_per_adapter` of each adapter."""
+    return len(set(policy_of_role(spec).values())) * spec.train.versions_per_adapter
 
 
 def _policy_of_role(spec: RunSpec) -> dict[str, str]:

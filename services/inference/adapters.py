@@ -49,8 +49,6 @@ class AdapterRegistry:
         self._unload = unload
         self.retention = retention
         self._versions: dict[str, LoadedVersion] = {}
-        self._kept: dict[str, int] = {}
-        """Adapter name -> versions kept, where its pushes asked for more than `retention`."""
         self._next_int_id = 1
         self._lock = asyncio.Lock()
 
@@ -72,26 +70,19 @@ class AdapterRegistry:
             for v in self._versions.values()
         )
 
-    def kept(self, name: str) -> int:
-        """How many versions of adapter `name` stay loaded (its newest ones)."""
-        return self._kept.get(name, self.retention)
-
     async def added(self, loaded: LoadedVersion, keep: int = 0) -> None:
         """Record a freshly loaded version and retire what falls out of retention: the
-        newest `retention` versions of its adapter stay, or `keep` (1..MAX_KEEP_VERSIONS)
-        when more; the latest push's `keep` holds for the adapter from then on."""
+        newest `retention` versions of its adapter stay, or `keep` (its push's
+        `keep_versions`, up to MAX_KEEP_VERSIONS) when more. Versions retire only here,
+        so the latest push's `keep` is the one that counts."""
         assert 0 <= keep <= MAX_KEEP_VERSIONS
         async with self._lock:
             self._versions[loaded.key] = loaded
-            if keep > self.retention:
-                self._kept[loaded.name] = keep
-            else:
-                self._kept.pop(loaded.name, None)
             same = sorted(
                 (v for v in self._versions.values() if v.name == loaded.name and not v.retired),
                 key=lambda v: v.version,
             )
-            for old in same[: -self.kept(loaded.name)]:
+            for old in same[: -max(self.retention, keep)]:
                 old.retired = True
             await self._collect()
 
@@ -136,6 +127,3 @@ class AdapterRegistry:
             if v.retired and v.in_flight == 0:
                 del self._versions[key]
                 await self._unload(key)
-        named = {v.name for v in self._versions.values()}
-        for name in [n for n in self._kept if n not in named]:
-            del self._kept[name]  # a run's adapters all unloaded: its setting goes too

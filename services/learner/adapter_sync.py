@@ -78,10 +78,10 @@ class AdapterSync:
         self.torch = torch_thread
         self.version_base = version_base
         self.versions = dict.fromkeys(self.policy_names, version_base)
-        self.current: dict[str, Published] = {}
         self.recent: dict[str, list[Published]] = {}
-        """Policy -> its last train.max_staleness + 1 versions, oldest first: what tasks
-        queued ahead may still name, so what a replica that joins mid-run gets."""
+        """Policy -> its last `train.versions_per_adapter` versions, oldest first (the
+        current one last): what tasks queued ahead may still name, so what a replica that
+        joins mid-run gets."""
         # (replica id, policy, version): acknowledged, being pushed, last failed at
         self._acked: set[tuple[str, str, int]] = set()
         self._pushes: dict[tuple[str, str, int], asyncio.Task[None]] = {}
@@ -90,6 +90,11 @@ class AdapterSync:
         self._sync: asyncio.Task[None] | None = None
         self._short_of_slots: set[str] = set()
         """Replicas already warned of (`check_lora_slots`)."""
+
+    @property
+    def current(self) -> dict[str, Published]:
+        """Policy -> the version of it published last."""
+        return {p: versions[-1] for p, versions in self.recent.items()}
 
     def adapter_name(self, policy: str) -> str:
         return f"{self.run_id}/{policy}"
@@ -134,7 +139,7 @@ class AdapterSync:
                 policy.target_modules(p),
                 payload,
                 # tasks queued K versions before they are generated still find theirs
-                keep_versions=self.spec.train.max_staleness + 1,
+                keep_versions=self.spec.train.versions_per_adapter,
             )
             current[p] = Published(self.versions[p], manifest, payload)
         return current
@@ -143,17 +148,17 @@ class AdapterSync:
         """Publish a snapshot, push it to every live replica and wait for all acks.
         Publishing first means a replica that joins meanwhile either is one of these
         targets or waits for this version before it serves."""
-        self.current = current
         for p, pub in current.items():
             recent = self.recent.setdefault(p, [])
             if not recent or recent[-1].version != pub.version:
                 recent.append(pub)
-            del recent[: -(self.spec.train.max_staleness + 1)]
+            del recent[: -self.spec.train.versions_per_adapter]
         await self.publish()
         targets = await self.replicas()
+        self.check_lora_slots(targets)
         results = await asyncio.gather(
             *(
-                self._push_to(rid, info["address"], p)
+                self._push_to(rid, info["address"], p, pub)
                 for rid, info in targets.items()
                 for p, pub in current.items()
                 if (rid, p, pub.version) not in self._acked
@@ -180,12 +185,9 @@ class AdapterSync:
             versions = {self.adapter_name(p): pub.version for p, pub in self.current.items()}
             await replicas.publish_current(self.r, self.base_model, self.run_id, versions)
 
-    def _push_to(
-        self, rid: str, address: str, p: str, pub: Published | None = None
-    ) -> asyncio.Task[None]:
-        """The push of one version of p (default: its current one) to one replica; a push
-        already under way (from a step or from the sync loop) is shared, not repeated."""
-        pub = pub or self.current[p]
+    def _push_to(self, rid: str, address: str, p: str, pub: Published) -> asyncio.Task[None]:
+        """The push of one version of p to one replica; a push already under way (from a
+        step or from the sync loop) is shared, not repeated."""
         key = (rid, p, pub.version)
         task = self._pushes.get(key)
         if task is None:
@@ -258,7 +260,7 @@ class AdapterSync:
         it serves, and gets the K before them too (`recent`), which queued tasks name."""
         while True:
             await asyncio.sleep(SYNC_INTERVAL_S)
-            if not self.current:
+            if not self.recent:
                 continue
             await self.publish()
             live = await replicas.live(self.r, "inference", include_joining=True)
@@ -267,8 +269,8 @@ class AdapterSync:
             for rid, info in live.items():
                 if info.get("base_model") != self.base_model:
                     continue
-                for p, current in self.current.items():
-                    for pub in self.recent.get(p, [current]):
+                for p, versions in self.recent.items():
+                    for pub in versions:
                         key = (rid, p, pub.version)
                         failed_at = self._failed_at.get(key)
                         if key in self._acked or key in self._pushes:
@@ -286,7 +288,6 @@ class AdapterSync:
             live = await replicas.live(self.r, "inference", include_joining=True)
             matching = {k: v for k, v in live.items() if v.get("base_model") == self.base_model}
             if matching:
-                self.check_lora_slots(matching)
                 return matching
             if time.monotonic() > deadline:
                 seen = sorted({str(v.get("base_model")) for v in live.values()})
@@ -301,7 +302,7 @@ class AdapterSync:
         (vLLM's `max_loras`) than this run may have in flight, each adapter's newest and
         the K before it (`marl.workflows.routing.adapter_versions_in_flight`): requests
         beyond its slots then wait for a batch with room, and generation slows."""
-        need = len(self.policy_names) * (self.spec.train.max_staleness + 1)
+        need = len(self.policy_names) * self.spec.train.versions_per_adapter
         for rid, info in targets.items():
             slots = info.get("lora_slots")
             if slots is None or slots >= need or rid in self._short_of_slots:
@@ -313,7 +314,7 @@ class AdapterSync:
                 "most %d (its max_loras): requests for the others wait for a batch with "
                 "room. Start it with max_loras >= %d.",
                 self.run_id, need, len(self.policy_names),
-                self.spec.train.max_staleness + 1, rid, info.get("address"), slots, need,
+                self.spec.train.versions_per_adapter, rid, info.get("address"), slots, need,
             )
 
 
