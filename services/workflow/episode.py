@@ -104,6 +104,10 @@ class Episode:
         self.renders = renders
         """The worker's rendered prompts for this tokenizer (None: render every turn)."""
         self.stubs = stubs
+        self.restub: Callable[[], Awaitable[Sequence[GenerateStub]]] | None = None
+        """Stubs from a fresh read of the replica registry (set by the worker), for a turn
+        that every replica of `stubs` turned away: the worker's list may be a heartbeat old,
+        missing a replica that turned serving since, while the listed one stops."""
         self.turns: list[Turn] = []
         """Every finished turn, in the order the turns started."""
         self._turn_starts: list[int] = []
@@ -203,21 +207,14 @@ class Episode:
             request_id=f"{self.task.id}:{role}:{slot}:{uuid.uuid4().hex[:6]}",
             newest_adapter=self.task.staleness_scope == "turn",
         )
-        last_error: grpc.aio.AioRpcError | None = None
-        if not self.stubs:
-            raise NoReplica("no live inference replica is registered")
-        for attempt in range(len(self.stubs)):
-            stub = self.stubs[(self._next + attempt) % len(self.stubs)]
-            try:
-                resp = await stub.Generate(request, timeout=GENERATE_DEADLINE_S)
-                break
-            except grpc.aio.AioRpcError as err:
-                if err.code() not in SERVED_ELSEWHERE:
-                    raise
-                last_error = err
-        else:
+        resp, refusal = await self._generate(request)
+        if resp is None and self.restub is not None:
+            self.stubs = await self.restub()
+            resp, refusal = await self._generate(request)
+        if resp is None:
             raise NoReplica(
-                f"no inference replica could serve {ref.name}@{ref.version}: {last_error}"
+                f"no inference replica could serve {ref.name}@{ref.version}: "
+                f"{refusal or 'no live inference replica is registered'}"
             )
         self._next += 1
         completion = list(resp.token_ids)
@@ -236,3 +233,19 @@ class Episode:
         self._turn_starts.insert(at, start)
         self.turns.insert(at, record)
         return record
+
+    async def _generate(
+        self, request: inference_pb2.GenerateRequest
+    ) -> tuple[inference_pb2.GenerateResponse | None, grpc.aio.AioRpcError | None]:
+        """The first answer of `stubs`, tried in turn from this turn's replica; or none, and
+        the last refusal, when each turned the call away (`SERVED_ELSEWHERE`)."""
+        refusal = None
+        for attempt in range(len(self.stubs)):
+            stub = self.stubs[(self._next + attempt) % len(self.stubs)]
+            try:
+                return await stub.Generate(request, timeout=GENERATE_DEADLINE_S), None
+            except grpc.aio.AioRpcError as err:
+                if err.code() not in SERVED_ELSEWHERE:
+                    raise
+                refusal = err
+        return None, refusal

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import random
 import time
@@ -160,6 +161,12 @@ class EpisodeRunner:
             out.append(self._batching[addr])
         return out
 
+    async def fresh_stubs(self) -> list[BatchingStub]:
+        """`stubs` from a fresh read of the registry, for a turn that every listed replica
+        turned away (turns that ask together share one read)."""
+        self._replicas_at = -math.inf
+        return await self.stubs()
+
     def replicas_age(self) -> float:
         """Seconds since the replica registry was last read."""
         return time.monotonic() - self._replicas_at
@@ -202,6 +209,7 @@ class EpisodeRunner:
             workflow = resolve(task.workflow)
             episode = await self.episode(task, workflow)
             episode.stubs = await self.stubs()
+            episode.restub = self.fresh_stubs
             final = await episode_run(workflow, episode, task)
             with trace.span("score", "score", task=task.id):
                 reward, scoring = await self.score_with_facts(task, final)

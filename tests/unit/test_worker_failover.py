@@ -1,0 +1,77 @@
+"""A worker's replica list is read from Redis at most once a heartbeat, so it can miss a
+replica that turned serving since. When every listed replica turns a turn away (here the
+only one listed has stopped: connection refused), the turn reads the registry again and
+goes to the replica that joined, instead of failing its episode. A real Redis, a real
+grpc.aio replica stand-in on loopback, and the worker's own BatchingStub channels."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+
+import grpc
+from loopback_grpc import serving
+from workflows_scripted import CharTokenizer, make_task
+
+from marl import replicas, streams
+from marl.v1 import inference_pb2, inference_pb2_grpc
+from services.workflow.worker import EpisodeRunner
+
+
+class Answers(inference_pb2_grpc.InferenceServicer):
+    """Answers every request with `\\boxed{5}` (CharTokenizer ids), served by itself."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+
+    async def GenerateMany(  # noqa: N802
+        self, request: inference_pb2.GenerateManyRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateManyResponse]:
+        for i, req in enumerate(request.requests):
+            self.requests += 1
+            yield inference_pb2.GenerateManyResponse(outcomes=[inference_pb2.GenerateOutcome(
+                index=i, response=inference_pb2.GenerateResponse(
+                    token_ids=[ord(c) for c in "\\boxed{5}"], logprobs=[0.0] * 9,
+                    finish_reason="stop", served_by=req.adapter, request_id=req.request_id))])
+
+
+def refused_address() -> str:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+async def test_a_turn_every_listed_replica_refused_goes_to_one_that_joined_since(
+    redis_url: str,
+) -> None:
+    r = streams.connect(redis_url)
+    answers = Answers()
+    runner = EpisodeRunner(r, "w-test")
+    runner._tokenizers[""] = CharTokenizer()
+    try:
+        async with serving(answers, inference_pb2_grpc.add_InferenceServicer_to_server) as up:
+            gone = refused_address()
+            await replicas.announce(r, "inference", "gone", {"address": gone})
+            await replicas.announce(r, "inference", "joins", {"address": up, "serving": False})
+            await runner.stubs()
+            assert runner._replicas == [gone]
+            await replicas.announce(r, "inference", "joins", {"address": up, "serving": True})
+            assert runner.replicas_age() < replicas.HEARTBEAT_S  # the list is not re-read
+
+            rollouts = await asyncio.gather(*(runner.run(make_task("single", seed=s))
+                                              for s in range(4)))
+            assert [ro.error for ro in rollouts] == [None] * 4
+            assert [ro.reward for ro in rollouts] == [1.0] * 4
+            assert answers.requests == 4
+            assert sorted(runner._replicas) == sorted([gone, up])
+
+            await replicas.withdraw(r, "inference", "joins")  # no replica can serve now
+            await runner.refresh_replicas()
+            failed = await runner.run(make_task("single"))
+            assert failed.error is not None and failed.error.startswith("NoReplica: ")
+            assert "UNAVAILABLE" in failed.error and answers.requests == 4
+    finally:
+        await runner.close()
+        await r.aclose()
