@@ -18,8 +18,8 @@ is logged and the task retried (see above).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import math
 import os
 import random
 import time
@@ -141,14 +141,16 @@ class EpisodeRunner:
                 self._contexts[model_path] = None
         return self._contexts[model_path]
 
-    async def stubs(self) -> list[BatchingStub]:
+    async def stubs(self, fresh: bool = False) -> list[BatchingStub]:
         """One Generate per live replica; a replica's concurrent calls go as one.
 
-        The live replicas are read from Redis at most once per heartbeat, by one shared
-        refresh that every episode asking meanwhile awaits. They all resume in the same
+        The live replicas are read from Redis at most once per heartbeat, or at once when
+        `fresh` (for a turn that every listed replica turned away: the list may miss one
+        that turned serving since), by one shared refresh that every episode asking
+        meanwhile awaits. They all resume in the same
         turn of the event loop and reach `Generate` together, so their turns go out as
         one GenerateMany (a lock would hand them on one per loop turn, a call each)."""
-        if self.replicas_age() > replicas.HEARTBEAT_S or not self._replicas:
+        if fresh or self.replicas_age() > replicas.HEARTBEAT_S or not self._replicas:
             await self.refresh_replicas()
         if not self._replicas:
             raise NoReplica("no live inference replica is registered in Redis")
@@ -160,12 +162,6 @@ class EpisodeRunner:
                 self._batching[addr] = BatchingStub(stub)
             out.append(self._batching[addr])
         return out
-
-    async def fresh_stubs(self) -> list[BatchingStub]:
-        """`stubs` from a fresh read of the registry, for a turn that every listed replica
-        turned away (turns that ask together share one read)."""
-        self._replicas_at = -math.inf
-        return await self.stubs()
 
     def replicas_age(self) -> float:
         """Seconds since the replica registry was last read."""
@@ -209,7 +205,7 @@ class EpisodeRunner:
             workflow = resolve(task.workflow)
             episode = await self.episode(task, workflow)
             episode.stubs = await self.stubs()
-            episode.restub = self.fresh_stubs
+            episode.restub = functools.partial(self.stubs, fresh=True)
             final = await episode_run(workflow, episode, task)
             with trace.span("score", "score", task=task.id):
                 reward, scoring = await self.score_with_facts(task, final)

@@ -240,8 +240,8 @@ def test_parallel_turns_are_in_flight_together_on_a_real_engine(
         runner = EpisodeRunner(r, "probe")
         real = runner.stubs
 
-        async def timed() -> list[Any]:
-            return [Timed(s, log) for s in await real()]
+        async def timed(fresh: bool = False) -> list[Any]:
+            return [Timed(s, log) for s in await real(fresh)]
 
         runner.stubs = timed  # type: ignore[method-assign]
         try:

@@ -122,7 +122,7 @@ async def test_a_prompt_that_fills_the_model_context_fails_the_episode() -> None
     runner._tokenizers[""] = CharTokenizer()
     runner._contexts[""] = 30  # the model's context window
 
-    async def stubs() -> list[Any]:
+    async def stubs(fresh: bool = False) -> list[Any]:
         return [engine]
 
     runner.stubs = stubs  # type: ignore[method-assign]

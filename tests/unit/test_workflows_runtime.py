@@ -29,7 +29,7 @@ def runner_with(engine: Any) -> EpisodeRunner:
     runner = EpisodeRunner(None, "w-test")
     runner._tokenizers[""] = CharTokenizer()
 
-    async def stubs() -> list[Any]:
+    async def stubs(fresh: bool = False) -> list[Any]:
         return [engine]
 
     runner.stubs = stubs  # type: ignore[method-assign]
@@ -89,7 +89,7 @@ async def test_a_turn_a_replica_did_not_take_goes_to_the_next(code: grpc.StatusC
     task = make_task("single")
     first = zlib.crc32(f"{task.run_id}:{task.problem.id}".encode()) % 2  # the turn's replica
 
-    async def stubs() -> list[Any]:
+    async def stubs(fresh: bool = False) -> list[Any]:
         return [refusing, serving] if first == 0 else [serving, refusing]
 
     runner.stubs = stubs  # type: ignore[method-assign]
@@ -108,7 +108,7 @@ async def test_no_live_replica_is_a_failed_episode() -> None:
     runner = EpisodeRunner(None, "w-test")
     runner._tokenizers[""] = CharTokenizer()
 
-    async def no_replicas() -> list[Any]:
+    async def no_replicas(fresh: bool = False) -> list[Any]:
         from services.workflow.episode import NoReplica
 
         raise NoReplica("no live inference replica is registered in Redis")
@@ -242,7 +242,7 @@ async def test_problems_spread_over_replicas_and_a_group_meets_on_one() -> None:
     runner = EpisodeRunner(None, "w-test")
     runner._tokenizers[""] = CharTokenizer()
 
-    async def stubs() -> list[Any]:
+    async def stubs(fresh: bool = False) -> list[Any]:
         return list(replicas)
 
     runner.stubs = stubs  # type: ignore[method-assign]
