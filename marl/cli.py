@@ -91,6 +91,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             heartbeat_ttl_s=cfg.heartbeat_ttl_s,
             max_deliveries=cfg.max_deliveries,
             drain_s=cfg.drain_s,
+            replica_wait_s=cfg.replica_wait_s,
         )
     elif args.service == "learner":
         from services.learner import server as learner

@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 PUSH_DEADLINE_S = 300.0
 REPLICA_WAIT_S = 300.0
+"""How long a push waits for an inference replica to take it, when none is live or every
+live one is unreachable (workers wait as long for one to take a turn: `replica_wait_s`)."""
 SYNC_INTERVAL_S = 1.0
 SYNC_RETRY_S = 5.0
 RELEASE_DEADLINE_S = 30.0
@@ -147,36 +149,54 @@ class AdapterSync:
     async def send(self, current: dict[str, Published]) -> None:
         """Publish a snapshot, push it to every live replica and wait for all acks.
         Publishing first means a replica that joins meanwhile either is one of these
-        targets or waits for this version before it serves."""
+        targets or waits for this version before it serves. When every replica is gone
+        (the only one restarting), push again to what is live each second, for up to
+        REPLICA_WAIT_S, until one takes every version."""
         for p, pub in current.items():
             recent = self.recent.setdefault(p, [])
             if not recent or recent[-1].version != pub.version:
                 recent.append(pub)
             del recent[: -self.spec.train.versions_per_adapter]
         await self.publish()
-        targets = await self.replicas()
-        self.check_lora_slots(targets)
-        results = await asyncio.gather(
-            *(
-                self._push_to(rid, info["address"], p, pub)
-                for rid, info in targets.items()
+        deadline = time.monotonic() + REPLICA_WAIT_S
+        waiting = False
+        while True:
+            targets = await self.replicas(deadline)
+            self.check_lora_slots(targets)
+            results = await asyncio.gather(
+                *(
+                    self._push_to(rid, info["address"], p, pub)
+                    for rid, info in targets.items()
+                    for p, pub in current.items()
+                    if (rid, p, pub.version) not in self._acked
+                ),
+                return_exceptions=True,
+            )
+            unreachable = []
+            for result in results:
+                if isinstance(result, ReplicaUnreachable):
+                    unreachable.append(str(result))
+                elif isinstance(result, BaseException):
+                    raise result
+            untaken = [
+                f"{self.adapter_name(p)}@{pub.version}"
                 for p, pub in current.items()
-                if (rid, p, pub.version) not in self._acked
-            ),
-            return_exceptions=True,
-        )
-        unreachable = []
-        for result in results:
-            if isinstance(result, ReplicaUnreachable):
-                unreachable.append(str(result))
-            elif isinstance(result, BaseException):
-                raise result
-        for p, pub in current.items():
-            if not any((rid, p, pub.version) in self._acked for rid in targets):
+                if not any((rid, p, pub.version) in self._acked for rid in targets)
+            ]
+            if not untaken:
+                return
+            if time.monotonic() > deadline:
                 raise RunFailed(
-                    f"no inference replica took {self.adapter_name(p)}@{pub.version}: "
-                    + "; ".join(unreachable)
+                    f"no inference replica took {', '.join(untaken)} within "
+                    f"{REPLICA_WAIT_S:.0f}s: " + "; ".join(unreachable)
                 )
+            # every live replica went away (the only one restarting): one that registers
+            # again gets the versions from this loop or from sync_replicas
+            if not waiting:
+                log.warning("no inference replica took %s (%s); waiting up to %.0fs for one",
+                            ", ".join(untaken), "; ".join(unreachable), REPLICA_WAIT_S)
+                waiting = True
+            await asyncio.sleep(1.0)
 
     async def publish(self) -> None:
         """Record (or refresh) the current versions in Redis; serialised so that a refresh
@@ -282,8 +302,11 @@ class AdapterSync:
                         )
                         self._push_to(rid, info["address"], p, pub)
 
-    async def replicas(self) -> dict[str, dict[str, Any]]:
-        deadline = time.monotonic() + REPLICA_WAIT_S
+    async def replicas(self, deadline: float | None = None) -> dict[str, dict[str, Any]]:
+        """The live replicas of the run's base model, joining ones included; waits for one
+        until `deadline` (monotonic; default REPLICA_WAIT_S from now)."""
+        if deadline is None:
+            deadline = time.monotonic() + REPLICA_WAIT_S
         while True:
             live = await replicas.live(self.r, "inference", include_joining=True)
             matching = {k: v for k, v in live.items() if v.get("base_model") == self.base_model}

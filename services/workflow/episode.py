@@ -13,9 +13,11 @@ finishing order in the record would make the same rollouts train differently.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import hashlib
 import json
+import time
 import uuid
 import zlib
 from array import array
@@ -33,6 +35,9 @@ GENERATE_DEADLINE_S = 600.0
 RENDERED_TOKENS_KEPT = 1 << 20
 """Prompt tokens a worker keeps rendered per model (`Renders`, about 8 bytes a token plus
 the messages); the cache is emptied when it holds more."""
+
+REPLICA_POLL_S = 0.5
+"""How often a turn waiting for a replica (`Episode.replica_wait_s`) reads the registry."""
 
 SERVED_ELSEWHERE = (*SERVER_GONE, grpc.StatusCode.FAILED_PRECONDITION)
 """Codes that send a turn on to the next replica: the replica is down or stopping, or it
@@ -108,6 +113,10 @@ class Episode:
         """Stubs from a fresh read of the replica registry (set by the worker), for a turn
         that every replica of `stubs` turned away: the worker's list may be a heartbeat old,
         missing a replica that turned serving since, while the listed one stops."""
+        self.replica_wait_s = 0.0
+        """How long such a turn goes on reading the registry (every `REPLICA_POLL_S`) for a
+        replica that takes it, before its episode fails with NoReplica: long enough for the
+        only replica to restart. 0: one fresh read (set by the worker)."""
         self.turns: list[Turn] = []
         """Every finished turn, in the order the turns started."""
         self._turn_starts: list[int] = []
@@ -209,12 +218,11 @@ class Episode:
         )
         resp, refusal = await self._generate(request)
         if resp is None and self.restub is not None:
-            self.stubs = await self.restub()
-            resp, refusal = await self._generate(request)
+            resp, refusal = await self._generate_fresh(request, refusal)
         if resp is None:
             raise NoReplica(
                 f"no inference replica could serve {ref.name}@{ref.version}: "
-                f"{refusal or 'no live inference replica is registered'}"
+                f"{refusal or 'no live inference replica is registered in Redis'}"
             )
         self._next += 1
         completion = list(resp.token_ids)
@@ -234,11 +242,35 @@ class Episode:
         self.turns.insert(at, record)
         return record
 
+    async def _generate_fresh(
+        self, request: inference_pb2.GenerateRequest, refusal: grpc.aio.AioRpcError | None
+    ) -> tuple[inference_pb2.GenerateResponse | None, grpc.aio.AioRpcError | None]:
+        """`_generate` over fresh replica lists (`restub`): one at once, then one every
+        `REPLICA_POLL_S` while no replica is up to take the turn (each refusal says the
+        server is gone, or none is registered: the only replica restarting), until one
+        answers or `replica_wait_s` has passed. A serving replica that does not hold the
+        turn's adapter version ends the wait: no restart brings that version back."""
+        assert self.restub is not None
+        deadline = time.monotonic() + self.replica_wait_s
+        while True:
+            try:
+                self.stubs = await self.restub()
+            except NoReplica:
+                self.stubs = []
+            resp, refused = await self._generate(request)
+            refusal = refused or refusal
+            left = deadline - time.monotonic()
+            gone = refused is None or refused.code() in SERVER_GONE
+            if resp is not None or left <= 0 or not gone:
+                return resp, refusal
+            await asyncio.sleep(min(REPLICA_POLL_S, left))
+
     async def _generate(
         self, request: inference_pb2.GenerateRequest
     ) -> tuple[inference_pb2.GenerateResponse | None, grpc.aio.AioRpcError | None]:
         """The first answer of `stubs`, tried in turn from this turn's replica; or none, and
-        the last refusal, when each turned the call away (`SERVED_ELSEWHERE`)."""
+        a refusal, when each turned the call away (`SERVED_ELSEWHERE`): the last one, or
+        a replica's that is up but does not hold the adapter version, if any was."""
         refusal = None
         for attempt in range(len(self.stubs)):
             stub = self.stubs[(self._next + attempt) % len(self.stubs)]
@@ -247,5 +279,6 @@ class Episode:
             except grpc.aio.AioRpcError as err:
                 if err.code() not in SERVED_ELSEWHERE:
                     raise
-                refusal = err
+                if refusal is None or refusal.code() in SERVER_GONE:
+                    refusal = err
         return None, refusal

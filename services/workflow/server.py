@@ -127,13 +127,14 @@ async def _serve(
     heartbeat_ttl_s: float = 5.0,
     max_deliveries: int = 5,
     drain_s: float = 20.0,
+    replica_wait_s: float = 300.0,
 ) -> None:
     name = workflow_pb2.DESCRIPTOR.services_by_name["Workflow"].full_name
     server = ServiceHost([name], host, port)
     r = streams.connect(redis_url)
     # host and pid make a consumer in XINFO traceable to its pod and process
     worker_id = f"workflow-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    runner = EpisodeRunner(r, worker_id, sandbox)
+    runner = EpisodeRunner(r, worker_id, sandbox, replica_wait_s)
     workflow_pb2_grpc.add_WorkflowServicer_to_server(WorkflowService(runner), server.server)
     INFLIGHT_EPISODES.set_function(lambda: runner.stats.in_flight)
     http = None
@@ -181,11 +182,12 @@ def run(
     heartbeat_ttl_s: float = 5.0,
     max_deliveries: int = 5,
     drain_s: float = 20.0,
+    replica_wait_s: float = 300.0,
 ) -> None:
     configure_logging("workflow")
     asyncio.run(
         _serve(
             port, host, redis_url, sandbox, concurrency, http_port,
-            claim_idle_s, heartbeat_ttl_s, max_deliveries, drain_s,
+            claim_idle_s, heartbeat_ttl_s, max_deliveries, drain_s, replica_wait_s,
         )
     )

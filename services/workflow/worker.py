@@ -57,6 +57,12 @@ def could_not_run(err: BaseException) -> bool:
     )
 
 
+REPLICA_CHANNEL_OPTIONS = [("grpc.max_reconnect_backoff_ms", 1000)]
+"""A channel to a replica that went away tries to reconnect at least once a second, so a
+replica that restarts on its address takes turns within a second of coming back, not
+after gRPC's default backoff (growing to 120 s while it was down)."""
+
+
 class Stats:
     def __init__(self) -> None:
         self.done = 0
@@ -68,8 +74,11 @@ class Stats:
 class EpisodeRunner:
     """Runs one task to a rollout; shared by the Redis loop and the RunEpisode RPC."""
 
-    def __init__(self, redis: Any, worker_id: str, sandbox_address: str | None = None):
+    def __init__(self, redis: Any, worker_id: str, sandbox_address: str | None = None,
+                 replica_wait_s: float = 0.0):
         self.redis = redis
+        self.replica_wait_s = replica_wait_s
+        """How long a turn no replica takes waits for one (`Episode.replica_wait_s`)."""
         self.worker_id = worker_id
         self.sandbox_address = sandbox_address
         self.stats = Stats()
@@ -157,7 +166,7 @@ class EpisodeRunner:
         out = []
         for addr in self._replicas:
             if addr not in self._channels:
-                self._channels[addr] = auth.aio_channel(addr)
+                self._channels[addr] = auth.aio_channel(addr, REPLICA_CHANNEL_OPTIONS)
                 stub = inference_pb2_grpc.InferenceStub(self._channels[addr])
                 self._batching[addr] = BatchingStub(stub)
             out.append(self._batching[addr])
@@ -204,8 +213,14 @@ class EpisodeRunner:
         try:
             workflow = resolve(task.workflow)
             episode = await self.episode(task, workflow)
-            episode.stubs = await self.stubs()
+            try:
+                episode.stubs = await self.stubs()
+            except NoReplica:
+                if self.replica_wait_s <= 0:
+                    raise
+                episode.stubs = []  # its first turn waits for one (Episode.replica_wait_s)
             episode.restub = functools.partial(self.stubs, fresh=True)
+            episode.replica_wait_s = self.replica_wait_s
             final = await episode_run(workflow, episode, task)
             with trace.span("score", "score", task=task.id):
                 reward, scoring = await self.score_with_facts(task, final)

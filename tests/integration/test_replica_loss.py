@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -69,5 +70,43 @@ def test_run_survives_the_loss_of_one_inference_replica(
             by_version.setdefault(int(ref.split("@")[1]), set()).add(replica)
         assert len(by_version[0]) == 2
         assert all(len(by_version[v]) == 1 for v in range(killed_at + 1, STEPS + 1))
+    finally:
+        cluster.stop()
+
+
+def test_run_rides_out_the_restart_of_its_only_inference_replica(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The only replica is killed mid-run and started again on its address (as a crashed
+    container is): turns and pushes wait for it instead of failing, and once the learner
+    has pushed it the run's adapters, the run goes on with no episode lost."""
+    cluster = Cluster(
+        tmp_path / "cluster", str(tiny_model_dir), inference_replicas=1, sandbox_replicas=0
+    )
+    cluster.start()
+    try:
+        out = tmp_path / "run"
+        spec = small_run_spec(tiny_model_dir, out, "it-replica-restart", "shared", steps=STEPS)
+        learner, run_id = submit(cluster, spec)
+        wait_for(lambda: steps_done(out / "metrics.jsonl") >= 2, 300, "the run to reach step 2")
+
+        victim = next(p for p in cluster.processes if p.kind == "inference")
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait(timeout=30)
+        killed_at = steps_done(out / "metrics.jsonl")
+        time.sleep(2.0)  # episodes and the learner find no replica meanwhile
+        assert steps_done(out / "metrics.jsonl") <= killed_at + 1
+        cluster.restart(victim)  # returns once it serves: the learner pushed it the adapters
+
+        for _ in learner.WatchRun(
+            learner_pb2.WatchRunRequest(run_id=run_id, from_start=True), timeout=500
+        ):
+            pass
+        run = learner.GetRun(learner_pb2.GetRunRequest(run_id=run_id), timeout=10)
+        assert run.state == "SUCCEEDED", run.error
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert [row["step"] for row in rows] == list(range(STEPS + 1))
+        assert all(row["train/episode_errors"] == 0 for row in rows[1:])
+        assert killed_at < STEPS, "the run ended before its replica was killed"
     finally:
         cluster.stop()

@@ -5,6 +5,7 @@ Redis and real grpc.aio servers on loopback whose PushAdapter records what it go
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import AsyncIterator
 
@@ -71,4 +72,29 @@ async def test_a_joining_replica_gets_the_versions_queued_tasks_may_name(
         await asyncio.gather(sync._sync, return_exceptions=True)
     assert sorted(late.pushed) == list(range(3 - k, 4))
     assert first.pushed == [1, 2, 3]  # it had them all already
+    await r.aclose()
+
+
+async def test_a_push_no_replica_took_waits_for_one_to_come_back(redis_url: str) -> None:
+    """The only replica is gone but still listed (killed, its heartbeat not yet expired):
+    the push goes on trying what is live, and lands on the replica that registers again."""
+    r = streams.connect(redis_url)
+    sync = AdapterSync("run-1", RunSpec(), r, {"generator": "shared"}, "base",
+                       None)  # type: ignore[arg-type]
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        gone = f"127.0.0.1:{s.getsockname()[1]}"
+    await replicas.announce(r, "inference", "inference-a",
+                            {"address": gone, "base_model": "base", "serving": True})
+    push = asyncio.create_task(sync.send({"shared": published(1)}))
+    await asyncio.sleep(1.5)
+    assert not push.done()
+    back = Recording()
+    async with serving(back, inference_pb2_grpc.add_InferenceServicer_to_server) as b:
+        await replicas.withdraw(r, "inference", "inference-a")
+        await replicas.announce(r, "inference", "inference-b",
+                                {"address": b, "base_model": "base", "serving": False})
+        await asyncio.wait_for(push, timeout=10)
+    assert back.pushed == [1]
+    assert ("inference-b", "shared", 1) in sync._acked
     await r.aclose()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -72,6 +73,76 @@ async def test_a_turn_every_listed_replica_refused_goes_to_one_that_joined_since
             failed = await runner.run(make_task("single"))
             assert failed.error is not None and failed.error.startswith("NoReplica: ")
             assert "UNAVAILABLE" in failed.error and answers.requests == 4
+    finally:
+        await runner.close()
+        await r.aclose()
+
+
+class Lacks(inference_pb2_grpc.InferenceServicer):
+    """A serving replica that does not hold the requested adapter version."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+
+    async def GenerateMany(  # noqa: N802
+        self, request: inference_pb2.GenerateManyRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateManyResponse]:
+        self.requests += len(request.requests)
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "adapter not loaded")
+        yield inference_pb2.GenerateManyResponse()
+
+
+async def test_a_turn_waits_for_the_only_replica_to_come_back(redis_url: str) -> None:
+    """The only replica is gone (its entry still listed, then none at all): turns wait,
+    re-reading the registry, and are served once a replica registers again."""
+    r = streams.connect(redis_url)
+    answers = Answers()
+    runner = EpisodeRunner(r, "w-test", replica_wait_s=30.0)
+    runner._tokenizers[""] = CharTokenizer()
+    try:
+        gone = refused_address()
+        await replicas.announce(r, "inference", "gone", {"address": gone})
+        episodes = [asyncio.create_task(runner.run(make_task("single", seed=s)))
+                    for s in range(3)]
+        await asyncio.sleep(1.2)
+        await replicas.withdraw(r, "inference", "gone")
+        late = asyncio.create_task(runner.run(make_task("single", seed=3)))  # none registered
+        await asyncio.sleep(1.2)
+        assert not any(e.done() for e in [*episodes, late])
+        async with serving(answers, inference_pb2_grpc.add_InferenceServicer_to_server) as up:
+            await replicas.announce(r, "inference", "back", {"address": up})
+            rollouts = await asyncio.wait_for(asyncio.gather(*episodes, late), timeout=10)
+        assert [ro.error for ro in rollouts] == [None] * 4
+        assert [ro.reward for ro in rollouts] == [1.0] * 4 and answers.requests == 4
+    finally:
+        await runner.close()
+        await r.aclose()
+
+
+async def test_the_wait_ends_at_its_limit_or_at_a_replica_that_lacks_the_version(
+    redis_url: str,
+) -> None:
+    r = streams.connect(redis_url)
+    runner = EpisodeRunner(r, "w-test", replica_wait_s=1.0)
+    runner._tokenizers[""] = CharTokenizer()
+    lacks = Lacks()
+    try:
+        await replicas.announce(r, "inference", "gone", {"address": refused_address()})
+        started = time.monotonic()
+        failed = await runner.run(make_task("single"))
+        assert 1.0 <= time.monotonic() - started < 5.0
+        assert failed.error is not None and "UNAVAILABLE" in failed.error
+
+        await replicas.withdraw(r, "inference", "gone")
+        runner.replica_wait_s = 30.0
+        async with serving(lacks, inference_pb2_grpc.add_InferenceServicer_to_server) as up:
+            await replicas.announce(r, "inference", "lacks", {"address": up})
+            await runner.refresh_replicas()
+            started = time.monotonic()
+            failed = await runner.run(make_task("single"))
+        assert time.monotonic() - started < 5.0  # no restart brings the version back
+        assert failed.error is not None and "FAILED_PRECONDITION" in failed.error
+        assert lacks.requests == 2  # the listed replica, then the same on a fresh read
     finally:
         await runner.close()
         await r.aclose()
