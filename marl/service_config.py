@@ -116,12 +116,14 @@ class WorkflowConfig(_RedisConfig):
     """On SIGTERM the worker takes no new task and lets its episodes under way finish for
     up to this long; what is left is handed back to the other workers at once. Keep it
     below the pod's terminationGracePeriodSeconds."""
-    replica_wait_s: float = Field(default=300.0, ge=0, le=3600)
+    replica_wait_s: float = Field(default=100.0, ge=0, le=3600)
     """A turn that no inference replica takes (every one the worker knows is down, stopping
     or joining, or none is registered) reads the registry again every half second for this
     long before its episode fails: the only replica restarting (a crash, a rolling update)
-    then holds episodes up instead of failing them. The learner waits as long for a replica
-    to take its adapters. 0: one fresh read, then the episode fails."""
+    then holds episodes up instead of failing them. Keep it below `claim_idle_s`: a task
+    held longer is taken by another worker too (the learner keeps the first rollout). The
+    learner waits up to 300 s for a replica to take its adapters. 0: one fresh read, then
+    the episode fails."""
 
 
 class LearnerConfig(_RedisConfig):

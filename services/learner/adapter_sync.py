@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 PUSH_DEADLINE_S = 300.0
 REPLICA_WAIT_S = 300.0
 """How long a push waits for an inference replica to take it, when none is live or every
-live one is unreachable (workers wait as long for one to take a turn: `replica_wait_s`)."""
+live one is unreachable (the only one restarting; workers wait `replica_wait_s` for one
+to take a turn)."""
 SYNC_INTERVAL_S = 1.0
 SYNC_RETRY_S = 5.0
 RELEASE_DEADLINE_S = 30.0

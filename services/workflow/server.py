@@ -127,7 +127,7 @@ async def _serve(
     heartbeat_ttl_s: float = 5.0,
     max_deliveries: int = 5,
     drain_s: float = 20.0,
-    replica_wait_s: float = 300.0,
+    replica_wait_s: float = 100.0,
 ) -> None:
     name = workflow_pb2.DESCRIPTOR.services_by_name["Workflow"].full_name
     server = ServiceHost([name], host, port)
@@ -182,7 +182,7 @@ def run(
     heartbeat_ttl_s: float = 5.0,
     max_deliveries: int = 5,
     drain_s: float = 20.0,
-    replica_wait_s: float = 300.0,
+    replica_wait_s: float = 100.0,
 ) -> None:
     configure_logging("workflow")
     asyncio.run(
