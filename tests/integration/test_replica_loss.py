@@ -29,6 +29,19 @@ def steps_done(metrics: Path) -> int:
     return max((json.loads(line)["step"] for line in metrics.read_text().splitlines()), default=0)
 
 
+def ends_whole(learner: Any, run_id: str, out: Path) -> None:
+    """Waits for the run's end: SUCCEEDED, every step logged, no episode failed."""
+    for _ in learner.WatchRun(
+        learner_pb2.WatchRunRequest(run_id=run_id, from_start=True), timeout=500
+    ):
+        pass
+    run = learner.GetRun(learner_pb2.GetRunRequest(run_id=run_id), timeout=10)
+    assert run.state == "SUCCEEDED", run.error
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(STEPS + 1))
+    assert all(row["train/episode_errors"] == 0 for row in rows[1:])
+
+
 def test_run_survives_the_loss_of_one_inference_replica(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -52,15 +65,7 @@ def test_run_survives_the_loss_of_one_inference_replica(
         victim.proc.wait(timeout=30)
         killed_at = steps_done(out / "metrics.jsonl")
 
-        for _ in learner.WatchRun(
-            learner_pb2.WatchRunRequest(run_id=run_id, from_start=True), timeout=500
-        ):
-            pass
-        run = learner.GetRun(learner_pb2.GetRunRequest(run_id=run_id), timeout=10)
-        assert run.state == "SUCCEEDED", run.error
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        assert [row["step"] for row in rows] == list(range(STEPS + 1))
-        assert all(row["train/episode_errors"] == 0 for row in rows[1:])
+        ends_whole(learner, run_id, out)
 
         # every version after the loss was acknowledged by the surviving replica only
         acks: Any = r.hgetall(f"marl:run:{run_id}:acks")
@@ -98,15 +103,7 @@ def test_run_rides_out_the_restart_of_its_only_inference_replica(
         assert steps_done(out / "metrics.jsonl") <= killed_at + 1
         cluster.restart(victim)  # returns once it serves: the learner pushed it the adapters
 
-        for _ in learner.WatchRun(
-            learner_pb2.WatchRunRequest(run_id=run_id, from_start=True), timeout=500
-        ):
-            pass
-        run = learner.GetRun(learner_pb2.GetRunRequest(run_id=run_id), timeout=10)
-        assert run.state == "SUCCEEDED", run.error
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        assert [row["step"] for row in rows] == list(range(STEPS + 1))
-        assert all(row["train/episode_errors"] == 0 for row in rows[1:])
+        ends_whole(learner, run_id, out)
         assert killed_at < STEPS, "the run ended before its replica was killed"
     finally:
         cluster.stop()
