@@ -38,8 +38,8 @@ test-learner-resume: setup ## SIGKILL the learner mid-step and mid-checkpoint-wr
 	$(BIN)/python -m pytest -q -m slow tests/integration/test_learner_resume.py
 
 .PHONY: test-chaos
-test-chaos: setup ## SIGKILL 20 workflow workers that hold tasks during one run, then Redis (AOF) mid-run; SIGTERM the sandbox under load and inference, a worker and the learner mid-run: the runs complete, every step has its full groups, nothing counted twice, lost or failed; workers held up past their heartbeat TTL keep their tasks; 8 workers and 2 sandboxes under 200 concurrent episodes for 2 min: no error, flat memory (~11 min)
-	$(BIN)/python -m pytest -q -s -m slow tests/integration/test_worker_kills.py tests/integration/test_redis_restart.py tests/integration/test_sigterm_drain.py tests/integration/test_slow_worker.py tests/integration/test_load.py
+test-chaos: setup ## SIGKILL 20 workflow workers that hold tasks during one run, then Redis (AOF) mid-run; SIGTERM the sandbox under load and inference, a worker and the learner mid-run; SIGKILL the only inference replica and start it again: the runs complete, every step has its full groups, nothing counted twice, lost or failed; workers held up past their heartbeat TTL keep their tasks; 8 workers and 2 sandboxes under 200 concurrent episodes for 2 min: no error, flat memory (~11 min)
+	$(BIN)/python -m pytest -q -s -m slow tests/integration/test_worker_kills.py tests/integration/test_redis_restart.py tests/integration/test_sigterm_drain.py tests/integration/test_slow_worker.py tests/integration/test_load.py tests/integration/test_replica_loss.py
 
 .PHONY: test-drift
 test-drift: setup ## planted role drift: sp_role_capture on a Voting-SP run paid for the generators' long form; gradient_amplification on a Voting-IP generator at 10x lr; the plain run fires nothing (~3-6 min)
