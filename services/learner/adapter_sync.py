@@ -150,9 +150,9 @@ class AdapterSync:
     async def send(self, current: dict[str, Published]) -> None:
         """Publish a snapshot, push it to every live replica and wait for all acks.
         Publishing first means a replica that joins meanwhile either is one of these
-        targets or waits for this version before it serves. When every replica is gone
-        (the only one restarting), push again to what is live each second, for up to
-        REPLICA_WAIT_S, until one takes every version."""
+        targets or waits for this version before it serves. While no replica took a
+        version (none is live, or every live one is gone: the only one restarting), push
+        again to what is live each second, for up to REPLICA_WAIT_S."""
         for p, pub in current.items():
             recent = self.recent.setdefault(p, [])
             if not recent or recent[-1].version != pub.version:
@@ -162,23 +162,10 @@ class AdapterSync:
         deadline = time.monotonic() + REPLICA_WAIT_S
         waiting = False
         while True:
-            targets = await self.replicas(deadline)
+            live = await replicas.live(self.r, "inference", include_joining=True)
+            targets = {k: v for k, v in live.items() if v.get("base_model") == self.base_model}
             self.check_lora_slots(targets)
-            results = await asyncio.gather(
-                *(
-                    self._push_to(rid, info["address"], p, pub)
-                    for rid, info in targets.items()
-                    for p, pub in current.items()
-                    if (rid, p, pub.version) not in self._acked
-                ),
-                return_exceptions=True,
-            )
-            unreachable = []
-            for result in results:
-                if isinstance(result, ReplicaUnreachable):
-                    unreachable.append(str(result))
-                elif isinstance(result, BaseException):
-                    raise result
+            unreachable = await self._push_round(targets, current)
             untaken = [
                 f"{self.adapter_name(p)}@{pub.version}"
                 for p, pub in current.items()
@@ -186,18 +173,44 @@ class AdapterSync:
             ]
             if not untaken:
                 return
+            if targets:
+                why = "; ".join(unreachable)
+            else:
+                seen = sorted({str(v.get("base_model")) for v in live.values()})
+                why = (f"no live inference replica serves base model {self.base_model} (live "
+                       f"replicas serve {seen or 'nothing'}); start one with the run's model.path")
             if time.monotonic() > deadline:
                 raise RunFailed(
                     f"no inference replica took {', '.join(untaken)} within "
-                    f"{REPLICA_WAIT_S:.0f}s: " + "; ".join(unreachable)
+                    f"{REPLICA_WAIT_S:.0f}s: {why}"
                 )
-            # every live replica went away (the only one restarting): one that registers
-            # again gets the versions from this loop or from sync_replicas
-            if not waiting:
+            if not waiting:  # one that registers again gets them here or from sync_replicas
                 log.warning("no inference replica took %s (%s); waiting up to %.0fs for one",
-                            ", ".join(untaken), "; ".join(unreachable), REPLICA_WAIT_S)
+                            ", ".join(untaken), why, REPLICA_WAIT_S)
                 waiting = True
             await asyncio.sleep(1.0)
+
+    async def _push_round(
+        self, targets: dict[str, dict[str, Any]], current: dict[str, Published]
+    ) -> list[str]:
+        """Push every version of `current` to every target that has not acknowledged it;
+        returns why each unreachable target failed (a refusal raises RunFailed)."""
+        results = await asyncio.gather(
+            *(
+                self._push_to(rid, info["address"], p, pub)
+                for rid, info in targets.items()
+                for p, pub in current.items()
+                if (rid, p, pub.version) not in self._acked
+            ),
+            return_exceptions=True,
+        )
+        unreachable = []
+        for result in results:
+            if isinstance(result, ReplicaUnreachable):
+                unreachable.append(str(result))
+            elif isinstance(result, BaseException):
+                raise result
+        return unreachable
 
     async def publish(self) -> None:
         """Record (or refresh) the current versions in Redis; serialised so that a refresh
@@ -302,24 +315,6 @@ class AdapterSync:
                             "pushing %s@%d to replica %s", self.adapter_name(p), pub.version, rid
                         )
                         self._push_to(rid, info["address"], p, pub)
-
-    async def replicas(self, deadline: float | None = None) -> dict[str, dict[str, Any]]:
-        """The live replicas of the run's base model, joining ones included; waits for one
-        until `deadline` (monotonic; default REPLICA_WAIT_S from now)."""
-        if deadline is None:
-            deadline = time.monotonic() + REPLICA_WAIT_S
-        while True:
-            live = await replicas.live(self.r, "inference", include_joining=True)
-            matching = {k: v for k, v in live.items() if v.get("base_model") == self.base_model}
-            if matching:
-                return matching
-            if time.monotonic() > deadline:
-                seen = sorted({str(v.get("base_model")) for v in live.values()})
-                raise RunFailed(
-                    f"no live inference replica serves base model {self.base_model} "
-                    f"(live replicas serve {seen or 'nothing'}); start one with the run's model.path"
-                )
-            await asyncio.sleep(1.0)
 
     def check_lora_slots(self, targets: dict[str, dict[str, Any]]) -> None:
         """Warn, once per replica, when a replica's batches hold fewer adapter versions

@@ -52,6 +52,9 @@ class NoReplica(EpisodeError):
     """No inference replica could serve the turn."""
 
 
+NONE_REGISTERED = "no live inference replica is registered in Redis"
+
+
 def turn_seed(task: Task, role: str, slot: int, nth: int) -> int:
     """A nonzero 63-bit sampling seed from the run seed and the task (not the run id, which
     is random per submission), the role, the slot and the n-th turn of that role slot."""
@@ -222,7 +225,7 @@ class Episode:
         if resp is None:
             raise NoReplica(
                 f"no inference replica could serve {ref.name}@{ref.version}: "
-                f"{refusal or 'no live inference replica is registered in Redis'}"
+                f"{refusal or NONE_REGISTERED}"
             )
         self._next += 1
         completion = list(resp.token_ids)

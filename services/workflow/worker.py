@@ -40,7 +40,7 @@ from marl.rpc_codes import NO_ANSWER
 from marl.v1 import inference_pb2_grpc
 from marl.workflows import EpisodeError, Workflow, resolve
 from services.workflow import openai_proxy
-from services.workflow.episode import Episode, NoReplica, Renders
+from services.workflow.episode import NONE_REGISTERED, Episode, NoReplica, Renders
 from services.workflow.generate_batcher import BatchingStub
 from services.workflow.rollout_sender import RolloutSender
 
@@ -162,7 +162,7 @@ class EpisodeRunner:
         if fresh or self.replicas_age() > replicas.HEARTBEAT_S or not self._replicas:
             await self.refresh_replicas()
         if not self._replicas:
-            raise NoReplica("no live inference replica is registered in Redis")
+            raise NoReplica(NONE_REGISTERED)
         out = []
         for addr in self._replicas:
             if addr not in self._channels:
