@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,7 +72,10 @@ class AdapterSync:
         base_model: str,
         torch_thread: TorchThread,
         version_base: int = 0,
+        check_cancel: Callable[[], Awaitable[None]] | None = None,
     ):
+        """`check_cancel` raises when the run was cancelled: a push waiting for a replica
+        asks it each second, so CancelRun does not wait out REPLICA_WAIT_S."""
         self.run_id = run_id
         self.spec = spec
         self.r = r
@@ -80,6 +84,7 @@ class AdapterSync:
         self.base_model = base_model
         self.torch = torch_thread
         self.version_base = version_base
+        self.check_cancel = check_cancel
         self.versions = dict.fromkeys(self.policy_names, version_base)
         self.recent: dict[str, list[Published]] = {}
         """Policy -> its last `train.versions_per_adapter` versions, oldest first (the
@@ -188,6 +193,8 @@ class AdapterSync:
                 log.warning("no inference replica took %s (%s); waiting up to %.0fs for one",
                             ", ".join(untaken), why, REPLICA_WAIT_S)
                 waiting = True
+            if self.check_cancel is not None:
+                await self.check_cancel()
             await asyncio.sleep(1.0)
 
     async def _push_round(

@@ -151,6 +151,7 @@ class RunExecutor:
             self.torch,
             # each learner of the run, and each rollback within it, a range of its own
             version_base=takeover * (spec.guard.max_rollbacks + 1) * (spec.train.steps + 1),
+            check_cancel=self.check_cancel,
         )
         self.episodes = Episodes(
             run_id, spec, r, learner_id, self.adapters.refs, self.check_cancel, max_queued_tasks

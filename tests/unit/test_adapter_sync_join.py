@@ -17,6 +17,7 @@ from marl import adapter_io, replicas, streams
 from marl.config import RunSpec
 from marl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.learner.adapter_sync import AdapterSync, Published
+from services.learner.errors import RunCancelled
 
 
 class Recording(inference_pb2_grpc.InferenceServicer):
@@ -42,6 +43,13 @@ def published(version: int) -> Published:
     manifest = adapter_io.make_manifest(
         "run-1/shared", version, "base", 4, 8.0, ["q_proj"], payload)
     return Published(version, manifest, payload)
+
+
+def unused_loopback_address() -> str:
+    """A loopback port nothing listens on: a replica killed but still listed."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 @pytest.mark.parametrize("k", [0, 1, 2])
@@ -81,11 +89,9 @@ async def test_a_push_no_replica_took_waits_for_one_to_come_back(redis_url: str)
     r = streams.connect(redis_url)
     sync = AdapterSync("run-1", RunSpec(), r, {"generator": "shared"}, "base",
                        None)  # type: ignore[arg-type]
-    with socket.socket() as s:  # a loopback port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        gone = f"127.0.0.1:{s.getsockname()[1]}"
     await replicas.announce(r, "inference", "inference-a",
-                            {"address": gone, "base_model": "base", "serving": True})
+                            {"address": unused_loopback_address(), "base_model": "base",
+                             "serving": True})
     push = asyncio.create_task(sync.send({"shared": published(1)}))
     await asyncio.sleep(1.5)
     assert not push.done()
@@ -97,4 +103,33 @@ async def test_a_push_no_replica_took_waits_for_one_to_come_back(redis_url: str)
         await asyncio.wait_for(push, timeout=10)
     assert back.pushed == [1]
     assert ("inference-b", "shared", 1) in sync._acked
+    await r.aclose()
+
+
+async def test_a_push_waiting_for_a_replica_ends_when_the_run_is_cancelled(
+    redis_url: str,
+) -> None:
+    """CancelRun while the only replica is gone: the waiting push raises RunCancelled at its
+    next check instead of waiting out REPLICA_WAIT_S."""
+    r = streams.connect(redis_url)
+    cancelled = asyncio.Event()
+    checks = 0
+
+    async def check_cancel() -> None:
+        nonlocal checks
+        checks += 1
+        if cancelled.is_set():
+            raise RunCancelled()
+
+    sync = AdapterSync("run-1", RunSpec(), r, {"generator": "shared"}, "base",
+                       None, check_cancel=check_cancel)  # type: ignore[arg-type]
+    await replicas.announce(r, "inference", "inference-a",
+                            {"address": unused_loopback_address(), "base_model": "base",
+                             "serving": True})
+    push = asyncio.create_task(sync.send({"shared": published(1)}))
+    await asyncio.sleep(1.5)
+    assert not push.done() and checks >= 1
+    cancelled.set()
+    with pytest.raises(RunCancelled):
+        await asyncio.wait_for(push, timeout=10)
     await r.aclose()
