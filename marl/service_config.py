@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 MiB = 1 << 20
 
@@ -124,6 +124,16 @@ class WorkflowConfig(_RedisConfig):
     held longer is taken by another worker too (the learner keeps the first rollout). The
     learner waits up to 300 s for a replica to take its adapters. 0: one fresh read, then
     the episode fails."""
+
+    @model_validator(mode="after")
+    def _wait_below_claim(self) -> WorkflowConfig:
+        if self.replica_wait_s >= self.claim_idle_s:
+            raise ValueError(
+                f"replica_wait_s ({self.replica_wait_s:g}) must be below claim_idle_s "
+                f"({self.claim_idle_s:g}): a task held waiting for a replica that long is "
+                "claimed by another worker too; lower replica_wait_s or raise claim_idle_s"
+            )
+        return self
 
 
 class LearnerConfig(_RedisConfig):
@@ -253,6 +263,8 @@ def load_service_config(
         return MODELS[service](**merged)
     except ValidationError as e:
         err = e.errors()[0]
+        if not err["loc"]:  # a check across fields: its message names them
+            raise ValueError(str(err.get("ctx", {}).get("error", err["msg"]))) from None
         field = ".".join(str(p) for p in err["loc"])
         where = source.get(str(err["loc"][0]) if err["loc"] else "", "")
         if where == "from the environment":

@@ -61,6 +61,15 @@ def test_bad_file_value_names_field_and_file(tmp_path: Path) -> None:
         load_service_config("inference", str(f), environ={})
 
 
+def test_replica_wait_must_stay_below_claim_idle(tmp_path: Path) -> None:
+    f = tmp_path / "workflow.yaml"
+    f.write_text("replica_wait_s: 150\n")
+    with pytest.raises(ValueError, match=r"^replica_wait_s \(150\) must be below claim_idle_s \(120\)"):
+        load_service_config("workflow", str(f), environ={})
+    cfg = load_service_config("workflow", str(f), environ={"MARL_WORKFLOW_CLAIM_IDLE_S": "300"})
+    assert (cfg.replica_wait_s, cfg.claim_idle_s) == (150, 300)
+
+
 def test_unknown_key_is_refused(tmp_path: Path) -> None:
     f = tmp_path / "learner.yaml"
     f.write_text("runs_dir: /data\nworkers: 3\n")
