@@ -80,6 +80,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+FAILED_STEPS_LIMIT = 3
+"""Consecutive steps with every episode failed after which the run fails: a setting every
+episode trips on (a prompt cap below every prompt, a sandbox that never answers) ends the
+run with its error instead of training nothing up to the last step, while an outage a step
+or two long (a restarting sandbox) is ridden out."""
+
 
 def trace_phases(
     run: str, step: int, released: float, t0: float, t1: float, t2: float, t3: float,
@@ -250,6 +256,8 @@ class RunExecutor:
         """The last step's push and record, still running beside this step (K >= 1)."""
         pushed: asyncio.Event | None = None
         """Set once that push is acked: tasks queued meanwhile name its versions."""
+        failed_steps = 0
+        """Steps in a row up to this one whose every episode failed."""
 
         def submit_ahead(s: int, after: asyncio.Event | None) -> None:
             """Step `s`'s tasks with the adapter versions current now, noting the data
@@ -268,6 +276,13 @@ class RunExecutor:
                 this_step = ahead.pop(step)[0]
                 rollouts = await self.episodes.gather(this_step)
                 t1 = time.monotonic()
+                failed = [r.error for r in rollouts if r.error is not None]
+                failed_steps = failed_steps + 1 if len(failed) == len(rollouts) > 0 else 0
+                if failed_steps >= FAILED_STEPS_LIMIT:
+                    raise RunFailed(
+                        f"every episode of steps {step + 2 - failed_steps}-{step + 1} failed, "
+                        f"so they trained nothing; the last one's error: {failed[-1]}"
+                    )
                 released = t0 if this_step.released is None else this_step.released
                 current = {ref.name: ref.version for ref in self.adapters.refs().values()}
                 trained, staleness = drop_stale(rollouts, current, spec.train.max_staleness)

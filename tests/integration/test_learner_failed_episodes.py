@@ -13,6 +13,7 @@ failed rollouts are handed in, and a different loss if they had been scored 0.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -29,6 +30,7 @@ from marl.v1 import learner_pb2, learner_pb2_grpc
 from marl.workflows import prompts
 from services.learner.grpo import good_rollouts, group_advantages
 from services.learner.sampler import DataSampler
+from services.learner.trainer import FAILED_STEPS_LIMIT
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -75,22 +77,33 @@ def aggregator_cap(model_dir: Path, raw: dict) -> int:
     return empty + 14
 
 
+@pytest.fixture(scope="module")
+def learner(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[learner_pb2_grpc.LearnerStub]:
+    folder = tmp_path_factory.mktemp("cluster")
+    with Cluster(folder, str(tiny_model_dir), sandbox_replicas=0) as cluster:
+        yield learner_pb2_grpc.LearnerStub(grpc.insecure_channel(cluster.endpoints()["learner"]))
+
+
+def run_to_the_end(stub: learner_pb2_grpc.LearnerStub, raw: dict) -> learner_pb2.Run:
+    run_id = stub.SubmitRun(
+        learner_pb2.SubmitRunRequest(spec_yaml=yaml.safe_dump(raw)), timeout=60
+    ).run_id
+    for _ in stub.WatchRun(
+        learner_pb2.WatchRunRequest(run_id=run_id, from_start=True), timeout=500
+    ):
+        pass
+    return stub.GetRun(learner_pb2.GetRunRequest(run_id=run_id), timeout=10)
+
+
 def test_failed_episodes_leave_their_groups_in_a_real_run(
-    tiny_model_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, tmp_path: Path, learner: learner_pb2_grpc.LearnerStub
 ) -> None:
     out = tmp_path / "run"
     raw = base_spec(tiny_model_dir, out)
     raw["caps"] = {"prompt_tokens_math": aggregator_cap(tiny_model_dir, raw)}
-    with Cluster(tmp_path / "cluster", str(tiny_model_dir), sandbox_replicas=0) as cluster:
-        stub = learner_pb2_grpc.LearnerStub(grpc.insecure_channel(cluster.endpoints()["learner"]))
-        run_id = stub.SubmitRun(
-            learner_pb2.SubmitRunRequest(spec_yaml=yaml.safe_dump(raw)), timeout=60
-        ).run_id
-        for _ in stub.WatchRun(
-            learner_pb2.WatchRunRequest(run_id=run_id, from_start=True), timeout=500
-        ):
-            pass
-        run = stub.GetRun(learner_pb2.GetRunRequest(run_id=run_id), timeout=10)
+    run = run_to_the_end(learner, raw)
     assert run.state == "SUCCEEDED", run.error
 
     row = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1]
@@ -135,3 +148,22 @@ def test_failed_episodes_leave_their_groups_in_a_real_run(
     shifted = [with_zeros[i] for i in keep]
     assert any(abs(a - b) > 1e-6 for a, b in zip(shifted, without, strict=True)), outcome
     assert replay_shared_loss(tiny_model_dir, raw, as_zero) != pytest.approx(logged, rel=1e-3)
+
+
+def test_a_run_whose_every_episode_fails_fails_with_their_error(
+    tiny_model_dir: Path, tmp_path: Path, learner: learner_pb2_grpc.LearnerStub
+) -> None:
+    """A prompt cap below every prompt: each step trains nothing, and after
+    FAILED_STEPS_LIMIT such steps in a row the run fails naming the episodes' error."""
+    out = tmp_path / "run"
+    raw = base_spec(tiny_model_dir, out)
+    raw["caps"] = {"prompt_tokens_math": 8}
+    raw["train"].update(steps=6, val_interval=6, checkpoint_interval=6)
+    run = run_to_the_end(learner, raw)
+    assert run.state == "FAILED"
+    assert run.error.startswith(f"every episode of steps 1-{FAILED_STEPS_LIMIT} failed"), run.error
+    assert "prompt cap" in run.error
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if r["step"] > 0]
+    assert [r["step"] for r in trained] == list(range(1, FAILED_STEPS_LIMIT))
+    assert all(r["train/episode_errors"] == PROBLEMS * GROUP for r in trained)
