@@ -16,17 +16,15 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
-import yaml
 from grpo_replay import replay_shared_loss
+from learner_runs import submit, wait_end
 from transformers import AutoTokenizer
 
 from marl.config import parse_spec
 from marl.data import load_problems
 from marl.launcher import Cluster
 from marl.rollout import Rollout
-from marl.v1 import learner_pb2, learner_pb2_grpc
 from marl.workflows import prompts
 from services.learner.grpo import good_rollouts, group_advantages
 from services.learner.sampler import DataSampler
@@ -78,32 +76,20 @@ def aggregator_cap(model_dir: Path, raw: dict) -> int:
 
 
 @pytest.fixture(scope="module")
-def learner(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[learner_pb2_grpc.LearnerStub]:
-    folder = tmp_path_factory.mktemp("cluster")
-    with Cluster(folder, str(tiny_model_dir), sandbox_replicas=0) as cluster:
-        yield learner_pb2_grpc.LearnerStub(grpc.insecure_channel(cluster.endpoints()["learner"]))
-
-
-def run_to_the_end(stub: learner_pb2_grpc.LearnerStub, raw: dict) -> learner_pb2.Run:
-    run_id = stub.SubmitRun(
-        learner_pb2.SubmitRunRequest(spec_yaml=yaml.safe_dump(raw)), timeout=60
-    ).run_id
-    for _ in stub.WatchRun(
-        learner_pb2.WatchRunRequest(run_id=run_id, from_start=True), timeout=500
-    ):
-        pass
-    return stub.GetRun(learner_pb2.GetRunRequest(run_id=run_id), timeout=10)
+def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with Cluster(
+        tmp_path_factory.mktemp("cluster"), str(tiny_model_dir), sandbox_replicas=0
+    ) as c:
+        yield c
 
 
 def test_failed_episodes_leave_their_groups_in_a_real_run(
-    tiny_model_dir: Path, tmp_path: Path, learner: learner_pb2_grpc.LearnerStub
+    tiny_model_dir: Path, tmp_path: Path, cluster: Cluster
 ) -> None:
     out = tmp_path / "run"
     raw = base_spec(tiny_model_dir, out)
     raw["caps"] = {"prompt_tokens_math": aggregator_cap(tiny_model_dir, raw)}
-    run = run_to_the_end(learner, raw)
+    run = wait_end(cluster, submit(cluster, raw))
     assert run.state == "SUCCEEDED", run.error
 
     row = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1]
@@ -151,7 +137,7 @@ def test_failed_episodes_leave_their_groups_in_a_real_run(
 
 
 def test_a_run_whose_every_episode_fails_fails_with_their_error(
-    tiny_model_dir: Path, tmp_path: Path, learner: learner_pb2_grpc.LearnerStub
+    tiny_model_dir: Path, tmp_path: Path, cluster: Cluster
 ) -> None:
     """A prompt cap below every prompt: each step trains nothing, and after
     FAILED_STEPS_LIMIT such steps in a row the run fails naming the episodes' error."""
@@ -159,7 +145,7 @@ def test_a_run_whose_every_episode_fails_fails_with_their_error(
     raw = base_spec(tiny_model_dir, out)
     raw["caps"] = {"prompt_tokens_math": 8}
     raw["train"].update(steps=6, val_interval=6, checkpoint_interval=6)
-    run = run_to_the_end(learner, raw)
+    run = wait_end(cluster, submit(cluster, raw))
     assert run.state == "FAILED"
     assert run.error.startswith(f"every episode of steps 1-{FAILED_STEPS_LIMIT} failed"), run.error
     assert "prompt cap" in run.error
