@@ -81,6 +81,12 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self._engine: Engine | None = None
         self._registry: AdapterRegistry | None = None
         self._push_lock = asyncio.Lock()
+        self.joined = False
+        """Holds every adapter version an active run needs (`await_current_adapters`
+        returned). Until then a request for a version it lacks is UNAVAILABLE, as from a
+        replica not up yet, since the learner's push is on its way: a worker waiting for
+        the only replica to come back waits on. After it, FAILED_PRECONDITION: no push
+        will bring that version."""
 
     def attach(self, engine: Engine, registry: AdapterRegistry) -> None:
         self._engine, self._registry = engine, registry
@@ -195,6 +201,12 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 request.adapter.name, request.adapter.version, newest=request.newest_adapter
             )
         except AdapterNotLoaded as err:
+            if not self.joined:
+                raise Refused(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"{err}; this replica is joining and serves once the learner has "
+                    "pushed it every current adapter",
+                ) from None
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(err)) from None
         generation.adapter_key = version.key
         try:
@@ -431,6 +443,7 @@ async def _serve(
                     lora_slots=engine.lora_slots)
         if redis_client is not None:
             await await_current_adapters(server, service, redis_client, info)
+        service.joined = True
 
     background = []
     if redis_client is not None:

@@ -40,8 +40,9 @@ REPLICA_POLL_S = 0.5
 """How often a turn waiting for a replica (`Episode.replica_wait_s`) reads the registry."""
 
 SERVED_ELSEWHERE = (*SERVER_GONE, grpc.StatusCode.FAILED_PRECONDITION)
-"""Codes that send a turn on to the next replica: the replica is down or stopping, or it
-is joining and has not been pushed the adapter yet."""
+"""Codes that send a turn on to the next replica: the replica is down, stopping or joining
+(UNAVAILABLE, CANCELLED), or it serves but does not hold the adapter version (another may:
+one the learner's push reached first)."""
 
 
 class PromptTooLong(EpisodeError):

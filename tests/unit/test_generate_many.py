@@ -30,9 +30,11 @@ class Context:
         raise AssertionError(f"aborted: {code} {details}")
 
 
-async def replies(n: int, max_tokens: int, first: int = 1
+async def replies(n: int, max_tokens: int, first: int = 1, version: int = 1, joined: bool = True
                   ) -> list[inference_pb2.GenerateManyResponse]:
+    """GenerateMany of `n` requests for run/p@`version` on a replica holding run/p@1."""
     service = server.InferenceService("r-test", ModelLimits(context=512, vocab_size=100))
+    service.joined = joined
 
     async def unload(key: str) -> None:
         pass
@@ -42,7 +44,8 @@ async def replies(n: int, max_tokens: int, first: int = 1
     service.attach(EchoEngine(), registry)  # type: ignore[arg-type]
     many = inference_pb2.GenerateManyRequest(requests=[
         inference_pb2.GenerateRequest(
-            prompt_token_ids=[i + first, 2], adapter=common_pb2.AdapterRef(name="run/p", version=1),
+            prompt_token_ids=[i + first, 2],
+            adapter=common_pb2.AdapterRef(name="run/p", version=version),
             sampling=inference_pb2.SamplingParams(max_tokens=max_tokens))
         for i in range(n)])
     return [m async for m in service.GenerateMany(many, Context())]  # type: ignore[arg-type]
@@ -70,3 +73,19 @@ async def test_an_engine_failure_fails_its_request_alone_with_generates_message(
     assert [outcomes[i].code for i in range(3)] == [0, 0, grpc.StatusCode.UNKNOWN.value[0]]
     assert outcomes[2].error == "Unexpected RuntimeError: engine failed this row"
     assert list(outcomes[1].response.token_ids) == [98] * 4
+
+
+@pytest.mark.parametrize(("joined", "code"), [
+    (False, grpc.StatusCode.UNAVAILABLE),
+    (True, grpc.StatusCode.FAILED_PRECONDITION),
+])
+async def test_a_version_not_held_is_unavailable_until_the_replica_joined(
+    joined: bool, code: grpc.StatusCode
+) -> None:
+    """A joining replica (the only one, restarted) lacks versions the learner is about to push
+    it: workers take that as a replica not up yet and wait. Once joined, no push is coming."""
+    (message,) = await replies(1, 4, version=2, joined=joined)
+    (outcome,) = message.outcomes
+    assert outcome.code == code.value[0]
+    assert outcome.error.startswith("adapter run/p@2 is not loaded on this replica")
+    assert ("joining" in outcome.error) is not joined
