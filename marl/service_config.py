@@ -266,7 +266,7 @@ def load_service_config(
         if not err["loc"]:  # a check across fields: its message names them
             raise ValueError(str(err.get("ctx", {}).get("error", err["msg"]))) from None
         field = ".".join(str(p) for p in err["loc"])
-        where = source.get(str(err["loc"][0]) if err["loc"] else "", "")
+        where = source.get(str(err["loc"][0]), "")
         if where == "from the environment":
             where = f"from {env_name(service, field)}"
         raise ValueError(
