@@ -156,6 +156,12 @@ async def ack(
         await pipe.execute()
 
 
+async def holds(r: aioredis.Redis, stream: str, entry_id: str) -> bool:
+    """Whether `entry_id` is still in `stream`: its producer deletes an entry it no longer
+    wants, even one a consumer holds pending."""
+    return bool(await r.xrange(stream, entry_id, entry_id, count=1))
+
+
 async def beat(r: aioredis.Redis, consumer: str, ttl_s: float) -> None:
     """`consumer` is alive for the next `ttl_s` seconds."""
     await r.set(alive_key(consumer), "1", px=max(1, int(ttl_s * 1000)))

@@ -39,6 +39,9 @@ the messages); the cache is emptied when it holds more."""
 REPLICA_POLL_S = 0.5
 """How often a turn waiting for a replica (`Episode.replica_wait_s`) reads the registry."""
 
+WANTED_CHECK_S = 1.0
+"""How often such a turn asks whether its task is still wanted (`Episode.wanted`)."""
+
 SERVED_ELSEWHERE = (*SERVER_GONE, grpc.StatusCode.FAILED_PRECONDITION)
 """Codes that send a turn on to the next replica: the replica is down, stopping or joining
 (UNAVAILABLE, CANCELLED), or it serves but does not hold the adapter version (another may:
@@ -51,6 +54,12 @@ class PromptTooLong(EpisodeError):
 
 class NoReplica(EpisodeError):
     """No inference replica could serve the turn."""
+
+
+class TaskWithdrawn(Exception):
+    """The task's run took it back while its episode waited for a replica: the run ended
+    (cancelled, failed, or its step gathered without this copy), so nobody reads the
+    rollout. Not an EpisodeError: the worker sends no rollout, it acknowledges the task."""
 
 
 NONE_REGISTERED = "no live inference replica is registered in Redis"
@@ -121,6 +130,10 @@ class Episode:
         """How long such a turn goes on reading the registry (every `REPLICA_POLL_S`) for a
         replica that takes it, before its episode fails with NoReplica: long enough for the
         only replica to restart. 0: one fresh read (set by the worker)."""
+        self.wanted: Callable[[], Awaitable[bool]] | None = None
+        """Whether the task is still queued (set by the worker for a task from the stream):
+        asked every `WANTED_CHECK_S` during that wait, which ends with TaskWithdrawn
+        once it is not, instead of running on for up to `replica_wait_s`."""
         self.turns: list[Turn] = []
         """Every finished turn, in the order the turns started."""
         self._turn_starts: list[int] = []
@@ -253,9 +266,11 @@ class Episode:
         `REPLICA_POLL_S` while no replica is up to take the turn (each refusal says the
         server is gone, or none is registered: the only replica restarting), until one
         answers or `replica_wait_s` has passed. A serving replica that does not hold the
-        turn's adapter version ends the wait: no restart brings that version back."""
+        turn's adapter version ends the wait: no restart brings that version back. So does
+        a task that is no longer `wanted` (TaskWithdrawn)."""
         assert self.restub is not None
         deadline = time.monotonic() + self.replica_wait_s
+        ask_at = time.monotonic() + WANTED_CHECK_S
         while True:
             try:
                 self.stubs = await self.restub()
@@ -267,6 +282,13 @@ class Episode:
             gone = refused is None or refused.code() in SERVER_GONE
             if resp is not None or left <= 0 or not gone:
                 return resp, refusal
+            if self.wanted is not None and time.monotonic() >= ask_at:
+                ask_at = time.monotonic() + WANTED_CHECK_S
+                if not await self.wanted():
+                    raise TaskWithdrawn(
+                        f"task {self.task.id} was taken back by its run while its turn "
+                        "waited for an inference replica"
+                    )
             await asyncio.sleep(min(REPLICA_POLL_S, left))
 
     async def _generate(

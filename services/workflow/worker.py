@@ -12,7 +12,9 @@ it. Redis errors (a restart) are logged and retried with backoff. An episode tha
 unreachable, no replica, the sandbox down, a prompt over its cap) returns a
 rollout with `error` set, which the learner leaves out of training, so a step
 never waits for a task that cannot succeed. Any other exception is a bug: it
-is logged and the task retried (see above).
+is logged and the task retried (see above). A task its run took back (deleted from
+the stream: the run ended) while its episode waited for a replica is acknowledged
+without a rollout.
 """
 
 from __future__ import annotations
@@ -40,7 +42,13 @@ from marl.rpc_codes import NO_ANSWER
 from marl.v1 import inference_pb2_grpc
 from marl.workflows import EpisodeError, Workflow, resolve
 from services.workflow import openai_proxy
-from services.workflow.episode import NONE_REGISTERED, Episode, NoReplica, Renders
+from services.workflow.episode import (
+    NONE_REGISTERED,
+    Episode,
+    NoReplica,
+    Renders,
+    TaskWithdrawn,
+)
 from services.workflow.generate_batcher import BatchingStub
 from services.workflow.rollout_sender import RolloutSender
 
@@ -206,7 +214,9 @@ class EpisodeRunner:
         episode.context = self.context(task.model_path)
         return episode
 
-    async def run(self, task: Task) -> Rollout:
+    async def run(self, task: Task, entry_id: str | None = None) -> Rollout:
+        """`task`'s rollout; `entry_id`: its tasks-stream entry, whose deletion (its run
+        withdrew it) ends a wait for a replica with TaskWithdrawn."""
         started = time.monotonic()
         self.stats.in_flight += 1
         episode: Episode | None = None
@@ -221,6 +231,8 @@ class EpisodeRunner:
                 episode.stubs = []  # its first turn waits for one (Episode.replica_wait_s)
             episode.restub = functools.partial(self.stubs, fresh=True)
             episode.replica_wait_s = self.replica_wait_s
+            if entry_id is not None:
+                episode.wanted = functools.partial(self.still_queued, entry_id)
             final = await episode_run(workflow, episode, task)
             with trace.span("score", "score", task=task.id):
                 reward, scoring = await self.score_with_facts(task, final)
@@ -254,6 +266,13 @@ class EpisodeRunner:
             error=error,
             facts=facts,
         )
+
+    async def still_queued(self, entry_id: str) -> bool:
+        """Whether the tasks stream still holds `entry_id`; yes while Redis cannot say."""
+        try:
+            return await streams.holds(self.redis, streams.TASKS, entry_id)
+        except REDIS_DOWN:
+            return True
 
     async def score(self, task: Task, final: str) -> float:
         problem = task.problem
@@ -414,8 +433,14 @@ async def work_loop(
     async def handle(entry: streams.Entry) -> None:
         try:
             task = Task.from_dict(entry.data)
-            rollout = await runner.run(task)
+            rollout = await runner.run(task, entry.id)
             await sender.send(rollout, entry.id)
+        except TaskWithdrawn as err:
+            log.info("%s; acknowledged, no rollout sent", err)
+            try:
+                await streams.ack(r, streams.TASKS, streams.WORKERS_GROUP, entry.id)
+            except REDIS_DOWN:  # a deleted entry left pending is acknowledged by a claim
+                pass
         except Exception:
             log.exception("task entry %s not completed; releasing it for a retry", entry.id)
             try:

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import AsyncIterator
 
 import grpc
+import pytest
 from loopback_grpc import serving
 from workflows_scripted import CharTokenizer, make_task
 
 from marl import replicas, streams
 from marl.v1 import inference_pb2, inference_pb2_grpc
+from services.workflow import worker
 from services.workflow.worker import EpisodeRunner
 
 
@@ -147,5 +150,45 @@ async def test_the_wait_ends_at_its_limit_or_at_a_replica_that_lacks_the_version
         assert failed.error is not None and "FAILED_PRECONDITION" in failed.error
         assert lacks.requests == 2  # the listed replica, then the same on a fresh read
     finally:
+        await runner.close()
+        await r.aclose()
+
+
+async def test_a_task_its_run_took_back_ends_its_wait_for_a_replica(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No replica is up and the worker's turns wait (60 s). The learner of a run that
+    ended deletes its tasks from the stream (`Episodes.withdraw`): that task's episode
+    stops waiting within seconds, its entry acknowledged and no rollout sent, while the
+    task still queued goes on waiting."""
+    monkeypatch.setattr(worker, "import_tokenizers", lambda: None)
+    r = streams.connect(redis_url)
+    runner = EpisodeRunner(r, "w-test", replica_wait_s=60.0)
+    runner._tokenizers[""] = CharTokenizer()
+    await streams.ensure_group(r, streams.TASKS, streams.WORKERS_GROUP)
+    taken_back, kept = [await streams.add(r, streams.TASKS, make_task("single", seed=s).to_dict())
+                        for s in range(2)]
+    loop = asyncio.create_task(worker.work_loop(runner, concurrency=4, heartbeat_ttl_s=2.0))
+
+    async def pending() -> set[str]:
+        rows = await r.xpending_range(streams.TASKS, streams.WORKERS_GROUP, "-", "+", 10)
+        return {row["message_id"] for row in rows}
+
+    try:
+        deadline = time.monotonic() + 10
+        while await pending() != {taken_back, kept}:
+            assert time.monotonic() < deadline, "the worker did not take both tasks"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.5)  # both turns are waiting for a replica now
+        await r.xdel(streams.TASKS, taken_back)
+        deadline = time.monotonic() + 5
+        while await pending() != {kept}:
+            assert time.monotonic() < deadline, "the taken-back task still waits"
+            await asyncio.sleep(0.05)
+        assert not loop.done() and runner.stats.in_flight == 1
+        assert await r.xlen(streams.rollouts_stream("run-1")) == 0
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
         await runner.close()
         await r.aclose()
