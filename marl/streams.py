@@ -361,7 +361,25 @@ async def lag(r: aioredis.Redis, stream: str, group: str) -> int:
     if g is None:
         return 0
     undelivered = g.get("lag")
-    if undelivered is None:  # Redis < 7 does not report lag
-        entries: Any = await r.xrange(stream, min=f"({g['last-delivered-id']}", count=100_000)
-        undelivered = len(entries)
+    if undelivered is None:  # Redis < 7, or 7 with deleted entries not yet read past
+        undelivered = await count_after(r, stream, g["last-delivered-id"])
     return int(undelivered) + int(g.get("pending") or 0)
+
+
+COUNT_AFTER_SCRIPT = "return #redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', ARGV[2])"
+
+
+async def count_after(
+    r: aioredis.Redis, stream: str, entry_id: str, limit: int = 100_000
+) -> int:
+    """How many entries of `stream` come after `entry_id` (at most `limit`), counted inside
+    Redis: reading them to count them moved every queued task's JSON to the caller, which
+    the learner does before each batch of tasks it queues (4,096 undelivered entries:
+    ~70 ms against ~6 ms, `bench/stream_lag.py`). Where scripts are refused (an ACL
+    without EVAL), they are read and counted here."""
+    start = f"({entry_id}"
+    try:
+        return int(await r.eval(COUNT_AFTER_SCRIPT, 1, stream, start, limit))
+    except ResponseError:
+        entries: Any = await r.xrange(stream, min=start, count=limit)
+        return len(entries)

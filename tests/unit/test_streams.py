@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+from redis.exceptions import ResponseError
+
 from marl import streams
 from services.learner.metrics import StreamSink
 
@@ -30,6 +33,35 @@ async def test_consume_ack_claim_and_dead_letter(redis_url: str) -> None:
         assert claimed == []
         dead = await r.xrange("s:dead")
         assert len(dead) == 1
+    finally:
+        await r.aclose()
+
+
+async def test_count_after_counts_in_redis_and_reads_where_scripts_are_refused(
+    redis_url: str,
+) -> None:
+    """Deleted entries are not counted, `limit` caps the count, and a client whose ACL
+    refuses scripts gets the same counts by reading the entries."""
+    r = streams.connect(redis_url)
+    user = "noscript"
+    try:
+        ids = [await streams.add(r, "s", {"i": i}) for i in range(6)]
+        await r.xdel("s", ids[3])
+        assert await streams.count_after(r, "s", ids[1]) == 3  # 2, 4, 5
+        assert await streams.count_after(r, "s", ids[1], limit=2) == 2
+        assert await streams.count_after(r, "s", "0-0") == 5
+        assert await streams.count_after(r, "s", ids[5]) == 0
+        assert await streams.count_after(r, "none", "0-0") == 0
+
+        await r.execute_command("ACL", "SETUSER", user, "on", ">pw", "~*", "+@all", "-eval")
+        limited = streams.connect(redis_url.replace("redis://", f"redis://{user}:pw@"))
+        try:
+            with pytest.raises(ResponseError):
+                await limited.eval(streams.COUNT_AFTER_SCRIPT, 1, "s", "-", 10)
+            assert await streams.count_after(limited, "s", ids[1]) == 3
+            assert await streams.count_after(limited, "s", ids[1], limit=2) == 2
+        finally:
+            await limited.aclose()
     finally:
         await r.aclose()
 
