@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16marl/v1/workflow.proto\x12\x07marl.v1\"&\n\x11RunEpisodeRequest\x12\x11\n\ttask_json\x18\x01 \x01(\t\"*\n\x12RunEpisodeResponse\x12\x14\n\x0crollout_json\x18\x01 \x01(\t\"\x11\n\x0fGetStatsRequest\"\x86\x01\n\x10GetStatsResponse\x12\x15\n\repisodes_done\x18\x01 \x01(\x03\x12\x17\n\x0f\x65pisodes_failed\x18\x02 \x01(\x03\x12\x11\n\tin_flight\x18\x03 \x01(\x03\x12\x1c\n\x14mean_episode_seconds\x18\x04 \x01(\x01\x12\x11\n\tworker_id\x18\x05 \x01(\t2\x92\x01\n\x08Workflow\x12\x45\n\nRunEpisode\x12\x1a.marl.v1.RunEpisodeRequest\x1a\x1b.marl.v1.RunEpisodeResponse\x12?\n\x08GetStats\x12\x18.marl.v1.GetStatsRequest\x1a\x19.marl.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16marl/v1/workflow.proto\x12\x07marl.v1\"&\n\x11RunEpisodeRequest\x12\x11\n\ttask_json\x18\x01 \x01(\t\"*\n\x12RunEpisodeResponse\x12\x14\n\x0crollout_json\x18\x01 \x01(\t\"\x11\n\x0fGetStatsRequest\"\xa2\x01\n\x10GetStatsResponse\x12\x15\n\repisodes_done\x18\x01 \x01(\x03\x12\x17\n\x0f\x65pisodes_failed\x18\x02 \x01(\x03\x12\x11\n\tin_flight\x18\x03 \x01(\x03\x12\x1c\n\x14mean_episode_seconds\x18\x04 \x01(\x01\x12\x11\n\tworker_id\x18\x05 \x01(\t\x12\x1a\n\x12\x65pisodes_withdrawn\x18\x06 \x01(\x03\x32\x92\x01\n\x08Workflow\x12\x45\n\nRunEpisode\x12\x1a.marl.v1.RunEpisodeRequest\x1a\x1b.marl.v1.RunEpisodeResponse\x12?\n\x08GetStats\x12\x18.marl.v1.GetStatsRequest\x1a\x19.marl.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,7 +38,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATSREQUEST']._serialized_start=119
   _globals['_GETSTATSREQUEST']._serialized_end=136
   _globals['_GETSTATSRESPONSE']._serialized_start=139
-  _globals['_GETSTATSRESPONSE']._serialized_end=273
-  _globals['_WORKFLOW']._serialized_start=276
-  _globals['_WORKFLOW']._serialized_end=422
+  _globals['_GETSTATSRESPONSE']._serialized_end=301
+  _globals['_WORKFLOW']._serialized_start=304
+  _globals['_WORKFLOW']._serialized_end=450
 # @@protoc_insertion_point(module_scope)

@@ -21,15 +21,17 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("episodes_done", "episodes_failed", "in_flight", "mean_episode_seconds", "worker_id")
+    __slots__ = ("episodes_done", "episodes_failed", "in_flight", "mean_episode_seconds", "worker_id", "episodes_withdrawn")
     EPISODES_DONE_FIELD_NUMBER: _ClassVar[int]
     EPISODES_FAILED_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     MEAN_EPISODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_WITHDRAWN_FIELD_NUMBER: _ClassVar[int]
     episodes_done: int
     episodes_failed: int
     in_flight: int
     mean_episode_seconds: float
     worker_id: str
-    def __init__(self, episodes_done: _Optional[int] = ..., episodes_failed: _Optional[int] = ..., in_flight: _Optional[int] = ..., mean_episode_seconds: _Optional[float] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    episodes_withdrawn: int
+    def __init__(self, episodes_done: _Optional[int] = ..., episodes_failed: _Optional[int] = ..., in_flight: _Optional[int] = ..., mean_episode_seconds: _Optional[float] = ..., worker_id: _Optional[str] = ..., episodes_withdrawn: _Optional[int] = ...) -> None: ...

@@ -57,8 +57,8 @@ class NoReplica(EpisodeError):
 
 
 class TaskWithdrawn(Exception):
-    """The task's run took it back while its episode waited for a replica: the run ended
-    (cancelled, failed, or its step gathered without this copy), so nobody reads the
+    """The task's run took it back while its episode ran (`Episode.wanted`): the run ended
+    (cancelled, failed), or its step was trained without this copy, so nobody reads the
     rollout. Not an EpisodeError: the worker sends no rollout, it acknowledges the task."""
 
 
@@ -131,9 +131,14 @@ class Episode:
         replica that takes it, before its episode fails with NoReplica: long enough for the
         only replica to restart. 0: one fresh read (set by the worker)."""
         self.wanted: Callable[[], Awaitable[bool]] | None = None
-        """Whether the task is still queued (set by the worker for a task from the stream):
-        asked every `WANTED_CHECK_S` during that wait, which ends with TaskWithdrawn
-        once it is not, instead of running on for up to `replica_wait_s`."""
+        """Whether the task is still queued (set by the worker for a task from the stream;
+        its run deletes it once it ended). Asked before a turn and while a turn waits for
+        a replica, at most every `WANTED_CHECK_S` from the episode's start: a task that
+        is gone ends the episode with TaskWithdrawn, instead of generating turns nobody
+        trains on or waiting up to `replica_wait_s` for a replica. An episode shorter
+        than that never asks."""
+        self._ask_wanted_at = time.monotonic() + WANTED_CHECK_S
+        self._withdrawn = False
         self.turns: list[Turn] = []
         """Every finished turn, in the order the turns started."""
         self._turn_starts: list[int] = []
@@ -221,6 +226,7 @@ class Episode:
                 f"model's context of {self.context}; lower caps.prompt_tokens_"
                 f"{self.task.problem.task} below it"
             )
+        await self._raise_if_withdrawn()
         request = inference_pb2.GenerateRequest(
             prompt_token_ids=prompt_ids,
             adapter=common_pb2.AdapterRef(name=ref.name, version=ref.version),
@@ -270,7 +276,6 @@ class Episode:
         a task that is no longer `wanted` (TaskWithdrawn)."""
         assert self.restub is not None
         deadline = time.monotonic() + self.replica_wait_s
-        ask_at = time.monotonic() + WANTED_CHECK_S
         while True:
             try:
                 self.stubs = await self.restub()
@@ -282,14 +287,22 @@ class Episode:
             gone = refused is None or refused.code() in SERVER_GONE
             if resp is not None or left <= 0 or not gone:
                 return resp, refusal
-            if self.wanted is not None and time.monotonic() >= ask_at:
-                ask_at = time.monotonic() + WANTED_CHECK_S
-                if not await self.wanted():
-                    raise TaskWithdrawn(
-                        f"task {self.task.id} was taken back by its run while its turn "
-                        "waited for an inference replica"
-                    )
+            await self._raise_if_withdrawn()
             await asyncio.sleep(min(REPLICA_POLL_S, left))
+
+    async def _raise_if_withdrawn(self) -> None:
+        """TaskWithdrawn once `wanted` says the task is gone; asks at most every
+        `WANTED_CHECK_S`."""
+        if self.wanted is None:
+            return
+        if not self._withdrawn and time.monotonic() >= self._ask_wanted_at:
+            self._ask_wanted_at = time.monotonic() + WANTED_CHECK_S
+            self._withdrawn = not await self.wanted()
+        if self._withdrawn:  # every parallel slot's next turn stops too
+            raise TaskWithdrawn(
+                f"task {self.task.id} was taken back by its run (the run ended, or its step "
+                "was trained without this copy)"
+            )
 
     async def _generate(
         self, request: inference_pb2.GenerateRequest

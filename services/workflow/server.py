@@ -113,6 +113,7 @@ class WorkflowService(workflow_pb2_grpc.WorkflowServicer):
             in_flight=s.in_flight,
             mean_episode_seconds=s.total_seconds / s.done if s.done else 0.0,
             worker_id=self.runner.worker_id,
+            episodes_withdrawn=s.withdrawn,
         )
 
 

@@ -13,8 +13,9 @@ unreachable, no replica, the sandbox down, a prompt over its cap) returns a
 rollout with `error` set, which the learner leaves out of training, so a step
 never waits for a task that cannot succeed. Any other exception is a bug: it
 is logged and the task retried (see above). A task its run took back (deleted from
-the stream: the run ended) while its episode waited for a replica is acknowledged
-without a rollout.
+the stream: the run ended) is acknowledged without a rollout: its episode stops at its
+next turn or replica wait (`Episode.wanted`), and a rollout that finishes anyway is
+not sent (`RolloutSender`).
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ class Stats:
         self.failed = 0
         self.in_flight = 0
         self.total_seconds = 0.0
+        self.withdrawn = 0
+        """Episodes cut short, or rollouts not sent, because their run took the task back."""
 
 
 class EpisodeRunner:
@@ -434,8 +437,10 @@ async def work_loop(
         try:
             task = Task.from_dict(entry.data)
             rollout = await runner.run(task, entry.id)
-            await sender.send(rollout, entry.id)
+            if not await sender.send(rollout, entry.id):
+                runner.stats.withdrawn += 1
         except TaskWithdrawn as err:
+            runner.stats.withdrawn += 1
             log.info("%s; acknowledged, no rollout sent", err)
             try:
                 await streams.ack(r, streams.TASKS, streams.WORKERS_GROUP, entry.id)

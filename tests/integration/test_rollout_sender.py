@@ -1,5 +1,7 @@
 """RolloutSender against a real redis-server: rollouts that finish together share one
-MULTI/EXEC, each with its task's XACK, and a failed command fails its own rollout only."""
+round trip, each with its task's XACK; a rollout whose task its run took back is not sent;
+a failed command fails its own rollout only; and where Redis refuses scripts, a
+MULTI/EXEC sends them."""
 
 from __future__ import annotations
 
@@ -28,29 +30,51 @@ async def held_tasks(r: aioredis.Redis, n: int) -> list[str]:
     return [e.id for e in got]
 
 
-async def exec_calls(r: aioredis.Redis) -> int:
+async def calls(r: aioredis.Redis, command: str) -> int:
     stats = await r.info("commandstats")
-    return int(stats.get("cmdstat_exec", {}).get("calls", 0))
+    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
 
 
-async def test_rollouts_finished_together_go_in_one_transaction(redis_url: str) -> None:
+async def pending(r: aioredis.Redis) -> int:
+    return int((await r.xpending(streams.TASKS, streams.WORKERS_GROUP))["pending"])
+
+
+async def sent_ids(r: aioredis.Redis, run_id: str) -> list[str]:
+    sent = await r.xrange(streams.rollouts_stream(run_id))
+    return [Rollout.from_dict(json.loads(e["json"])).task_id for _, e in sent]
+
+
+async def test_rollouts_finished_together_go_in_one_round_trip(redis_url: str) -> None:
     r = streams.connect(redis_url)
     try:
         ids = await held_tasks(r, 40)
         sender = RolloutSender(r)
-        before = await exec_calls(r)
-        await asyncio.gather(*(sender.send(rollout("run-a", k), i) for k, i in enumerate(ids)))
-        assert await exec_calls(r) - before == 1
-        sent = await r.xrange(streams.rollouts_stream("run-a"))
-        assert [Rollout.from_dict(json.loads(e["json"])).task_id for _, e in sent] == [
-            f"run-a:{k}" for k in range(40)
-        ]
-        pending = await r.xpending(streams.TASKS, streams.WORKERS_GROUP)
-        assert pending["pending"] == 0
-        # one more after the first batch went: a transaction of its own
+        before = await calls(r, "eval")
+        got = await asyncio.gather(*(sender.send(rollout("run-a", k), i) for k, i in enumerate(ids)))
+        assert got == [True] * 40
+        assert await calls(r, "eval") - before == 1
+        assert await sent_ids(r, "run-a") == [f"run-a:{k}" for k in range(40)]
+        assert await pending(r) == 0
+        # one more after the first batch went: a round trip of its own
         more = await held_tasks(r, 1)
         await sender.send(rollout("run-a", 40), more[0])
-        assert await exec_calls(r) - before == 2
+        assert await calls(r, "eval") - before == 2
+    finally:
+        await r.aclose()
+
+
+async def test_a_rollout_of_a_task_its_run_took_back_is_acknowledged_not_sent(
+    redis_url: str,
+) -> None:
+    r = streams.connect(redis_url)
+    try:
+        ids = await held_tasks(r, 3)
+        await r.xdel(streams.TASKS, ids[1])  # as the learner withdraws a run's tasks
+        sender = RolloutSender(r)
+        got = await asyncio.gather(*(sender.send(rollout("run-w", k), i) for k, i in enumerate(ids)))
+        assert got == [True, False, True]
+        assert await sent_ids(r, "run-w") == ["run-w:0", "run-w:2"]
+        assert await pending(r) == 0
     finally:
         await r.aclose()
 
@@ -67,12 +91,33 @@ async def test_a_failed_command_fails_only_its_own_rollout(redis_url: str) -> No
             sender.send(rollout("run-b", 2), ids[2]),
             return_exceptions=True,
         )
-        assert results[0] is None and results[2] is None
+        assert results[0] is True and results[2] is True
         assert "WRONGTYPE" in str(results[1])
         assert len(await r.xrange(streams.rollouts_stream("run-b"))) == 2
+        assert await pending(r) == 2  # the failed one's task stays held, for a retry
         with pytest.raises(Exception, match="WRONGTYPE"):
             await sender.send(rollout("broken", 3), ids[3])
         await sender.send(rollout("run-b", 3), ids[3])  # the sender goes on
         assert len(await r.xrange(streams.rollouts_stream("run-b"))) == 3
+        assert await pending(r) == 1
     finally:
         await r.aclose()
+
+
+async def test_where_scripts_are_refused_a_transaction_sends_them(redis_url: str) -> None:
+    admin = streams.connect(redis_url)
+    user = "noscript"
+    await admin.execute_command("ACL", "SETUSER", user, "on", ">pw", "~*", "+@all", "-eval")
+    r = streams.connect(redis_url.replace("redis://", f"redis://{user}:pw@"))
+    try:
+        ids = await held_tasks(r, 3)
+        sender = RolloutSender(r)
+        before = await calls(admin, "exec")
+        got = await asyncio.gather(*(sender.send(rollout("run-c", k), i) for k, i in enumerate(ids)))
+        assert got == [True] * 3
+        assert await calls(admin, "exec") - before == 1
+        assert await sent_ids(r, "run-c") == ["run-c:0", "run-c:1", "run-c:2"]
+        assert await pending(r) == 0
+    finally:
+        await r.aclose()
+        await admin.aclose()

@@ -10,6 +10,8 @@ import asyncio
 import socket
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
 
 import grpc
 import pytest
@@ -154,6 +156,35 @@ async def test_the_wait_ends_at_its_limit_or_at_a_replica_that_lacks_the_version
         await r.aclose()
 
 
+async def queue(r: Any, *tasks: Any) -> list[str]:
+    await streams.ensure_group(r, streams.TASKS, streams.WORKERS_GROUP)
+    return [await streams.add(r, streams.TASKS, t.to_dict()) for t in tasks]
+
+
+async def held(r: Any) -> set[str]:
+    """The task entries a worker holds, read and not acknowledged."""
+    rows = await r.xpending_range(streams.TASKS, streams.WORKERS_GROUP, "-", "+", 10)
+    return {row["message_id"] for row in rows}
+
+
+async def until_held(r: Any, entries: set[str], within_s: float, what: str) -> None:
+    deadline = time.monotonic() + within_s
+    while await held(r) != entries:
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.05)
+
+
+@asynccontextmanager
+async def working(runner: EpisodeRunner) -> AsyncIterator[asyncio.Task[None]]:
+    loop = asyncio.create_task(worker.work_loop(runner, concurrency=4, heartbeat_ttl_s=2.0))
+    try:
+        yield loop
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        await runner.close()
+
+
 async def test_a_task_its_run_took_back_ends_its_wait_for_a_replica(
     redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -165,30 +196,58 @@ async def test_a_task_its_run_took_back_ends_its_wait_for_a_replica(
     r = streams.connect(redis_url)
     runner = EpisodeRunner(r, "w-test", replica_wait_s=60.0)
     runner._tokenizers[""] = CharTokenizer()
-    await streams.ensure_group(r, streams.TASKS, streams.WORKERS_GROUP)
-    taken_back, kept = [await streams.add(r, streams.TASKS, make_task("single", seed=s).to_dict())
-                        for s in range(2)]
-    loop = asyncio.create_task(worker.work_loop(runner, concurrency=4, heartbeat_ttl_s=2.0))
-
-    async def pending() -> set[str]:
-        rows = await r.xpending_range(streams.TASKS, streams.WORKERS_GROUP, "-", "+", 10)
-        return {row["message_id"] for row in rows}
-
+    taken_back, kept = await queue(r, make_task("single", seed=0), make_task("single", seed=1))
     try:
-        deadline = time.monotonic() + 10
-        while await pending() != {taken_back, kept}:
-            assert time.monotonic() < deadline, "the worker did not take both tasks"
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(1.5)  # both turns are waiting for a replica now
-        await r.xdel(streams.TASKS, taken_back)
-        deadline = time.monotonic() + 5
-        while await pending() != {kept}:
-            assert time.monotonic() < deadline, "the taken-back task still waits"
-            await asyncio.sleep(0.05)
-        assert not loop.done() and runner.stats.in_flight == 1
-        assert await r.xlen(streams.rollouts_stream("run-1")) == 0
+        async with working(runner) as loop:
+            await until_held(r, {taken_back, kept}, 10, "the worker did not take both tasks")
+            await asyncio.sleep(1.5)  # both turns are waiting for a replica now
+            await r.xdel(streams.TASKS, taken_back)
+            await until_held(r, {kept}, 5, "the taken-back task still waits")
+            assert not loop.done() and runner.stats.in_flight == 1
+            assert runner.stats.withdrawn == 1
+            assert await r.xlen(streams.rollouts_stream("run-1")) == 0
     finally:
-        loop.cancel()
-        await asyncio.gather(loop, return_exceptions=True)
-        await runner.close()
+        await r.aclose()
+
+
+class SlowAnswers(Answers):
+    """Answers as `Answers` does, each call after `delay_s`."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+
+    async def GenerateMany(  # noqa: N802
+        self, request: inference_pb2.GenerateManyRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateManyResponse]:
+        await asyncio.sleep(self.delay_s)
+        async for out in super().GenerateMany(request, context):
+            yield out
+
+
+async def test_an_episode_whose_task_was_taken_back_stops_at_its_next_turn(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Voting episode's three generator turns take 1.5 s on the replica; its task is
+    deleted meanwhile. The aggregator's turn is never asked for, the entry is
+    acknowledged, and no rollout reaches the run's stream; nor does one of a task deleted
+    while its last turn ran (a single turn: no turn after it to stop)."""
+    monkeypatch.setattr(worker, "import_tokenizers", lambda: None)
+    r = streams.connect(redis_url)
+    slow = SlowAnswers(1.5)
+    runner = EpisodeRunner(r, "w-test")
+    runner._tokenizers[""] = CharTokenizer()
+    try:
+        async with serving(slow, inference_pb2_grpc.add_InferenceServicer_to_server) as up:
+            await replicas.announce(r, "inference", "slow", {"address": up})
+            voting, single = await queue(r, make_task("voting"), make_task("single", seed=1))
+            async with working(runner):
+                await until_held(r, {voting, single}, 10, "the worker did not take both tasks")
+                await asyncio.sleep(0.5)
+                await r.xdel(streams.TASKS, voting, single)
+                await until_held(r, set(), 10, "the worker still holds a taken-back task")
+                assert slow.requests == 4  # three generators, the single turn; no aggregator
+                assert runner.stats.withdrawn == 2
+                assert await r.xlen(streams.rollouts_stream("run-1")) == 0
+    finally:
         await r.aclose()
