@@ -40,7 +40,7 @@ REPLICA_POLL_S = 0.5
 """How often a turn waiting for a replica (`Episode.replica_wait_s`) reads the registry."""
 
 WANTED_CHECK_S = 1.0
-"""How often such a turn asks whether its task is still wanted (`Episode.wanted`)."""
+"""How often an episode asks whether its task is still wanted (`Episode.wanted`)."""
 
 SERVED_ELSEWHERE = (*SERVER_GONE, grpc.StatusCode.FAILED_PRECONDITION)
 """Codes that send a turn on to the next replica: the replica is down, stopping or joining

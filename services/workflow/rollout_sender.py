@@ -24,7 +24,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import ResponseError
+from redis.exceptions import NoPermissionError, ResponseError
 
 from marl import streams, trace
 from marl.rollout import Rollout
@@ -121,7 +121,9 @@ class RolloutSender:
                     streams.WORKERS_GROUP, *args,
                 )
                 return [str(x) for x in got]
-            except ResponseError as err:  # the script itself refused, not one command
+            except ResponseError as err:
+                if not scripts_refused(err):
+                    raise
                 log.warning("Redis refused the rollout script (%s); sending with MULTI/EXEC "
                             "instead, without leaving out rollouts of withdrawn tasks", err)
                 self._scripts = False
@@ -135,3 +137,9 @@ class RolloutSender:
             failed = [x for x in results[2 * k : 2 * k + 2] if isinstance(x, Exception)]
             outcomes.append(failed[0] if failed else SENT)
         return outcomes
+
+
+def scripts_refused(err: ResponseError) -> bool:
+    """Whether Redis refused to run scripts at all (an ACL without EVAL, a service that
+    leaves the command out), rather than one command failing inside the script."""
+    return isinstance(err, NoPermissionError) or "unknown command" in str(err).lower()

@@ -219,7 +219,7 @@ class EpisodeRunner:
 
     async def run(self, task: Task, entry_id: str | None = None) -> Rollout:
         """`task`'s rollout; `entry_id`: its tasks-stream entry, whose deletion (its run
-        withdrew it) ends a wait for a replica with TaskWithdrawn."""
+        took it back) stops the episode at its next turn or replica wait (TaskWithdrawn)."""
         started = time.monotonic()
         self.stats.in_flight += 1
         episode: Episode | None = None

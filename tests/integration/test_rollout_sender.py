@@ -10,10 +10,11 @@ import json
 
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import NoPermissionError, ResponseError
 
 from marl import streams
 from marl.rollout import Rollout
-from services.workflow.rollout_sender import RolloutSender
+from services.workflow.rollout_sender import RolloutSender, scripts_refused
 
 
 def rollout(run_id: str, k: int) -> Rollout:
@@ -121,3 +122,10 @@ async def test_where_scripts_are_refused_a_transaction_sends_them(redis_url: str
     finally:
         await r.aclose()
         await admin.aclose()
+
+
+def test_only_a_refusal_of_scripts_switches_to_transactions() -> None:
+    assert scripts_refused(NoPermissionError("NOPERM this user has no permissions to run 'eval'"))
+    assert scripts_refused(ResponseError("ERR unknown command 'eval', with args beginning with:"))
+    assert not scripts_refused(ResponseError("WRONGTYPE Operation against a key holding the "
+                                             "wrong kind of value"))
