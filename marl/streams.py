@@ -156,10 +156,14 @@ async def ack(
         await pipe.execute()
 
 
-async def holds(r: aioredis.Redis, stream: str, entry_id: str) -> bool:
-    """Whether `entry_id` is still in `stream`: its producer deletes an entry it no longer
-    wants, even one a consumer holds pending."""
-    return bool(await r.xrange(stream, entry_id, entry_id, count=1))
+async def missing(r: aioredis.Redis, stream: str, entry_ids: list[str]) -> list[str]:
+    """Those of `entry_ids` no longer in `stream`, in one round trip: its producer deletes an
+    entry it no longer wants, even one a consumer holds pending."""
+    async with r.pipeline(transaction=False) as pipe:
+        for entry_id in entry_ids:
+            pipe.xrange(stream, entry_id, entry_id, count=1)
+        found = await pipe.execute()
+    return [entry_id for entry_id, got in zip(entry_ids, found, strict=True) if not got]
 
 
 async def beat(r: aioredis.Redis, consumer: str, ttl_s: float) -> None:

@@ -39,9 +39,6 @@ the messages); the cache is emptied when it holds more."""
 REPLICA_POLL_S = 0.5
 """How often a turn waiting for a replica (`Episode.replica_wait_s`) reads the registry."""
 
-WANTED_CHECK_S = 1.0
-"""How often an episode asks whether its task is still wanted (`Episode.wanted`)."""
-
 SERVED_ELSEWHERE = (*SERVER_GONE, grpc.StatusCode.FAILED_PRECONDITION)
 """Codes that send a turn on to the next replica: the replica is down, stopping or joining
 (UNAVAILABLE, CANCELLED), or it serves but does not hold the adapter version (another may:
@@ -54,12 +51,6 @@ class PromptTooLong(EpisodeError):
 
 class NoReplica(EpisodeError):
     """No inference replica could serve the turn."""
-
-
-class TaskWithdrawn(Exception):
-    """The task's run took it back while its episode ran (`Episode.wanted`): the run ended
-    (cancelled, failed), or its step was trained without this copy, so nobody reads the
-    rollout. Not an EpisodeError: the worker sends no rollout, it acknowledges the task."""
 
 
 NONE_REGISTERED = "no live inference replica is registered in Redis"
@@ -130,15 +121,6 @@ class Episode:
         """How long such a turn goes on reading the registry (every `REPLICA_POLL_S`) for a
         replica that takes it, before its episode fails with NoReplica: long enough for the
         only replica to restart. 0: one fresh read (set by the worker)."""
-        self.wanted: Callable[[], Awaitable[bool]] | None = None
-        """Whether the task is still queued (set by the worker for a task from the stream;
-        its run deletes it once it ended). Asked before a turn and while a turn waits for
-        a replica, at most every `WANTED_CHECK_S` from the episode's start: a task that
-        is gone ends the episode with TaskWithdrawn, instead of generating turns nobody
-        trains on or waiting up to `replica_wait_s` for a replica. An episode shorter
-        than that never asks."""
-        self._ask_wanted_at = time.monotonic() + WANTED_CHECK_S
-        self._withdrawn = False
         self.turns: list[Turn] = []
         """Every finished turn, in the order the turns started."""
         self._turn_starts: list[int] = []
@@ -226,7 +208,6 @@ class Episode:
                 f"model's context of {self.context}; lower caps.prompt_tokens_"
                 f"{self.task.problem.task} below it"
             )
-        await self._raise_if_withdrawn()
         request = inference_pb2.GenerateRequest(
             prompt_token_ids=prompt_ids,
             adapter=common_pb2.AdapterRef(name=ref.name, version=ref.version),
@@ -272,8 +253,7 @@ class Episode:
         `REPLICA_POLL_S` while no replica is up to take the turn (each refusal says the
         server is gone, or none is registered: the only replica restarting), until one
         answers or `replica_wait_s` has passed. A serving replica that does not hold the
-        turn's adapter version ends the wait: no restart brings that version back. So does
-        a task that is no longer `wanted` (TaskWithdrawn)."""
+        turn's adapter version ends the wait: no restart brings that version back."""
         assert self.restub is not None
         deadline = time.monotonic() + self.replica_wait_s
         while True:
@@ -287,22 +267,7 @@ class Episode:
             gone = refused is None or refused.code() in SERVER_GONE
             if resp is not None or left <= 0 or not gone:
                 return resp, refusal
-            await self._raise_if_withdrawn()
             await asyncio.sleep(min(REPLICA_POLL_S, left))
-
-    async def _raise_if_withdrawn(self) -> None:
-        """TaskWithdrawn once `wanted` says the task is gone; asks at most every
-        `WANTED_CHECK_S`."""
-        if self.wanted is None:
-            return
-        if not self._withdrawn and time.monotonic() >= self._ask_wanted_at:
-            self._ask_wanted_at = time.monotonic() + WANTED_CHECK_S
-            self._withdrawn = not await self.wanted()
-        if self._withdrawn:  # every parallel slot's next turn stops too
-            raise TaskWithdrawn(
-                f"task {self.task.id} was taken back by its run (the run ended, or its step "
-                "was trained without this copy)"
-            )
 
     async def _generate(
         self, request: inference_pb2.GenerateRequest

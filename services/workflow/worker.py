@@ -13,9 +13,9 @@ unreachable, no replica, the sandbox down, a prompt over its cap) returns a
 rollout with `error` set, which the learner leaves out of training, so a step
 never waits for a task that cannot succeed. Any other exception is a bug: it
 is logged and the task retried (see above). A task its run took back (deleted from
-the stream: the run ended) is acknowledged without a rollout: its episode stops at its
-next turn or replica wait (`Episode.wanted`), and a rollout that finishes anyway is
-not sent (`RolloutSender`).
+the stream: the run ended) is acknowledged without a rollout: its episode is cancelled
+wherever it is, its turns in flight with it (`stop_withdrawn`), and a rollout that
+finishes first is not sent (`RolloutSender`).
 """
 
 from __future__ import annotations
@@ -43,13 +43,7 @@ from marl.rpc_codes import NO_ANSWER
 from marl.v1 import inference_pb2_grpc
 from marl.workflows import EpisodeError, Workflow, resolve
 from services.workflow import openai_proxy
-from services.workflow.episode import (
-    NONE_REGISTERED,
-    Episode,
-    NoReplica,
-    Renders,
-    TaskWithdrawn,
-)
+from services.workflow.episode import NONE_REGISTERED, Episode, NoReplica, Renders
 from services.workflow.generate_batcher import BatchingStub
 from services.workflow.rollout_sender import RolloutSender
 
@@ -217,9 +211,7 @@ class EpisodeRunner:
         episode.context = self.context(task.model_path)
         return episode
 
-    async def run(self, task: Task, entry_id: str | None = None) -> Rollout:
-        """`task`'s rollout; `entry_id`: its tasks-stream entry, whose deletion (its run
-        took it back) stops the episode at its next turn or replica wait (TaskWithdrawn)."""
+    async def run(self, task: Task) -> Rollout:
         started = time.monotonic()
         self.stats.in_flight += 1
         episode: Episode | None = None
@@ -234,8 +226,6 @@ class EpisodeRunner:
                 episode.stubs = []  # its first turn waits for one (Episode.replica_wait_s)
             episode.restub = functools.partial(self.stubs, fresh=True)
             episode.replica_wait_s = self.replica_wait_s
-            if entry_id is not None:
-                episode.wanted = functools.partial(self.still_queued, entry_id)
             final = await episode_run(workflow, episode, task)
             with trace.span("score", "score", task=task.id):
                 reward, scoring = await self.score_with_facts(task, final)
@@ -269,13 +259,6 @@ class EpisodeRunner:
             error=error,
             facts=facts,
         )
-
-    async def still_queued(self, entry_id: str) -> bool:
-        """Whether the tasks stream still holds `entry_id`; yes while Redis cannot say."""
-        try:
-            return await streams.holds(self.redis, streams.TASKS, entry_id)
-        except REDIS_DOWN:
-            return True
 
     async def score(self, task: Task, final: str) -> float:
         problem = task.problem
@@ -380,6 +363,38 @@ async def preload_served_tokenizers(runner: EpisodeRunner, period_s: float) -> N
             await asyncio.sleep(period_s)
 
 
+WITHDRAWN_CHECK_S = 1.0
+"""How often a worker asks which of its tasks their runs took back (`stop_withdrawn`)."""
+
+
+async def stop_withdrawn(
+    r: Any, held: dict[str, tuple[float, asyncio.Task[None]]], withdrawn: set[str],
+    period_s: float = WITHDRAWN_CHECK_S,
+) -> None:
+    """Every `period_s`, cancel the episodes whose task entry is gone from the tasks stream,
+    adding their entry ids to `withdrawn`. The learner deletes the tasks of a run that
+    ended (cancelled, failed) and of a step it trained without this copy: nobody will
+    read such a rollout, and its turns would hold the replica (a real model's turn runs
+    for minutes; a cancelled Generate's rows are dropped, `BatchingStub`). `held`: entry id
+    -> (when the worker took it, the task handling it). One round trip a check, for the
+    tasks held at least `period_s`: an episode shorter than that is never asked about."""
+    while True:
+        await asyncio.sleep(period_s)
+        now = time.monotonic()
+        ids = [i for i, (since, _) in held.items() if now - since >= period_s and i not in withdrawn]
+        if not ids:
+            continue
+        try:
+            gone = await streams.missing(r, streams.TASKS, ids)
+        except REDIS_DOWN:
+            raise_if_cancelled()  # the heartbeat logs the outage
+            continue
+        for entry_id in gone:
+            if entry_id in held:
+                withdrawn.add(entry_id)
+                held[entry_id][1].cancel()
+
+
 def dead_rollout(entry: streams.Entry, worker_id: str) -> Rollout:
     """The rollout a dead-lettered task's run gets instead of one from its episode."""
     task = Task.from_dict(entry.data)
@@ -431,17 +446,23 @@ async def work_loop(
     r = runner.redis
     worker_id = runner.worker_id
     running: set[asyncio.Task[None]] = set()
+    held: dict[str, tuple[float, asyncio.Task[None]]] = {}
+    withdrawn: set[str] = set()
     sender = RolloutSender(r)
 
     async def handle(entry: streams.Entry) -> None:
         try:
             task = Task.from_dict(entry.data)
-            rollout = await runner.run(task, entry.id)
+            rollout = await runner.run(task)
             if not await sender.send(rollout, entry.id):
                 runner.stats.withdrawn += 1
-        except TaskWithdrawn as err:
+        except asyncio.CancelledError:
+            if entry.id not in withdrawn:
+                raise
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
             runner.stats.withdrawn += 1
-            log.info("%s; acknowledged, no rollout sent", err)
+            log.info("task entry %s was taken back by its run; its episode stopped, no "
+                     "rollout sent", entry.id)
             try:
                 await streams.ack(r, streams.TASKS, streams.WORKERS_GROUP, entry.id)
             except REDIS_DOWN:  # a deleted entry left pending is acknowledged by a claim
@@ -461,6 +482,11 @@ async def work_loop(
             return
         log.error("task %s dead-lettered after %d deliveries", rollout.task_id, entry.deliveries)
         await streams.add(r, streams.rollouts_stream(rollout.run_id), rollout.to_dict())
+
+    def let_go(entry_id: str, done: asyncio.Task[None]) -> None:
+        if entry_id in held and held[entry_id][1] is done:
+            del held[entry_id]
+            withdrawn.discard(entry_id)
 
     last_dead_check = last_stale_check = last_forget = time.monotonic()
 
@@ -496,6 +522,7 @@ async def work_loop(
         background.append(
             asyncio.create_task(preload_served_tokenizers(runner, replicas.HEARTBEAT_S))
         )
+        background.append(asyncio.create_task(stop_withdrawn(r, held, withdrawn)))
         log.info("%s reading tasks from %s (up to %d at once)", worker_id, streams.TASKS, concurrency)
         while not stopping():
             raise_if_cancelled()  # a cancel that redis-py lost mid-command (see aio_tasks)
@@ -521,6 +548,8 @@ async def work_loop(
                 t = asyncio.create_task(handle(entry))
                 running.add(t)
                 t.add_done_callback(running.discard)
+                held[entry.id] = (time.monotonic(), t)
+                t.add_done_callback(functools.partial(let_go, entry.id))
         if running:
             log.info("stopping: draining %d episodes (up to %.0fs)", len(running), drain_s)
             _, left = await asyncio.wait(running, timeout=drain_s)

@@ -149,7 +149,7 @@ class FailingRunner(worker.EpisodeRunner):
         super().__init__(redis, worker_id)
         self.attempts = 0
 
-    async def run(self, task: Task, entry_id: str | None = None) -> Rollout:
+    async def run(self, task: Task) -> Rollout:
         self.attempts += 1
         raise RuntimeError("a bug in marl")
 

@@ -211,30 +211,38 @@ async def test_a_task_its_run_took_back_ends_its_wait_for_a_replica(
 
 
 class SlowAnswers(Answers):
-    """Answers as `Answers` does, each call after `delay_s`."""
+    """Answers as `Answers` does, each call after `delay_s`; counts the calls whose client
+    went away meanwhile."""
 
     def __init__(self, delay_s: float) -> None:
         super().__init__()
         self.delay_s = delay_s
+        self.arrived = 0
+        self.dropped = 0
 
     async def GenerateMany(  # noqa: N802
         self, request: inference_pb2.GenerateManyRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateManyResponse]:
-        await asyncio.sleep(self.delay_s)
+        self.arrived += len(request.requests)
+        try:
+            await asyncio.sleep(self.delay_s)
+        except asyncio.CancelledError:
+            self.dropped += 1
+            raise
         async for out in super().GenerateMany(request, context):
             yield out
 
 
-async def test_an_episode_whose_task_was_taken_back_stops_at_its_next_turn(
+async def test_an_episode_whose_task_was_taken_back_stops_with_its_turns_in_flight(
     redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A Voting episode's three generator turns take 1.5 s on the replica; its task is
-    deleted meanwhile. The aggregator's turn is never asked for, the entry is
-    acknowledged, and no rollout reaches the run's stream; nor does one of a task deleted
-    while its last turn ran (a single turn: no turn after it to stop)."""
+    """The replica takes 30 s a call. A Voting and a Single episode wait on their first
+    turns (four rows of one call) when their tasks are deleted: both stop within
+    seconds, the replica sees its call cancelled (so it drops the rows), the entries are
+    acknowledged, and no rollout reaches the run's stream."""
     monkeypatch.setattr(worker, "import_tokenizers", lambda: None)
     r = streams.connect(redis_url)
-    slow = SlowAnswers(1.5)
+    slow = SlowAnswers(30.0)
     runner = EpisodeRunner(r, "w-test")
     runner._tokenizers[""] = CharTokenizer()
     try:
@@ -244,10 +252,16 @@ async def test_an_episode_whose_task_was_taken_back_stops_at_its_next_turn(
             async with working(runner):
                 await until_held(r, {voting, single}, 10, "the worker did not take both tasks")
                 await asyncio.sleep(0.5)
+                assert slow.arrived == 4  # three generators, the single turn
                 await r.xdel(streams.TASKS, voting, single)
-                await until_held(r, set(), 10, "the worker still holds a taken-back task")
-                assert slow.requests == 4  # three generators, the single turn; no aggregator
+                await until_held(r, set(), 5, "the worker still holds a taken-back task")
+                deadline = time.monotonic() + 5
+                while not slow.dropped:
+                    assert time.monotonic() < deadline, "the replica's call was not cancelled"
+                    await asyncio.sleep(0.05)
+                assert slow.arrived == 4 and slow.requests == 0
                 assert runner.stats.withdrawn == 2
+                assert runner.stats.in_flight == 0
                 assert await r.xlen(streams.rollouts_stream("run-1")) == 0
     finally:
         await r.aclose()
