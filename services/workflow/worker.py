@@ -459,15 +459,11 @@ async def work_loop(
         except asyncio.CancelledError:
             if entry.id not in withdrawn:
                 raise
-            asyncio.current_task().uncancel()  # type: ignore[union-attr]
-            runner.stats.withdrawn += 1
-            log.info("task entry %s was taken back by its run; its episode stopped, no "
-                     "rollout sent", entry.id)
-            try:
-                await streams.ack(r, streams.TASKS, streams.WORKERS_GROUP, entry.id)
-            except REDIS_DOWN:  # a deleted entry left pending is acknowledged by a claim
-                pass
+            await taken_back(entry.id)
         except Exception:
+            if entry.id in withdrawn:  # redis-py can turn a cancel into ConnectionError
+                await taken_back(entry.id)
+                return
             log.exception("task entry %s not completed; releasing it for a retry", entry.id)
             try:
                 await streams.release(r, streams.TASKS, streams.WORKERS_GROUP, entry.id)
@@ -482,6 +478,19 @@ async def work_loop(
             return
         log.error("task %s dead-lettered after %d deliveries", rollout.task_id, entry.deliveries)
         await streams.add(r, streams.rollouts_stream(rollout.run_id), rollout.to_dict())
+
+    async def taken_back(entry_id: str) -> None:
+        """Acknowledge the entry of an episode `stop_withdrawn` cancelled; send nothing."""
+        this = asyncio.current_task()
+        if this is not None and this.cancelling():
+            this.uncancel()
+        runner.stats.withdrawn += 1
+        log.info("task entry %s was taken back by its run; its episode stopped, no rollout "
+                 "sent", entry_id)
+        try:
+            await streams.ack(r, streams.TASKS, streams.WORKERS_GROUP, entry_id)
+        except REDIS_DOWN:  # a deleted entry left pending is acknowledged by a claim
+            pass
 
     def let_go(entry_id: str, done: asyncio.Task[None]) -> None:
         if entry_id in held and held[entry_id][1] is done:
