@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import NoPermissionError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 log = logging.getLogger(__name__)
@@ -384,6 +384,14 @@ async def count_after(
     start = f"({entry_id}"
     try:
         return int(await r.eval(COUNT_AFTER_SCRIPT, 1, stream, start, limit))
-    except ResponseError:
+    except ResponseError as err:
+        if not scripts_refused(err):
+            raise
         entries: Any = await r.xrange(stream, min=start, count=limit)
         return len(entries)
+
+
+def scripts_refused(err: ResponseError) -> bool:
+    """Whether Redis refused to run scripts at all (an ACL without EVAL, a service that
+    leaves the command out), rather than a command failing inside one."""
+    return isinstance(err, NoPermissionError) or "unknown command" in str(err).lower()

@@ -88,3 +88,14 @@ def redis_url(tmp_path: Path):  # type: ignore[no-untyped-def]
 
     with PrivateRedis(workdir=str(tmp_path / "redis")) as server:
         yield server.url
+
+
+@pytest.fixture()
+def noscript_url(redis_url: str) -> str:
+    """`redis_url` as a user whose ACL refuses scripts (EVAL), as some managed Redis
+    services set it up."""
+    import redis
+
+    with redis.Redis.from_url(redis_url) as admin:
+        admin.execute_command("ACL", "SETUSER", "noscript", "on", ">pw", "~*", "+@all", "-eval")
+    return redis_url.replace("redis://", "redis://noscript:pw@")

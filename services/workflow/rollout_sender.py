@@ -24,7 +24,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import NoPermissionError, ResponseError
+from redis.exceptions import ResponseError
 
 from marl import streams, trace
 from marl.rollout import Rollout
@@ -122,7 +122,7 @@ class RolloutSender:
                 )
                 return [str(x) for x in got]
             except ResponseError as err:
-                if not scripts_refused(err):
+                if not streams.scripts_refused(err):
                     raise
                 log.warning("Redis refused the rollout script (%s); sending with MULTI/EXEC "
                             "instead, without leaving out rollouts of withdrawn tasks", err)
@@ -138,8 +138,3 @@ class RolloutSender:
             outcomes.append(failed[0] if failed else SENT)
         return outcomes
 
-
-def scripts_refused(err: ResponseError) -> bool:
-    """Whether Redis refused to run scripts at all (an ACL without EVAL, a service that
-    leaves the command out), rather than one command failing inside the script."""
-    return isinstance(err, NoPermissionError) or "unknown command" in str(err).lower()

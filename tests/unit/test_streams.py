@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 import pytest
-from redis.exceptions import ResponseError
+from redis.exceptions import NoPermissionError, ResponseError
 
 from marl import streams
 from services.learner.metrics import StreamSink
@@ -38,12 +38,12 @@ async def test_consume_ack_claim_and_dead_letter(redis_url: str) -> None:
 
 
 async def test_count_after_counts_in_redis_and_reads_where_scripts_are_refused(
-    redis_url: str,
+    redis_url: str, noscript_url: str
 ) -> None:
     """Deleted entries are not counted, `limit` caps the count, and a client whose ACL
     refuses scripts gets the same counts by reading the entries."""
     r = streams.connect(redis_url)
-    user = "noscript"
+    limited = streams.connect(noscript_url)
     try:
         ids = [await streams.add(r, "s", {"i": i}) for i in range(6)]
         await r.xdel("s", ids[3])
@@ -53,17 +53,25 @@ async def test_count_after_counts_in_redis_and_reads_where_scripts_are_refused(
         assert await streams.count_after(r, "s", ids[5]) == 0
         assert await streams.count_after(r, "none", "0-0") == 0
 
-        await r.execute_command("ACL", "SETUSER", user, "on", ">pw", "~*", "+@all", "-eval")
-        limited = streams.connect(redis_url.replace("redis://", f"redis://{user}:pw@"))
-        try:
-            with pytest.raises(ResponseError):
-                await limited.eval(streams.COUNT_AFTER_SCRIPT, 1, "s", "-", 10)
-            assert await streams.count_after(limited, "s", ids[1]) == 3
-            assert await streams.count_after(limited, "s", ids[1], limit=2) == 2
-        finally:
-            await limited.aclose()
+        with pytest.raises(ResponseError):
+            await limited.eval(streams.COUNT_AFTER_SCRIPT, 1, "s", "-", 10)
+        assert await streams.count_after(limited, "s", ids[1]) == 3
+        assert await streams.count_after(limited, "s", ids[1], limit=2) == 2
     finally:
+        await limited.aclose()
         await r.aclose()
+
+
+def test_only_a_refusal_of_scripts_counts_as_one() -> None:
+    assert streams.scripts_refused(
+        NoPermissionError("NOPERM this user has no permissions to run 'eval'")
+    )
+    assert streams.scripts_refused(
+        ResponseError("ERR unknown command 'eval', with args beginning with:")
+    )
+    assert not streams.scripts_refused(
+        ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value")
+    )
 
 
 async def test_delete_matching_pages_through_and_starts_after_the_given_id(
