@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import pytest
+from worker_loop import working
 
 from marl import replicas, streams
 from marl.config import RunSpec
@@ -163,25 +164,21 @@ async def test_a_task_that_keeps_failing_reaches_its_run_as_dead_lettered(
     await streams.ensure_group(r, streams.rollouts_stream("run-1"), "learner")
     await streams.add(r, streams.TASKS, task.to_dict())
     runner = FailingRunner(r, "w1")
-    loop = asyncio.create_task(
-        worker.work_loop(runner, concurrency=4, heartbeat_ttl_s=2.0, max_deliveries=3)
-    )
     try:
-        deadline = time.monotonic() + 20
-        got: list[streams.Entry] = []
-        while not got:
-            assert time.monotonic() < deadline, "no dead-lettered rollout arrived"
-            got = await streams.read_group(
-                r, streams.rollouts_stream("run-1"), "learner", "l", block_ms=200
-            )
-        rollout = Rollout.from_dict(got[0].data)
-        assert rollout.task_id == task.id
-        assert rollout.error == f"{streams.DEAD_LETTERED} after 4 deliveries"
-        assert runner.attempts == 3
-        assert await r.xlen(streams.dead_letter_stream(streams.TASKS)) == 1
+        async with working(runner, max_deliveries=3):
+            deadline = time.monotonic() + 20
+            got: list[streams.Entry] = []
+            while not got:
+                assert time.monotonic() < deadline, "no dead-lettered rollout arrived"
+                got = await streams.read_group(
+                    r, streams.rollouts_stream("run-1"), "learner", "l", block_ms=200
+                )
+            rollout = Rollout.from_dict(got[0].data)
+            assert rollout.task_id == task.id
+            assert rollout.error == f"{streams.DEAD_LETTERED} after 4 deliveries"
+            assert runner.attempts == 3
+            assert await r.xlen(streams.dead_letter_stream(streams.TASKS)) == 1
     finally:
-        loop.cancel()
-        await asyncio.gather(loop, return_exceptions=True)
         await r.aclose()
 
 
@@ -423,16 +420,13 @@ async def test_a_worker_loads_the_tokenizer_of_an_announced_model_before_any_tas
     runner = worker.EpisodeRunner(r, "w1")
     await replicas.announce(r, "inference", "i0", {"address": "127.0.0.1:1", "serving": False,
                                                    "model_path": model})
-    loop = asyncio.create_task(worker.work_loop(runner, concurrency=4, heartbeat_ttl_s=2.0))
     try:
-        deadline = time.monotonic() + 20
-        while model not in runner._tokenizers:
-            assert time.monotonic() < deadline, "the announced model's tokenizer never loaded"
-            await asyncio.sleep(0.05)
-        assert await runner.tokenizer(str(demo_model_dir())) is runner._tokenizers[model]
-        assert await r.xlen(streams.TASKS) == 0
+        async with working(runner):
+            deadline = time.monotonic() + 20
+            while model not in runner._tokenizers:
+                assert time.monotonic() < deadline, "the announced model's tokenizer never loaded"
+                await asyncio.sleep(0.05)
+            assert await runner.tokenizer(str(demo_model_dir())) is runner._tokenizers[model]
+            assert await r.xlen(streams.TASKS) == 0
     finally:
-        loop.cancel()
-        await asyncio.gather(loop, return_exceptions=True)
-        await runner.close()
         await r.aclose()

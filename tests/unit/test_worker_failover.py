@@ -10,12 +10,12 @@ import asyncio
 import socket
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import grpc
 import pytest
 from loopback_grpc import serving
+from worker_loop import working
 from workflows_scripted import CharTokenizer, make_task
 
 from marl import replicas, streams
@@ -172,17 +172,6 @@ async def until_held(r: Any, entries: set[str], within_s: float, what: str) -> N
     while await held(r) != entries:
         assert time.monotonic() < deadline, what
         await asyncio.sleep(0.05)
-
-
-@asynccontextmanager
-async def working(runner: EpisodeRunner) -> AsyncIterator[asyncio.Task[None]]:
-    loop = asyncio.create_task(worker.work_loop(runner, concurrency=4, heartbeat_ttl_s=2.0))
-    try:
-        yield loop
-    finally:
-        loop.cancel()
-        await asyncio.gather(loop, return_exceptions=True)
-        await runner.close()
 
 
 async def test_a_task_its_run_took_back_ends_its_wait_for_a_replica(
