@@ -101,6 +101,16 @@ class Episodes:
         await streams.ensure_group(self.r, self.stream, LEARNER_GROUP)
         await streams.ensure_group(self.r, streams.TASKS, streams.WORKERS_GROUP)
 
+    async def close(self) -> None:
+        """Delete the run's rollouts stream and its group once the run has ended (every
+        submission is withdrawn by then, so no worker sends to it again): left behind, each
+        finished run kept an empty stream in Redis. A learner that takes a run over starts
+        its stream afresh anyway (`open`). Best effort, as `withdraw` is."""
+        try:
+            await self.r.delete(self.stream)
+        except (RedisConnectionError, RedisTimeoutError) as err:
+            log.warning("could not delete the rollouts stream of %s: %s", self.run_id, err)
+
     def make_task(self, problem: Problem, step: int, kind: str, sample: int) -> Task:
         return Task.for_spec(
             self.spec,

@@ -186,6 +186,7 @@ class RunExecutor:
         try:
             await self.train()
         finally:
+            await self.episodes.close()
             if self.burst is not None:
                 await self.torch.run(self.burst.keep_share)
             await self.adapters.close()

@@ -18,7 +18,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from replica_runs import small_run_spec, submit, wait_for
 
-from marl import replicas
+from marl import replicas, streams
 from marl.launcher import Cluster
 from marl.v1 import inference_pb2, inference_pb2_grpc, learner_pb2
 
@@ -121,5 +121,6 @@ def test_late_replica_serves_only_with_current_adapters(
             "the run to be cancelled",
         )
         assert current_versions(r, run_id) == {}
+        assert not r.exists(streams.rollouts_stream(run_id))
     finally:
         cluster.stop()

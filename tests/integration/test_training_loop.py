@@ -9,10 +9,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+import redis
 import yaml
 from safetensors.torch import load_file
 
-from marl import adapter_io
+from marl import adapter_io, streams
 from marl.launcher import Cluster
 from marl.v1 import common_pb2, inference_pb2, inference_pb2_grpc, learner_pb2, learner_pb2_grpc
 
@@ -107,6 +108,10 @@ def test_two_steps_end_to_end(
     )
     listed = inference.ListAdapters(inference_pb2.ListAdaptersRequest(), timeout=10).adapters
     assert not [a.ref.name for a in listed if a.ref.name.startswith(f"{run.run_id}/")]
+    # and its rollouts stream is gone from Redis; its record and metrics stay
+    r = redis.Redis.from_url(cluster.redis_url)
+    assert not r.exists(streams.rollouts_stream(run.run_id))
+    assert r.exists(streams.metrics_stream(run.run_id))
 
     # the learner trained something: step-1 adapters are not the zero-B version 0
     for p in policies:
