@@ -10,7 +10,10 @@ client, and finds the release's objects by the chart's labels
 `app.kubernetes.io/component=SERVICE`), never by guessing names. The tasks
 stream's lag is read with `redis-cli XINFO GROUPS` run in the release's Redis
 pod (an exec, so no port-forward is needed); with an external Redis pass
---redis URL instead. A deployment that an autoscaler (HPA or KEDA) manages is
+--redis URL instead. Where the group reports no lag (Redis 6, or Redis 7 once the
+learner has deleted tasks past the group's last delivery, which it does at every
+step), the undelivered tasks are counted inside Redis (`marl.streams.count_after`'s
+script) in a second call. A deployment that an autoscaler (HPA or KEDA) manages is
 not scaled by hand: the autoscaler would undo it within seconds.
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -26,6 +30,8 @@ from typing import Any
 SERVICES = ("inference", "workflow", "sandbox", "learner", "redis")
 SCALABLE = ("workflow", "sandbox")
 REQUEST_TIMEOUT_S = 20
+COUNT_LIMIT = 1_000_000
+"""Undelivered tasks counted at most (`count_after`'s limit)."""
 
 
 class ClusterError(Exception):
@@ -146,9 +152,7 @@ class Cluster:
 
     def lag_via_exec(self) -> StreamLag | None:
         """XINFO GROUPS in the release's Redis pod; None when the release runs no Redis."""
-        from kubernetes.stream import stream
-
-        from marl.streams import TASKS
+        from marl.streams import COUNT_AFTER_SCRIPT, TASKS
 
         pods = self.call(
             self.core.list_namespaced_pod, self.namespace, label_selector=self.selector("redis")
@@ -156,14 +160,26 @@ class Cluster:
         running = [p for p in pods if p.status.phase == "Running"]
         if not running:
             return None
-        script = (
-            'redis-cli --no-auth-warning ${MARL_AUTH_TOKEN:+-a "$MARL_AUTH_TOKEN"} '
-            f"XINFO GROUPS {TASKS}"
+        pod = running[0].metadata.name
+        group = parse_xinfo_groups(self.redis_cli(pod, ["XINFO", "GROUPS", TASKS]))
+        lag = group.lag
+        if lag.waiting is None and group.last_delivered is not None:
+            counted = self.redis_cli(pod, ["EVAL", COUNT_AFTER_SCRIPT, "1", TASKS,
+                                           f"({group.last_delivered}", str(COUNT_LIMIT)])
+            lag.waiting = parse_count(counted)
+        return lag
+
+    def redis_cli(self, pod: str, args: list[str]) -> str:
+        """redis-cli's raw output of one command in the Redis container of `pod`."""
+        from kubernetes.stream import stream
+
+        script = 'redis-cli --no-auth-warning ${MARL_AUTH_TOKEN:+-a "$MARL_AUTH_TOKEN"} ' + (
+            " ".join(shlex.quote(a) for a in args)
         )
         try:
             text = stream(
                 self.core.connect_get_namespaced_pod_exec,
-                running[0].metadata.name,
+                pod,
                 self.namespace,
                 command=["sh", "-c", script],
                 container="redis",
@@ -174,8 +190,8 @@ class Cluster:
                 _request_timeout=REQUEST_TIMEOUT_S,
             )
         except Exception as err:  # the websocket layer raises several unrelated types
-            raise ClusterError(f"cannot exec in {running[0].metadata.name}: {err}") from None
-        return parse_xinfo_groups(str(text))
+            raise ClusterError(f"cannot exec in {pod}: {err}") from None
+        return str(text)
 
     def scale(self, service: str, replicas: int) -> str:
         deployments = self.call(
@@ -250,12 +266,19 @@ def _api_reason(err: Any) -> str:
         return str(err.reason)
 
 
-def parse_xinfo_groups(text: str) -> StreamLag | None:
+@dataclass
+class WorkersGroup:
+    lag: StreamLag
+    last_delivered: str | None
+    """The group's last delivered entry id: the undelivered tasks are those after it."""
+
+
+def parse_xinfo_groups(text: str) -> WorkersGroup:
     """redis-cli's raw XINFO GROUPS output (alternating key and value lines), our group only."""
     from marl.streams import WORKERS_GROUP
 
     if "no such key" in text.lower():
-        return StreamLag(waiting=0, pending=0, consumers=0)
+        return WorkersGroup(StreamLag(waiting=0, pending=0, consumers=0), None)
     if text.startswith(("ERR", "NOAUTH", "WRONGPASS")):
         raise ClusterError(f"redis-cli in the Redis pod: {text.strip()}")
     lines = [line.strip() for line in text.strip().splitlines()]
@@ -268,37 +291,55 @@ def parse_xinfo_groups(text: str) -> StreamLag | None:
     for group in groups:
         if group.get("name") == WORKERS_GROUP:
             lag = group.get("lag")
-            return StreamLag(
-                waiting=int(lag) if lag not in (None, "", "(nil)") else None,
-                pending=int(group.get("pending", 0)),
-                consumers=int(group.get("consumers", 0)),
+            return WorkersGroup(
+                StreamLag(
+                    waiting=int(lag) if lag not in (None, "", "(nil)") else None,
+                    pending=int(group.get("pending", 0)),
+                    consumers=int(group.get("consumers", 0)),
+                ),
+                group.get("last-delivered-id") or None,
             )
-    return StreamLag(waiting=None, pending=0, consumers=0)
+    return WorkersGroup(StreamLag(waiting=None, pending=0, consumers=0), None)
+
+
+def parse_count(text: str) -> int:
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ClusterError(f"redis-cli in the Redis pod: {text.strip()}") from None
 
 
 def lag_via_redis(url: str) -> StreamLag:
     import redis
 
-    from marl.streams import TASKS, WORKERS_GROUP
+    from marl.streams import COUNT_AFTER_SCRIPT, TASKS, WORKERS_GROUP, scripts_refused
 
     try:
         with redis.Redis.from_url(url, socket_timeout=10) as r:
             groups = r.xinfo_groups(TASKS)
+            for g in groups:
+                name = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
+                if name != WORKERS_GROUP:
+                    continue
+                lag = g.get("lag")
+                if lag is None:
+                    last = g["last-delivered-id"]
+                    start = f"({last.decode() if isinstance(last, bytes) else last}"
+                    try:
+                        lag = r.eval(COUNT_AFTER_SCRIPT, 1, TASKS, start, COUNT_LIMIT)
+                    except redis.ResponseError as err:
+                        if not scripts_refused(err):
+                            raise
+                        lag = len(r.xrange(TASKS, min=start, count=COUNT_LIMIT))
+                return StreamLag(
+                    waiting=int(lag), pending=int(g["pending"]), consumers=int(g["consumers"])
+                )
     except redis.ResponseError as err:
         if "no such key" in str(err).lower():
             return StreamLag(waiting=0, pending=0, consumers=0)
         raise ClusterError(f"--redis: {err}") from None
     except redis.ConnectionError as err:
         raise ClusterError(f"--redis: cannot connect to {url}: {err}") from None
-    for g in groups:
-        name = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
-        if name == WORKERS_GROUP:
-            lag = g.get("lag")
-            return StreamLag(
-                waiting=int(lag) if lag is not None else None,
-                pending=int(g["pending"]),
-                consumers=int(g["consumers"]),
-            )
     return StreamLag(waiting=None, pending=0, consumers=0)
 
 

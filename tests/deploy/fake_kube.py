@@ -15,6 +15,7 @@ import json
 import re
 import struct
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,9 @@ class FakeKube:
         self.token = token
         self.requests: list[tuple[str, str, Any]] = []
         self.exec_output = (RESPONSES / "xinfo_groups.txt").read_text()
+        self.exec_runner: Callable[[list[str]], str] | None = None
+        """When set, an exec's command is run by it (a shell on this machine standing in for
+        the pod) instead of answered with `exec_output`."""
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -137,7 +141,9 @@ class FakeKube:
             return self.send_bytes(h, 200, "".join(lines).encode(), "text/plain")
         m = re.fullmatch(rf"/api/v1/namespaces/{ns}/pods/([\w-]+)/exec", url.path)
         if method == "GET" and m and m.group(1) == "r-marl-redis-0":
-            return self.exec_websocket(h)
+            command: Any = query.get("command", [])
+            output = self.exec_output if self.exec_runner is None else self.exec_runner(command)
+            return self.exec_websocket(h, output)
         self.send_json(h, 404, _load("not_found.json"))
 
     def send_list(self, h: BaseHTTPRequestHandler, name: str, selector: str | None) -> None:
@@ -157,7 +163,7 @@ class FakeKube:
         h.end_headers()
         h.wfile.write(data)
 
-    def exec_websocket(self, h: BaseHTTPRequestHandler) -> None:
+    def exec_websocket(self, h: BaseHTTPRequestHandler, output: str) -> None:
         """Upgrade, write stdout on channel 1 and a Success status on channel 3, close."""
         key = h.headers["Sec-WebSocket-Key"]
         accept = base64.b64encode(hashlib.sha1((key + WS_GUID).encode()).digest()).decode()
@@ -168,7 +174,7 @@ class FakeKube:
         h.send_header("Sec-WebSocket-Protocol", "v4.channel.k8s.io")
         h.end_headers()
         status = json.dumps({"metadata": {}, "status": "Success"}).encode()
-        for payload in (b"\x01" + self.exec_output.encode(), b"\x03" + status):
+        for payload in (b"\x01" + output.encode(), b"\x03" + status):
             h.wfile.write(_frame(0x2, payload))
         h.wfile.write(_frame(0x8, struct.pack("!H", 1000)))
         h.wfile.flush()

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
 
 import pytest
+import redis
 from fake_kube import FakeKube
 
-from marl import cli
+from marl import cli, streams
 from marl.cluster import ClusterError, parse_xinfo_groups
+from marl.redis_server import redis_server_binary
 
 
 @pytest.fixture()
@@ -122,8 +128,51 @@ def test_unreachable_api(
 
 
 def test_parse_xinfo_without_the_group_or_stream() -> None:
-    assert parse_xinfo_groups("ERR no such key\n") is not None
-    lag = parse_xinfo_groups("name\nother\nconsumers\n1\npending\n0\n")
-    assert lag is not None and lag.waiting is None and lag.consumers == 0
+    assert parse_xinfo_groups("ERR no such key\n").lag.waiting == 0
+    group = parse_xinfo_groups("name\nother\nconsumers\n1\npending\n0\n")
+    assert group.lag.waiting is None and group.lag.consumers == 0
+    assert group.last_delivered is None
     with pytest.raises(ClusterError, match="NOAUTH"):
         parse_xinfo_groups("NOAUTH Authentication required.\n")
+
+
+def test_status_counts_the_undelivered_tasks_where_the_group_reports_no_lag(
+    kube: FakeKube,
+    redis_url: str,
+    noscript_url: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Redis 6.2 (the one here) reports no lag, and Redis 7 none once the learner deleted
+    tasks past the group's last delivery. The undelivered tasks are then counted in Redis:
+    through redis-cli in the Redis pod (here a shell on this machine whose redis-cli reaches
+    a real Redis), or through --redis, where an ACL without EVAL reads them instead."""
+    r = redis.Redis.from_url(redis_url)
+    r.xgroup_create(streams.TASKS, streams.WORKERS_GROUP, id="0", mkstream=True)
+    ids = [r.xadd(streams.TASKS, {"json": "{}"}) for _ in range(10)]
+    held: Any = r.xreadgroup(streams.WORKERS_GROUP, "w1", {streams.TASKS: ">"}, count=3)
+    r.xack(streams.TASKS, streams.WORKERS_GROUP, held[0][1][0][0])
+    r.xdel(streams.TASKS, ids[8], ids[9])  # deleted past the last delivery, as the learner does
+    expected = {"waiting": 5, "pending": 2, "consumers": 1}
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    cli_path = Path(redis_server_binary()).with_name("redis-cli")
+    (bin_dir / "redis-cli").write_text(
+        f'#!/bin/sh\nexec {cli_path} -p {urlparse(redis_url).port} "$@"\n'
+    )
+    (bin_dir / "redis-cli").chmod(0o755)
+    pod_env = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    kube.exec_runner = lambda command: subprocess.run(
+        command, env=pod_env, capture_output=True, text=True, timeout=30, check=True
+    ).stdout
+
+    assert cli.main(["cluster", "status", "--release", "r", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tasks"] == expected
+    commands = [q["command"][2] for m, p, q in kube.requests if p.endswith("/exec")]
+    assert commands[0].endswith("XINFO GROUPS marl:tasks") and " EVAL " in commands[1]
+    for url in (redis_url, noscript_url):
+        assert cli.main(["cluster", "status", "--release", "r", "--redis", url, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["tasks"] == expected
+    assert cli.main(["cluster", "status", "--release", "r"]) == 0
+    assert "5 waiting, 2 pending on 1 workers" in capsys.readouterr().out
