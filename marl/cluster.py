@@ -30,8 +30,6 @@ from typing import Any
 SERVICES = ("inference", "workflow", "sandbox", "learner", "redis")
 SCALABLE = ("workflow", "sandbox")
 REQUEST_TIMEOUT_S = 20
-COUNT_LIMIT = 1_000_000
-"""Undelivered tasks counted at most (`count_after`'s limit)."""
 
 
 class ClusterError(Exception):
@@ -152,7 +150,7 @@ class Cluster:
 
     def lag_via_exec(self) -> StreamLag | None:
         """XINFO GROUPS in the release's Redis pod; None when the release runs no Redis."""
-        from marl.streams import COUNT_AFTER_SCRIPT, TASKS
+        from marl.streams import COUNT_AFTER_LIMIT, COUNT_AFTER_SCRIPT, TASKS
 
         pods = self.call(
             self.core.list_namespaced_pod, self.namespace, label_selector=self.selector("redis")
@@ -165,7 +163,7 @@ class Cluster:
         lag = group.lag
         if lag.waiting is None and group.last_delivered is not None:
             counted = self.redis_cli(pod, ["EVAL", COUNT_AFTER_SCRIPT, "1", TASKS,
-                                           f"({group.last_delivered}", str(COUNT_LIMIT)])
+                                           f"({group.last_delivered}", str(COUNT_AFTER_LIMIT)])
             lag.waiting = parse_count(counted)
         return lag
 
@@ -310,37 +308,28 @@ def parse_count(text: str) -> int:
 
 
 def lag_via_redis(url: str) -> StreamLag:
-    import redis
+    """The backlog as the services read it (`marl.streams.backlog`), without their
+    retries: a wrong URL fails at once."""
+    import asyncio
 
-    from marl.streams import COUNT_AFTER_SCRIPT, TASKS, WORKERS_GROUP, scripts_refused
+    import redis
+    import redis.asyncio as aioredis
+
+    from marl import streams
+
+    async def read() -> streams.Backlog | None:
+        async with aioredis.Redis.from_url(url, decode_responses=True, socket_timeout=10) as r:
+            return await streams.backlog(r, streams.TASKS, streams.WORKERS_GROUP)
 
     try:
-        with redis.Redis.from_url(url, socket_timeout=10) as r:
-            groups = r.xinfo_groups(TASKS)
-            for g in groups:
-                name = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
-                if name != WORKERS_GROUP:
-                    continue
-                lag = g.get("lag")
-                if lag is None:
-                    last = g["last-delivered-id"]
-                    start = f"({last.decode() if isinstance(last, bytes) else last}"
-                    try:
-                        lag = r.eval(COUNT_AFTER_SCRIPT, 1, TASKS, start, COUNT_LIMIT)
-                    except redis.ResponseError as err:
-                        if not scripts_refused(err):
-                            raise
-                        lag = len(r.xrange(TASKS, min=start, count=COUNT_LIMIT))
-                return StreamLag(
-                    waiting=int(lag), pending=int(g["pending"]), consumers=int(g["consumers"])
-                )
-    except redis.ResponseError as err:
-        if "no such key" in str(err).lower():
-            return StreamLag(waiting=0, pending=0, consumers=0)
-        raise ClusterError(f"--redis: {err}") from None
+        got = asyncio.run(read())
     except redis.ConnectionError as err:
         raise ClusterError(f"--redis: cannot connect to {url}: {err}") from None
-    return StreamLag(waiting=None, pending=0, consumers=0)
+    except redis.RedisError as err:
+        raise ClusterError(f"--redis: {err}") from None
+    if got is None:  # no tasks stream (or group) yet: nothing queued
+        return StreamLag(waiting=0, pending=0, consumers=0)
+    return StreamLag(waiting=got.undelivered, pending=got.pending, consumers=got.consumers)
 
 
 # ------------------------------------------------------------------ command

@@ -359,22 +359,42 @@ async def claim_stale(
     return out
 
 
-async def lag(r: aioredis.Redis, stream: str, group: str) -> int:
-    """Entries not yet delivered plus delivered-but-unacknowledged."""
+@dataclass
+class Backlog:
+    """A consumer group's unfinished entries."""
+
+    undelivered: int
+    pending: int
+    """Delivered to a consumer and not yet acknowledged."""
+    consumers: int
+
+
+async def backlog(r: aioredis.Redis, stream: str, group: str) -> Backlog | None:
+    """`group`'s backlog on `stream`; None when either does not exist."""
     g = await _group_info(r, stream, group)
     if g is None:
-        return 0
+        return None
     undelivered = g.get("lag")
     if undelivered is None:  # Redis < 7, or 7 with deleted entries not yet read past
         undelivered = await count_after(r, stream, g["last-delivered-id"])
-    return int(undelivered) + int(g.get("pending") or 0)
+    return Backlog(int(undelivered), int(g.get("pending") or 0), int(g.get("consumers") or 0))
+
+
+async def lag(r: aioredis.Redis, stream: str, group: str) -> int:
+    """Entries not yet delivered plus delivered-but-unacknowledged."""
+    b = await backlog(r, stream, group)
+    return 0 if b is None else b.undelivered + b.pending
 
 
 COUNT_AFTER_SCRIPT = "return #redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', ARGV[2])"
 
 
+COUNT_AFTER_LIMIT = 100_000
+"""The most entries `count_after` counts."""
+
+
 async def count_after(
-    r: aioredis.Redis, stream: str, entry_id: str, limit: int = 100_000
+    r: aioredis.Redis, stream: str, entry_id: str, limit: int = COUNT_AFTER_LIMIT
 ) -> int:
     """How many entries of `stream` come after `entry_id` (at most `limit`), counted inside
     Redis: reading them to count them moved every queued task's JSON to the caller, which
