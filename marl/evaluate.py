@@ -239,7 +239,6 @@ async def evaluate(
     sources) only seeds sampling, as in the run that made the checkpoint."""
     import redis.asyncio as aioredis
 
-    from marl import streams
     from marl.data import load_problems
     from marl.model_id import base_model_id
     from marl.rollout import AdapterRef
@@ -275,7 +274,7 @@ async def evaluate(
         problems = load_problems(spec.data, "val", spec.seed)[: spec.train.val_problems]
         at = step if step is not None else max((s.step for s in routing.values()), default=0)
         metrics = await Validator(problems, 1, 1, episodes).run(at)
-        await r.delete(streams.rollouts_stream(eval_id))
+        await episodes.close()
         errors = [x.error for x in episodes.rollouts if x.error is not None]
         if errors:
             # scored as the learner's validation scores them, but say why

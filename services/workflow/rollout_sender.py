@@ -13,7 +13,9 @@ a script (`SEND_SCRIPT`) that for each rollout, at once:
 A command that fails inside the script fails only its own rollout's `send`, whose task
 stays pending (the worker releases it for a retry). Where scripts are refused (an ACL
 without EVAL), a MULTI/EXEC of each rollout's XADD and XACK does the same without the
-check (Redis does not roll back the others of a command that fails in it).
+task check (Redis does not roll back the others of a command that fails in it); its XADD
+only adds to a stream that exists (NOMKSTREAM), so a rollout finishing after its run
+ended does not recreate the stream the learner deleted.
 """
 
 from __future__ import annotations
@@ -74,8 +76,9 @@ class RolloutSender:
 
     async def send(self, rollout: Rollout, entry_id: str) -> bool:
         """XADD `rollout` to its run's stream and XACK its task entry; returns once Redis
-        has both: True, or False when the task entry was gone (its run took it back), so
-        the rollout was not sent and the entry only acknowledged. Raises what failed."""
+        has both: True, or False when the task entry was gone (its run took it back; where
+        scripts are refused, when the run's stream was gone: the run ended), so the rollout
+        was not sent and the entry only acknowledged. Raises what failed."""
         out = _Outgoing(
             streams.rollouts_stream(rollout.run_id),
             json.dumps(rollout.to_dict()),
@@ -125,16 +128,17 @@ class RolloutSender:
                 if not streams.scripts_refused(err):
                     raise
                 log.warning("Redis refused the rollout script (%s); sending with MULTI/EXEC "
-                            "instead, without leaving out rollouts of withdrawn tasks", err)
+                            "instead: rollouts of tasks a live run took back will reach its stream", err)
                 self._scripts = False
         async with self.r.pipeline(transaction=True) as pipe:
             for out in batch:
-                pipe.xadd(out.stream, {"json": out.payload})
+                pipe.xadd(out.stream, {"json": out.payload}, nomkstream=True)
                 pipe.xack(streams.TASKS, streams.WORKERS_GROUP, out.entry_id)
             results = await pipe.execute(raise_on_error=False)
         outcomes: list[str | Exception] = []
         for k in range(len(batch)):
-            failed = [x for x in results[2 * k : 2 * k + 2] if isinstance(x, Exception)]
-            outcomes.append(failed[0] if failed else SENT)
+            added, acked = results[2 * k : 2 * k + 2]
+            failed = [x for x in (added, acked) if isinstance(x, Exception)]
+            outcomes.append(failed[0] if failed else SENT if added is not None else WITHDRAWN)
         return outcomes
 

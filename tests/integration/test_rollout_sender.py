@@ -1,7 +1,7 @@
 """RolloutSender against a real redis-server: rollouts that finish together share one
 round trip, each with its task's XACK; a rollout whose task its run took back is not sent;
 a failed command fails its own rollout only; and where Redis refuses scripts, a
-MULTI/EXEC sends them."""
+MULTI/EXEC sends them, leaving out those of runs whose streams are gone."""
 
 from __future__ import annotations
 
@@ -116,6 +116,7 @@ async def test_where_scripts_are_refused_a_transaction_sends_them(
     r = streams.connect(noscript_url)
     try:
         ids = await held_tasks(r, 3)
+        await streams.ensure_group(r, streams.rollouts_stream("run-c"), "learner")
         sender = RolloutSender(r)
         before = await calls(admin, "exec")
         got = await send_all(sender, "run-c", ids)
@@ -126,3 +127,26 @@ async def test_where_scripts_are_refused_a_transaction_sends_them(
     finally:
         await r.aclose()
         await admin.aclose()
+
+
+async def test_where_scripts_are_refused_a_rollout_of_an_ended_run_is_acknowledged_not_sent(
+    redis_url: str, noscript_url: str
+) -> None:
+    """The learner deletes its run's rollouts stream once the run has ended; a rollout
+    finishing after that must not create the stream again, with nobody left to read it."""
+    r = streams.connect(noscript_url)
+    try:
+        ids = await held_tasks(r, 3)
+        await streams.ensure_group(r, streams.rollouts_stream("run-live"), "learner")
+        sender = RolloutSender(r)
+        got = await asyncio.gather(
+            sender.send(rollout("run-live", 0), ids[0]),
+            sender.send(rollout("run-ended", 1), ids[1]),
+            sender.send(rollout("run-live", 2), ids[2]),
+        )
+        assert got == [True, False, True]
+        assert await r.exists(streams.rollouts_stream("run-ended")) == 0
+        assert await sent_ids(r, "run-live") == ["run-live:0", "run-live:2"]
+        assert await pending(r) == 0
+    finally:
+        await r.aclose()
