@@ -186,10 +186,10 @@ class RunExecutor:
         try:
             await self.train()
         finally:
-            await self.episodes.close()
             if self.burst is not None:
                 await self.torch.run(self.burst.keep_share)
             await self.adapters.close()
+            await self.episodes.close()
             for sink in self.sinks:
                 await sink.close()
             if self._own_torch_thread:

@@ -128,7 +128,8 @@ class RolloutSender:
                 if not streams.scripts_refused(err):
                     raise
                 log.warning("Redis refused the rollout script (%s); sending with MULTI/EXEC "
-                            "instead: rollouts of tasks a live run took back will reach its stream", err)
+                            "instead: rollouts of tasks a live run took back will reach its "
+                            "stream", err)
                 self._scripts = False
         async with self.r.pipeline(transaction=True) as pipe:
             for out in batch:
@@ -139,6 +140,9 @@ class RolloutSender:
         for k in range(len(batch)):
             added, acked = results[2 * k : 2 * k + 2]
             failed = [x for x in (added, acked) if isinstance(x, Exception)]
-            outcomes.append(failed[0] if failed else SENT if added is not None else WITHDRAWN)
+            if failed:
+                outcomes.append(failed[0])
+            else:  # no id from XADD: NOMKSTREAM found the run's stream gone
+                outcomes.append(SENT if added is not None else WITHDRAWN)
         return outcomes
 

@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 
 from marl import streams
 from marl.rollout import Rollout
+from services.learner.episodes import LEARNER_GROUP
 from services.workflow.rollout_sender import RolloutSender
 
 
@@ -116,7 +117,7 @@ async def test_where_scripts_are_refused_a_transaction_sends_them(
     r = streams.connect(noscript_url)
     try:
         ids = await held_tasks(r, 3)
-        await streams.ensure_group(r, streams.rollouts_stream("run-c"), "learner")
+        await streams.ensure_group(r, streams.rollouts_stream("run-c"), LEARNER_GROUP)
         sender = RolloutSender(r)
         before = await calls(admin, "exec")
         got = await send_all(sender, "run-c", ids)
@@ -130,14 +131,14 @@ async def test_where_scripts_are_refused_a_transaction_sends_them(
 
 
 async def test_where_scripts_are_refused_a_rollout_of_an_ended_run_is_acknowledged_not_sent(
-    redis_url: str, noscript_url: str
+    noscript_url: str,
 ) -> None:
     """The learner deletes its run's rollouts stream once the run has ended; a rollout
     finishing after that must not create the stream again, with nobody left to read it."""
     r = streams.connect(noscript_url)
     try:
         ids = await held_tasks(r, 3)
-        await streams.ensure_group(r, streams.rollouts_stream("run-live"), "learner")
+        await streams.ensure_group(r, streams.rollouts_stream("run-live"), LEARNER_GROUP)
         sender = RolloutSender(r)
         got = await asyncio.gather(
             sender.send(rollout("run-live", 0), ids[0]),
