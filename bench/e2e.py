@@ -4,7 +4,8 @@ On the shipped demo model, with the same problems, sampling and group size, for 
 Voting and Single workflows:
 
 (a) engine alone: every turn prompt of (b)'s steps, each step's as one batch, generated
-    by an in-process engine with (b)'s final adapter loaded; no workflow order, no
+    by an in-process engine with (b)'s final adapter loaded and the replicas' settings (their
+    dtype and vLLM options: defaults and `MARL_INFERENCE_*`); no workflow order, no
     learner, no Redis: the ceiling on rollout tokens/s. Measured twice, after the first
     marl run and after the last, and averaged: like the marl modes' order below, so
     that a machine whose speed drifts moves the ceiling as it moves them;
@@ -224,9 +225,13 @@ def figures_of(outs: list[Path], traced: list[StepTimes]) -> dict[str, float]:
 
 async def engine_alone(out: Path, args: argparse.Namespace, model_dir: str) -> float:
     """Tokens/s of each of the run's steps' turn prompts as one batch, median over steps."""
+    from marl.service_config import load_inference
     from services.inference.factory import make_engine
 
-    engine = await asyncio.to_thread(make_engine, args.engine, model_dir, "float32", args.rank)
+    replica = load_inference()  # what the runs' replicas read: defaults, MARL_INFERENCE_*
+    engine = await asyncio.to_thread(
+        make_engine, args.engine, model_dir, replica.dtype, args.rank, replica.vllm_options()
+    )
     final = load_checkpoint(str(out), ["shared"])["shared"]
     await engine.load_adapter(AdapterWeights(
         "bench/final@0", 1, final.rank, final.alpha, final.target_modules, final.state

@@ -62,6 +62,21 @@ def _cpu_env_defaults() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def _gpu_env_defaults() -> None:
+    """On a GPU, vLLM's engine core is spawned rather than forked.
+
+    vLLM forks it unless CUDA is initialized in this process, but an earlier
+    `torch.cuda.is_available()` (cudaGetDeviceCount) already leaves a forked
+    child unable to use CUDA ("Cannot re-initialize CUDA in forked subprocess"):
+    on an H200, `bench/inference.py`'s engine core died so. A value already in the
+    environment wins.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
+
 def supported_rank(rank: int) -> int:
     """Smallest rank vLLM accepts as `max_lora_rank` that fits `rank`."""
     for r in VLLM_LORA_RANKS:
@@ -216,6 +231,7 @@ class VLLMEngine:
         4 × max_loras) stay cached, the rest are re-read from their dir on use.
         """
         _cpu_env_defaults()
+        _gpu_env_defaults()
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
 
