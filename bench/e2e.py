@@ -20,7 +20,8 @@ every core but the one the workers use while it decodes; (c)'s run at once and g
 shares, until the rollouts queued ahead are in and the learner's update takes every core
 (`services.learner.threads`; `--no-burst` keeps the shares throughout). A
 machine whose speed drifts over the bench's minutes (a shared VM's does) then slows both
-modes alike, rather than whichever ran second.
+modes alike, rather than whichever ran second. `--once` runs b c, for a lease too short for
+four clusters (on an H200 with vLLM, one cluster and 5 steps took about 2 minutes).
 
 Per marl mode, over both of its runs' steps after the first two of each (warm-up):
 median step time, steps per wall-clock second (from the first such step's start to the
@@ -91,6 +92,9 @@ MODEL_DEFAULTS: dict[str, dict[str, int]] = {
 """Each model's batch: the demo's is the issue's; SmolLM2's is what 2 cores do in minutes."""
 ORDER = (("sync", 0), ("k1", 1), ("k1", 1), ("sync", 0))
 """The marl runs, as (mode, train.max_staleness), in the order they run."""
+ORDER_ONCE = (("sync", 0), ("k1", 1))
+"""`--once`: each mode once, for a short lease of a machine (half the runs, and a drift in
+the machine's speed then favours one mode)."""
 
 
 def run_name(workflow: str, staleness: int) -> str:
@@ -264,6 +268,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--workflows", default="voting,single")
     p.add_argument("--cores", type=int, default=DEFAULT_CORES,
                    help="cores the services share out (marl.launcher.service_threads)")
+    p.add_argument("--once", action="store_true",
+                   help="run each mode once (sync, K=1) instead of sync K=1 K=1 sync")
     p.add_argument("--no-burst", action="store_true",
                    help="K=1's update keeps its share of the cores throughout (the baseline "
                    "of services.learner.threads)")
@@ -281,7 +287,7 @@ def print_table(figures: dict[str, Any]) -> None:
     print(f"\ne2e bench: model={figures['model']}, engine={figures['engine']}, "
           f"{figures['problems']} problems x group {figures['group']}, <= "
           f"{figures['max_tokens']} tokens per turn; marl runs in the order "
-          f"{' '.join(run for run, _ in ORDER)}, each mode's steps after the first "
+          f"{' '.join(figures['order'])}, each mode's steps after the first "
           f"{WARMUP_STEPS} of each of its runs of {figures['steps']}")
     for run in ("sync", "k1"):
         t = figures[f"{run}_threads"]
@@ -322,10 +328,12 @@ def print_table(figures: dict[str, Any]) -> None:
 def main() -> None:
     args = parse_args()
     workflows = args.workflows.split(",")
+    order = ORDER_ONCE if args.once else ORDER
     figures: dict[str, Any] = {
         "model": args.model, "engine": args.engine, "steps": args.steps, "problems": args.problems,
         "group": args.group, "max_tokens": args.max_tokens, "rank": args.rank,
         "workers": args.workers, "workflows": workflows, "cores": args.cores,
+        "order": [run for run, _ in order],
     }
     with tempfile.TemporaryDirectory(prefix="marl-e2e-") as tmp:
         root = Path(tmp)
@@ -334,7 +342,7 @@ def main() -> None:
         traced: dict[tuple[str, str], list[StepTimes]] = {}
         use: dict[tuple[str, str], list[CpuUse]] = {}
         engine: dict[str, list[float]] = {wf: [] for wf in workflows}
-        for n, (run, k) in enumerate(ORDER):
+        for n, (run, k) in enumerate(order):
             threads = service_threads(args.cores, overlapped=k > 0)
             if args.no_burst:
                 threads["learner_burst"] = threads["learner"]
@@ -359,7 +367,7 @@ def main() -> None:
                     s for s in of_cluster
                     if s.run.startswith(f"{run_name(wf, k)}-") and s.step > WARMUP_STEPS
                 )
-            if n in (0, len(ORDER) - 1):
+            if n in (0, len(order) - 1):
                 for wf in workflows:
                     rate = engine_alone(outs[wf, "sync"][0], args, model_dir)
                     engine[wf].append(asyncio.run(rate))
