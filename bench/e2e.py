@@ -5,7 +5,7 @@ Voting and Single workflows:
 
 (a) engine alone: every turn prompt of (b)'s steps, each step's as one batch, generated
     by an in-process engine with (b)'s final adapter loaded and the replicas' settings (their
-    dtype and vLLM options: defaults and `MARL_INFERENCE_*`); no workflow order, no
+    dtype, device and vLLM options: defaults and `MARL_INFERENCE_*`); no workflow order, no
     learner, no Redis: the ceiling on rollout tokens/s. Measured twice, after the first
     marl run and after the last, and averaged: like the marl modes' order below, so
     that a machine whose speed drifts moves the ceiling as it moves them;
@@ -234,7 +234,8 @@ async def engine_alone(out: Path, args: argparse.Namespace, model_dir: str) -> f
 
     replica = load_inference()  # what the runs' replicas read: defaults, MARL_INFERENCE_*
     engine = await asyncio.to_thread(
-        make_engine, args.engine, model_dir, replica.dtype, args.rank, replica.vllm_options()
+        make_engine, args.engine, model_dir, replica.dtype, args.rank, replica.vllm_options(),
+        replica.device,
     )
     final = load_checkpoint(str(out), ["shared"])["shared"]
     await engine.load_adapter(AdapterWeights(
