@@ -3,9 +3,10 @@ late-replica sync and release.
 
 After each update the current version of every adapter is published in Redis
 (names and versions, not weights), pushed to every live replica and each
-acknowledgement recorded; a sync loop pushes them to replicas that start mid-run
+acknowledgement recorded (`acks_key`); a sync loop pushes them to replicas that start mid-run
 (such a replica reports SERVING only once it holds them). When the run ends its
-adapters are unloaded from every replica (the checkpoints keep them).
+adapters are unloaded from every replica (the checkpoints keep them) and its record of
+acknowledgements is deleted.
 
 Versions are never reused: a run taken over after its learner died starts a new
 version range (`version_base`), since a replica refuses a name@version it already
@@ -52,6 +53,12 @@ class Published:
     version: int
     manifest: common_pb2.AdapterManifest
     payload: bytes
+
+
+def acks_key(run_id: str) -> str:
+    """The hash of a run's acknowledged pushes while it runs: `replica/policy@version` ->
+    the time the replica took it."""
+    return f"marl:run:{run_id}:acks"
 
 
 def adapter_bytes(policy: Any, p: str) -> bytes:
@@ -126,6 +133,7 @@ class AdapterSync:
         await cancel_until_done([*([self._sync] if self._sync else []), *self._pushes.values()])
         await replicas.retire_current(self.r, [self.adapter_name(p) for p in self.current])
         await self.release_adapters()
+        await self.r.delete(acks_key(self.run_id))  # left behind, every finished run kept one
 
     async def push(self, policy: Any) -> None:
         """Publish the current version of every adapter, push it to every live replica and
@@ -262,7 +270,7 @@ class AdapterSync:
                     f"inference replica {rid} ({address}) refused adapter {ref}: {err.details()}"
                 ) from None
         self._acked.add((rid, p, pub.version))
-        await self.r.hset(f"marl:run:{self.run_id}:acks", f"{rid}/{p}@{pub.version}", time.time())
+        await self.r.hset(acks_key(self.run_id), f"{rid}/{p}@{pub.version}", time.time())
 
     async def release_adapters(self) -> None:
         """Unload this run's adapters from every live replica once the run is over (the

@@ -21,6 +21,8 @@ from replica_runs import small_run_spec, submit, wait_for
 from marl import replicas, streams
 from marl.launcher import Cluster
 from marl.v1 import inference_pb2, inference_pb2_grpc, learner_pb2
+from services.learner.adapter_sync import acks_key
+from services.learner.runs import run_key
 
 pytestmark = pytest.mark.timeout(600)  # the session's tiny model may be built first
 
@@ -95,7 +97,7 @@ def test_late_replica_serves_only_with_current_adapters(
         joined = {p: max(v) for p, v in held.items()}
 
         def acked() -> dict[str, list[int]]:
-            acks: Any = r.hgetall(f"marl:run:{run_id}:acks")
+            acks: Any = r.hgetall(acks_key(run_id))
             return {
                 p: sorted(int(k.split("@")[1]) for k in acks if k.startswith(f"{replica_id}/{p}@"))
                 for p in POLICIES
@@ -121,6 +123,10 @@ def test_late_replica_serves_only_with_current_adapters(
             "the run to be cancelled",
         )
         assert current_versions(r, run_id) == {}
-        assert not r.exists(streams.rollouts_stream(run_id))
+        # what outlives the run is its history alone: the record GetRun reads and the
+        # metrics WatchRun replays (its rollouts stream and its acks are deleted)
+        assert sorted(r.scan_iter(f"*{run_id}*")) == sorted(
+            [run_key(run_id), streams.metrics_stream(run_id)]
+        )
     finally:
         cluster.stop()
