@@ -6,7 +6,7 @@ After each update the current version of every adapter is published in Redis
 acknowledgement recorded (`acks_key`); a sync loop pushes them to replicas that start mid-run
 (such a replica reports SERVING only once it holds them). When the run ends its
 adapters are unloaded from every replica (the checkpoints keep them) and its record of
-acknowledgements is deleted.
+acknowledgements expires a day later.
 
 Versions are never reused: a run taken over after its learner died starts a new
 version range (`version_base`), since a replica refuses a name@version it already
@@ -44,6 +44,10 @@ to take a turn)."""
 SYNC_INTERVAL_S = 1.0
 SYNC_RETRY_S = 5.0
 RELEASE_DEADLINE_S = 30.0
+ACKS_KEPT_S = 24 * 3600
+"""How long a run's record of acknowledgements (`acks_key`) outlives the run: long enough to
+see afterwards which replica took which version when, without every finished run keeping
+one in Redis for good."""
 
 
 @dataclass
@@ -133,7 +137,7 @@ class AdapterSync:
         await cancel_until_done([*([self._sync] if self._sync else []), *self._pushes.values()])
         await replicas.retire_current(self.r, [self.adapter_name(p) for p in self.current])
         await self.release_adapters()
-        await self.r.delete(acks_key(self.run_id))  # left behind, every finished run kept one
+        await self.r.expire(acks_key(self.run_id), ACKS_KEPT_S)
 
     async def push(self, policy: Any) -> None:
         """Publish the current version of every adapter, push it to every live replica and

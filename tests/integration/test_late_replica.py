@@ -21,7 +21,7 @@ from replica_runs import small_run_spec, submit, wait_for
 from marl import replicas, streams
 from marl.launcher import Cluster
 from marl.v1 import inference_pb2, inference_pb2_grpc, learner_pb2
-from services.learner.adapter_sync import acks_key
+from services.learner.adapter_sync import ACKS_KEPT_S, acks_key
 from services.learner.runs import run_key
 
 pytestmark = pytest.mark.timeout(600)  # the session's tiny model may be built first
@@ -123,10 +123,12 @@ def test_late_replica_serves_only_with_current_adapters(
             "the run to be cancelled",
         )
         assert current_versions(r, run_id) == {}
-        # what outlives the run is its history alone: the record GetRun reads and the
-        # metrics WatchRun replays (its rollouts stream and its acks are deleted)
+        # what outlives the run: its history (the record GetRun reads, the metrics WatchRun
+        # replays) and, for a day, its acks; its rollouts stream is deleted
         assert sorted(r.scan_iter(f"*{run_id}*")) == sorted(
-            [run_key(run_id), streams.metrics_stream(run_id)]
+            [run_key(run_id), streams.metrics_stream(run_id), acks_key(run_id)]
         )
+        assert 0 < r.ttl(acks_key(run_id)) <= ACKS_KEPT_S
+        assert r.ttl(run_key(run_id)) == r.ttl(streams.metrics_stream(run_id)) == -1
     finally:
         cluster.stop()

@@ -17,6 +17,7 @@ from replica_runs import small_run_spec, submit, wait_for
 
 from marl.launcher import Cluster
 from marl.v1 import learner_pb2
+from services.learner.adapter_sync import acks_key
 
 pytestmark = pytest.mark.timeout(600)  # the session's tiny model may be built first
 
@@ -68,7 +69,7 @@ def test_run_survives_the_loss_of_one_inference_replica(
         ends_whole(learner, run_id, out)
 
         # every version after the loss was acknowledged by the surviving replica only
-        acks: Any = r.hgetall(f"marl:run:{run_id}:acks")
+        acks: Any = r.hgetall(acks_key(run_id))
         by_version: dict[int, set[str]] = {}
         for key in acks:
             replica, ref = key.split("/", 1)
