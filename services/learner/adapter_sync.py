@@ -33,6 +33,7 @@ from marl.rpc_codes import NO_ANSWER
 from marl.torch_thread import TorchThread
 from marl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.learner.errors import ReplicaUnreachable, RunFailed
+from services.learner.runs import acks_key
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +58,6 @@ class Published:
     version: int
     manifest: common_pb2.AdapterManifest
     payload: bytes
-
-
-def acks_key(run_id: str) -> str:
-    """The hash of a run's acknowledged pushes while it runs: `replica/policy@version` ->
-    the time the replica took it."""
-    return f"marl:run:{run_id}:acks"
 
 
 def adapter_bytes(policy: Any, p: str) -> bytes:

@@ -31,7 +31,13 @@ _key = run_key
 
 
 def _lease(run_id: str) -> str:
-    return f"marl:run:{run_id}:lease"
+    return f"{run_key(run_id)}:lease"
+
+
+def acks_key(run_id: str) -> str:
+    """The hash of a run's acknowledged adapter pushes (services/learner/adapter_sync.py):
+    `replica/policy@version` -> the time the replica took it."""
+    return f"{run_key(run_id)}:acks"
 
 
 def new_run_id(name: str) -> str:

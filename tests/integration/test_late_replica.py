@@ -21,8 +21,8 @@ from replica_runs import small_run_spec, submit, wait_for
 from marl import replicas, streams
 from marl.launcher import Cluster
 from marl.v1 import inference_pb2, inference_pb2_grpc, learner_pb2
-from services.learner.adapter_sync import ACKS_KEPT_S, acks_key
-from services.learner.runs import run_key
+from services.learner.adapter_sync import ACKS_KEPT_S
+from services.learner.runs import acks_key, run_key
 
 pytestmark = pytest.mark.timeout(600)  # the session's tiny model may be built first
 

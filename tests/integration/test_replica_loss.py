@@ -17,7 +17,7 @@ from replica_runs import small_run_spec, submit, wait_for
 
 from marl.launcher import Cluster
 from marl.v1 import learner_pb2
-from services.learner.adapter_sync import acks_key
+from services.learner.runs import acks_key
 
 pytestmark = pytest.mark.timeout(600)  # the session's tiny model may be built first
 
