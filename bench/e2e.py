@@ -8,7 +8,11 @@ Voting and Single workflows:
     dtype, device and vLLM options: defaults and `MARL_INFERENCE_*`); no workflow order, no
     learner, no Redis: the ceiling on rollout tokens/s. Measured twice, after the first
     marl run and after the last, and averaged: like the marl modes' order below, so
-    that a machine whose speed drifts moves the ceiling as it moves them;
+    that a machine whose speed drifts moves the ceiling as it moves them. Measured
+    beside it, the same engine on the same prompts in the workflow's order: every
+    episode of the step at once, each asking for a stage's turns only once the stage
+    before it is answered (Voting's aggregator after its three generators), as a
+    worker's episodes do: what the workflow's own dependencies cost, without the services;
 (b) marl synchronous (`train.max_staleness: 0`), every service its own process;
 (c) marl one step ahead (`train.max_staleness: 1`): workers generate step t+1 while the
     learner trains step t.
@@ -39,7 +43,8 @@ the rest (logging the step); the cores the services kept busy (CPU seconds of ev
 service process and Redis over the same steps' wall seconds, from /proc) and the CPU seconds a step cost, in all and by kind of service.
 Then the ratios: (b)'s rollout tokens/s over (a)'s, and (b)'s tokens over the seconds its
 replica generated over (a)'s (the engine's own rate inside marl, one thread beside the
-workers); (c)'s step throughput over (b)'s, and
+workers); (b)'s rollout tokens/s over (a)'s in the workflow's order (what marl's services
+cost over the workflow's own order); (c)'s step throughput over (b)'s, and
 what it would be if (c)'s CPU work per step filled every one of `--cores` cores (the
 part of the gap that is idle cores rather than work).
 Prints a table, then one JSON object as the very last line.
@@ -64,6 +69,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -182,9 +188,28 @@ def run_marl(cluster: Cluster, body: dict[str, Any]) -> CpuUse | None:
                   {kind: seconds / (step1 - step0) for kind, seconds in spent.items()})
 
 
-def turns_of(out: Path, step: int) -> list[dict[str, Any]]:
+def episodes_of(out: Path, step: int) -> list[list[dict[str, Any]]]:
+    """The logged turns of each of a step's episodes, in the order the episode started them."""
     path = out / "rollouts" / f"step_{step:06d}.jsonl"
-    return [t for line in path.read_text().splitlines() for t in json.loads(line)["turns"]]
+    return [json.loads(line)["turns"] for line in path.read_text().splitlines()]
+
+
+def turns_of(out: Path, step: int) -> list[dict[str, Any]]:
+    return [t for turns in episodes_of(out, step) for t in turns]
+
+
+def stages(turns: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """An episode's turns as its workflow can issue them: consecutive turns of one role are
+    one stage, asked for at once (Voting's generators), and each stage waits for the one
+    before (Voting's aggregator reads the generators' answers). Exact for the workflows
+    this bench runs, Voting and Single."""
+    out: list[list[dict[str, Any]]] = []
+    for t in turns:
+        if out and out[-1][0]["role"] == t["role"]:
+            out[-1].append(t)
+        else:
+            out.append([t])
+    return out
 
 
 def figures_of(outs: list[Path], traced: list[StepTimes]) -> dict[str, float]:
@@ -227,8 +252,38 @@ def figures_of(outs: list[Path], traced: list[StepTimes]) -> dict[str, float]:
     }
 
 
-async def engine_alone(out: Path, args: argparse.Namespace, model_dir: str) -> float:
-    """Tokens/s of each of the run's steps' turn prompts as one batch, median over steps."""
+@dataclass
+class EngineRates:
+    """The engine alone's tokens/s on a run's logged prompts, median over its steps."""
+
+    one_batch: float
+    """Each step's turn prompts as one batch (the issue's ceiling)."""
+    in_order: float
+    """Each step's episodes at once, each issuing its stages in turn (`stages`): the
+    workflow's order without the services."""
+
+
+async def in_workflow_order(
+    generate: Callable[[GenerationRequest], Awaitable[Any]],
+    episodes: list[list[dict[str, Any]]],
+    request: Callable[[dict[str, Any]], GenerationRequest],
+) -> int:
+    """Every episode at once, each awaiting a stage's turns before it asks for the next
+    stage's; the tokens generated."""
+
+    async def episode(turns: list[dict[str, Any]]) -> int:
+        tokens = 0
+        for stage in stages(turns):
+            results = await asyncio.gather(*(generate(request(t)) for t in stage))
+            tokens += sum(len(r.token_ids) for r in results)
+        return tokens
+
+    return sum(await asyncio.gather(*(episode(turns) for turns in episodes)))
+
+
+async def engine_alone(out: Path, args: argparse.Namespace, model_dir: str) -> EngineRates:
+    """Tokens/s of each of the run's steps' turn prompts, generated as one batch and in the
+    workflow's order (the two alternate which goes first), medians over steps."""
     from marl.service_config import load_inference
     from services.inference.factory import make_engine
 
@@ -241,19 +296,31 @@ async def engine_alone(out: Path, args: argparse.Namespace, model_dir: str) -> f
     await engine.load_adapter(AdapterWeights(
         "bench/final@0", 1, final.rank, final.alpha, final.target_modules, final.state
     ))
-    rates = []
+
+    def request(turn: dict[str, Any]) -> GenerationRequest:
+        return GenerationRequest(turn["prompt_ids"], "bench/final@0", args.max_tokens,
+                                 temperature=1.0)
+
+    async def one_batch(episodes: list[list[dict[str, Any]]]) -> int:
+        turns = [t for e in episodes for t in e]
+        results = await asyncio.gather(*(engine.generate(request(t)) for t in turns))
+        return sum(len(r.token_ids) for r in results)
+
+    async def in_order(episodes: list[list[dict[str, Any]]]) -> int:
+        return await in_workflow_order(engine.generate, episodes, request)
+
+    rates: dict[str, list[float]] = {"one_batch": [], "in_order": []}
+    ways = {"one_batch": one_batch, "in_order": in_order}
     for step in range(1, args.steps + 1):
-        requests = [
-            GenerationRequest(t["prompt_ids"], "bench/final@0", args.max_tokens, temperature=1.0)
-            for t in turns_of(out, step)
-        ]
-        start = time.perf_counter()
-        results = await asyncio.gather(*(engine.generate(r) for r in requests))
-        elapsed = time.perf_counter() - start
-        if step > WARMUP_STEPS:
-            rates.append(sum(len(r.token_ids) for r in results) / elapsed)
+        episodes = episodes_of(out, step)
+        for name in sorted(ways, reverse=step % 2 == 0):
+            start = time.perf_counter()
+            tokens = await ways[name](episodes)
+            elapsed = time.perf_counter() - start
+            if step > WARMUP_STEPS:
+                rates[name].append(tokens / elapsed)
     await engine.close()
-    return statistics.median(rates)
+    return EngineRates(statistics.median(rates["one_batch"]), statistics.median(rates["in_order"]))
 
 
 def parse_args() -> argparse.Namespace:
@@ -303,6 +370,9 @@ def print_table(figures: dict[str, Any]) -> None:
         runs = " and ".join(f"{rate:.0f}" for rate in row["engine_tok_s_runs"])
         print(f"{wf:<9} {'engine':<10} {'':>7} {'':>8} {row['engine_tok_s']:>13.0f}"
               f"   (mean of {runs}: after the first marl run and after the last)")
+        runs = " and ".join(f"{rate:.0f}" for rate in row["engine_in_order_tok_s_runs"])
+        print(f"{wf:<9} {'in order':<10} {'':>7} {'':>8} {row['engine_in_order_tok_s']:>13.0f}"
+              f"   (mean of {runs}: each episode's stages in turn)")
         for run in ("sync", "k1"):
             f = row[run]
             print(f"{wf:<9} {run:<10} {f['step_s']:>7.3f} {f['steps_per_s']:>8.3f} "
@@ -316,6 +386,9 @@ def print_table(figures: dict[str, Any]) -> None:
               f"{row['sync']['rollout_tok_s_generating']:.0f} tok/s, "
               f"{row['sync_generating_vs_engine']:.2f}x; generation "
               f"{row['sync']['generation_of_flight']:.0%} of the rollouts' flight)")
+        print(f"{wf:<9} sync rollout tok/s / engine alone in the workflow's order: "
+              f"{row['sync_vs_engine_in_order']:.2f}x (that order's own cost: "
+              f"{row['engine_in_order_tok_s'] / row['engine_tok_s']:.2f}x the one batch)")
         print(f"{wf:<9} "
               f"K=1 / sync steps/s: {row['k1_vs_sync']:.2f}x ({row['k1_vs_sync_cores_full']:.2f}x "
               f"if K=1's work kept all {figures['cores']} cores busy); K=1 update time with "
@@ -342,7 +415,7 @@ def main() -> None:
         outs: dict[tuple[str, str], list[Path]] = {}
         traced: dict[tuple[str, str], list[StepTimes]] = {}
         use: dict[tuple[str, str], list[CpuUse]] = {}
-        engine: dict[str, list[float]] = {wf: [] for wf in workflows}
+        engine: dict[str, list[EngineRates]] = {wf: [] for wf in workflows}
         for n, (run, k) in enumerate(order):
             threads = service_threads(args.cores, overlapped=k > 0)
             if args.no_burst:
@@ -388,9 +461,14 @@ def main() -> None:
             row["k1_vs_sync_cores_full"] = (
                 args.cores / row["k1"]["cpu_s_per_step"] / row["sync"]["steps_per_s"]
             )
-            row["engine_tok_s_runs"] = engine[wf]
-            row["engine_tok_s"] = statistics.mean(engine[wf])
+            row["engine_tok_s_runs"] = [e.one_batch for e in engine[wf]]
+            row["engine_tok_s"] = statistics.mean(row["engine_tok_s_runs"])
+            row["engine_in_order_tok_s_runs"] = [e.in_order for e in engine[wf]]
+            row["engine_in_order_tok_s"] = statistics.mean(row["engine_in_order_tok_s_runs"])
             row["sync_vs_engine"] = row["sync"]["rollout_tok_s"] / row["engine_tok_s"]
+            row["sync_vs_engine_in_order"] = (
+                row["sync"]["rollout_tok_s"] / row["engine_in_order_tok_s"]
+            )
             row["sync_generating_vs_engine"] = (
                 row["sync"]["rollout_tok_s_generating"] / row["engine_tok_s"]
             )
