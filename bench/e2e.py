@@ -274,7 +274,10 @@ async def in_workflow_order(
     async def episode(turns: list[dict[str, Any]]) -> int:
         tokens = 0
         for stage in stages(turns):
-            results = await asyncio.gather(*(generate(request(t)) for t in stage))
+            if len(stage) == 1:  # no task of its own: the episode's is enough
+                results = [await generate(request(stage[0]))]
+            else:
+                results = await asyncio.gather(*(generate(request(t)) for t in stage))
             tokens += sum(len(r.token_ids) for r in results)
         return tokens
 
