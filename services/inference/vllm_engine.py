@@ -276,14 +276,17 @@ class VLLMEngine:
             enforce_eager=enforce_eager,
             enable_log_requests=False,
             disable_log_stats=True,
-            # vLLM 0.32's CPU runner cannot rewind a seeded request's generator
-            # when it discards the token sampled after a partial prefill ("CPU
-            # Generator does not use offset" kills the EngineCore), so on the CPU
-            # every prompt is prefilled whole.
-            **({"enable_chunked_prefill": False} if current_platform.is_cpu() else {}),
-            # An idle worker sleeps instead of spinning on the cores the replica shares.
             **(
-                {"worker_extension_cls": "services.inference.vllm_idle.IdleWorker"}
+                {
+                    # vLLM 0.32's CPU runner cannot rewind a seeded request's generator
+                    # when it discards the token sampled after a partial prefill ("CPU
+                    # Generator does not use offset" kills the EngineCore), so on the
+                    # CPU every prompt is prefilled whole.
+                    "enable_chunked_prefill": False,
+                    # An idle worker sleeps instead of spinning on the cores the
+                    # replica shares (services/inference/vllm_idle.py).
+                    "worker_extension_cls": "services.inference.vllm_idle.IdleWorker",
+                }
                 if current_platform.is_cpu()
                 else {}
             ),

@@ -17,9 +17,8 @@ worker before the worker builds its queues. Only the worker: changed in the engi
 core as well (a vLLM general plugin, which runs in every vLLM process), the engine
 core's reads of the worker's answers stalled the demo's steps in one run (`bench/e2e.py
 --engine vllm`: a K = 1 Single step kept 0.36 cores busy, against 1.29 with the worker
-alone, in the run before). On
-GPUs, where a decode step is short and a spinning core is one of many, vLLM keeps its
-own spin. Importing this module changes vLLM's queues in the importing process.
+alone, in the run before). On GPUs, where a decode step is short and a spinning core
+is one of many, vLLM keeps its own spin. Importing this module changes vLLM's queues in the importing process.
 """
 
 from __future__ import annotations
@@ -35,9 +34,9 @@ def sleep_when_idle(shm_broadcast: Any) -> bool:
     """Make `shm_broadcast.SpinCondition` (vLLM's) default to READER_SPIN_S; True once
     it does. A vLLM without it, or whose spin time is not an argument, is left as is."""
     condition = getattr(shm_broadcast, "SpinCondition", None)
-    init = getattr(condition, "__init__", None)
-    if condition is None or init is None:
+    if condition is None:
         return False
+    init = condition.__init__
     if getattr(init, "marl_spin_s", None) is not None:
         return True
     signature = inspect.signature(init)

@@ -407,8 +407,8 @@ async def test_an_idle_vllm_engine_stays_off_the_cores(
     vllm_engine: Engine, tiny: TinyModel
 ) -> None:
     """After its last request, vLLM's worker spun for a second (0.89 CPU-s of that second
-    on 2 cores) on the cores a replica shares with the learner; marl's plugin has it sleep
-    (services/inference/vllm_idle.py)."""
+    on 2 cores) on the cores a replica shares with the learner; marl has it sleep
+    (services/inference/vllm_idle.py, vLLM's `worker_extension_cls`)."""
     from services.inference.vllm_engine import BASE
 
     await generate_all(vllm_engine, [greedy(p, BASE, 8) for p in tiny.prompts])

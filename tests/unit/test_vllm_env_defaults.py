@@ -12,11 +12,11 @@ from services.inference.vllm_engine import _cpu_env_defaults, _gpu_env_defaults,
 VAR = "VLLM_WORKER_MULTIPROC_METHOD"
 
 
-def unset(monkeypatch: pytest.MonkeyPatch) -> None:
-    """VAR absent for the test and as it was afterwards (a bare delenv of an absent
+def unset(monkeypatch: pytest.MonkeyPatch, var: str = VAR) -> None:
+    """`var` absent for the test and as it was afterwards (a bare delenv of an absent
     variable records nothing to undo, so what the test sets would outlive it)."""
-    monkeypatch.setenv(VAR, "")
-    monkeypatch.delenv(VAR)
+    monkeypatch.setenv(var, "")
+    monkeypatch.delenv(var)
 
 
 def test_on_a_gpu_the_engine_core_is_spawned(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -59,23 +59,24 @@ def test_vllm_cpu_threads_bind_the_replicas_share(
     assert bound_cpus(allowed, omp_threads) == bound
 
 
-CPU_VARS = ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE")
-"""The other variables `_cpu_env_defaults` sets: restored after each test that calls it."""
+CPU_VARS = (
+    "VLLM_CPU_OMP_THREADS_BIND",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU",
+    "VLLM_CPU_KVCACHE_SPACE",
+    "HF_HUB_OFFLINE",
+)
+"""The variables `_cpu_env_defaults` sets."""
 
 
 @pytest.fixture
 def cpu_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     for var in CPU_VARS:
-        monkeypatch.setenv(var, os.environ.get(var, ""))
-        if not os.environ[var]:
-            monkeypatch.delenv(var)
+        unset(monkeypatch, var)
     return monkeypatch
 
 
 def test_the_cpu_binding_follows_omp_num_threads(cpu_env: pytest.MonkeyPatch) -> None:
     allowed = sorted(os.sched_getaffinity(0))
-    cpu_env.setenv("VLLM_CPU_OMP_THREADS_BIND", "")
-    cpu_env.delenv("VLLM_CPU_OMP_THREADS_BIND")
     cpu_env.setenv("OMP_NUM_THREADS", "1")
     _cpu_env_defaults()
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == str(allowed[-1])
