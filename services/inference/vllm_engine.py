@@ -283,8 +283,8 @@ class VLLMEngine:
                     # Generator does not use offset" kills the EngineCore), so on the
                     # CPU every prompt is prefilled whole.
                     "enable_chunked_prefill": False,
-                    # An idle worker sleeps instead of spinning on the cores the
-                    # replica shares (services/inference/vllm_idle.py).
+                    # An idle worker sleeps after a short spin, not vLLM's second, off
+                    # the cores the replica shares (services/inference/vllm_idle.py).
                     "worker_extension_cls": "services.inference.vllm_idle.IdleWorker",
                 }
                 if current_platform.is_cpu()

