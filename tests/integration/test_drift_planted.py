@@ -1,7 +1,7 @@
 """Planted role drift: a Voting-SP run whose reward pays the aggregator for the generators'
 long-form idiom fires `sp_role_capture` on the aggregator before validation accuracy falls;
 the matched plain Voting-SP run fires no alarm at all; a Voting-IP run whose generator
-adapter trains at 10x the learning rate of the aggregator's fires `gradient_amplification`
+adapter trains at 20x the learning rate of the aggregator's fires `gradient_amplification`
 on the generator. Every service a process, the shipped demo model (it answers in the terse
 `\\boxed{N}` stamp or the long form "The answer is N").
 
@@ -12,16 +12,18 @@ Measured (09:20 UTC, 8 steps, a loaded machine): the planted run's aggregator te
 0.47 -> 0.43 -> 0.33 -> 0.26 -> 0.17 -> 0.11 (capture at step 7) and its gradient-mass share
 0.34 -> 0.59 (capture at step 5) while validation accuracy went 0.16 -> 0.12 -> 0.24.
 Measured (12:50 UTC, 10 steps): the plain Voting-SP and Voting-IP demo runs fire nothing
-(validation 0 -> 0.72); with the generator's lr at 1e-2 (the aggregator's 1e-3) the
-generator's χ² went 0.07 -> 5.75 (21.8x its first window at step 6, the aggregator's 1.0x)
-and validation 0 -> 0.08. Slow (`make test-drift`): three 10-step runs.
+(validation 0 -> 0.72). Slow (`make test-drift`): three 10-step runs.
 
-The raised learning rate's χ² is chaotic on the demo model: since the engine samples by
-inverse CDF (other tokens for the same seed), seeds 0-2 at 1e-2 gave a generator χ² that
-stayed within 0.01-0.46 (seeds 0, 2: no alarm) or went 0.09 -> 1.26 -> 34.45 (seed 1: 4.12x
-at step 7, the aggregator's 1.0x); at 2e-2 only seed 0 fired (perplexity 37.9x). The run
-uses seed 1, so this test shows the alarm firing end to end on a run that amplifies; the
-alarm's arithmetic is tested on its own in tests/unit/test_alarms.py.
+The raised learning rate ramps up over 8 warmup steps (every adapter's does). The ramp is
+what makes the generator's χ² rise for certain: a constant 1e-2 left it wherever the
+run's sampling took it, and the engine samples by inverse CDF, so a host whose matmuls
+round differently samples other tokens. Seed 1 at a constant 1e-2 went 0.09 -> 1.26 ->
+34.45 on one host (the alarm fired) and stayed within 0.09-0.30 on another (2026-12-01,
+an Intel AVX-512 host: no alarm, CI failed); a constant 3e-2 collapsed the generator's
+entropy instead on 3 of 4 seeds. With the ramp to 2e-2, seeds 0-3 on that second host
+all fired, at 74.8x, 18.5x, 8.7x and 4.4x the generator's first χ² (the threshold 3x),
+the aggregator's at 1.0x: its χ² stays under the 0.02 noise floor at 1e-3. The alarm's
+arithmetic is tested on its own in tests/unit/test_alarms.py.
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ RUNS: dict[str, dict[str, Any]] = {
     "generator_lr": {
         "workflow": "voting",
         "policy": "isolated",
-        "seed": 1,
-        "optim": {**DEMO_SPEC["optim"], "policy_lr": {"generator": 1e-2}},
+        "seed": 0,
+        "optim": {**DEMO_SPEC["optim"], "warmup_steps": 8, "policy_lr": {"generator": 2e-2}},
     },
 }
 
