@@ -15,12 +15,12 @@ Measured (12:50 UTC, 10 steps): the plain Voting-SP and Voting-IP demo runs fire
 (validation 0 -> 0.72). Slow (`make test-drift`): three 10-step runs.
 
 The raised learning rate ramps up over 8 warmup steps (every adapter's does). The ramp is
-what makes the generator's χ² rise for certain: a constant 1e-2 left it wherever the
+what makes the generator's χ² rise whatever tokens get sampled: a constant 1e-2 left it where the
 run's sampling took it, and the engine samples by inverse CDF, so a host whose matmuls
 round differently samples other tokens. Seed 1 at a constant 1e-2 went 0.09 -> 1.26 ->
 34.45 on one host (the alarm fired) and stayed within 0.09-0.30 on another (2026-12-01,
-an Intel AVX-512 host: no alarm, CI failed); a constant 3e-2 collapsed the generator's
-entropy instead on 3 of 4 seeds. With the ramp to 2e-2, seeds 0-3 on that second host
+an Intel AVX-512 host: no alarm, CI failed); on that host a constant 3e-2 fired on 1 of
+seeds 0-3 (the generator's entropy collapsed on 2). With the ramp to 2e-2, seeds 0-3 there
 all fired, at 74.8x, 18.5x, 8.7x and 4.4x the generator's first χ² (the threshold 3x),
 the aggregator's at 1.0x: its χ² stays under the 0.02 noise floor at 1e-3. The alarm's
 arithmetic is tested on its own in tests/unit/test_alarms.py.
