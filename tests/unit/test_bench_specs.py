@@ -99,3 +99,17 @@ def test_the_host_line_names_the_first_cpu_and_its_matmul_flags() -> None:
     assert host.describe({**facts, "cores": 2, "flags": []}).endswith(
         "2 cores, none of avx2, avx512f, avx512_bf16, amx_bf16"
     )
+
+
+def test_e2e_refuses_no_inference_replica(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["e2e.py", "--replicas", "0"])
+    with pytest.raises(SystemExit):
+        e2e.parse_args()
+
+
+def test_the_sync_ceiling_keeps_the_flights_time_with_no_replica_generating() -> None:
+    """1,000 tokens at the engine alone's 10,000 tok/s are 0.1 s; 0.025 s of the flight
+    had no replica generating: the ratio can reach 0.1 / 0.125 and no more."""
+    assert e2e.ceiling_at_engine_rate(1000, 10_000, 0.025) == pytest.approx(0.8)
+    assert e2e.ceiling_at_engine_rate(1000, 10_000, 0.0) == pytest.approx(1.0)
+    assert e2e.ceiling_at_engine_rate(648, 22_708, 0.043) == pytest.approx(0.3989, abs=1e-4)
