@@ -45,10 +45,10 @@ Then the ratios: (b)'s rollout tokens/s over (a)'s, and (b)'s tokens over the se
 replica generated over (a)'s (the engine's own rate inside marl, one thread beside the
 workers); what (b)'s over (a)'s would be had its replica generated at (a)'s rate, the
 seconds of its flight with no replica generating unchanged (`ceiling_at_engine_rate`:
-the trip's share, which a faster engine cannot take back); (b)'s rollout tokens/s over (a)'s in the workflow's order (what marl's services
-cost over the workflow's own order); (c)'s step throughput over (b)'s, and
-what it would be if (c)'s CPU work per step filled every one of `--cores` cores (the
-part of the gap that is idle cores rather than work).
+the trip's share, which a faster engine cannot take back); (b)'s rollout tokens/s over
+(a)'s in the workflow's order (what marl's services cost over the workflow's own order);
+(c)'s step throughput over (b)'s, and what it would be if (c)'s CPU work per step filled
+every one of `--cores` cores (the part of the gap that is idle cores rather than work).
 Prints a table, then one JSON object as the very last line.
 
     python bench/e2e.py [--steps 12] [--problems 16] [--group 8] [--workflows voting,single]
