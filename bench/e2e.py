@@ -43,7 +43,7 @@ the rest (logging the step); the cores the services kept busy (CPU seconds of ev
 service process and Redis over the same steps' wall seconds, from /proc) and the CPU seconds a step cost, in all and by kind of service.
 Then the ratios: (b)'s rollout tokens/s over (a)'s, and (b)'s tokens over the seconds its
 replica generated over (a)'s (the engine's own rate inside marl, one thread beside the
-workers); what (b)'s over (a)'s would be had its replica generated at (a)'s rate, the
+workers); what (b)'s over (a)'s would be had its replicas generated at (a)'s rate, the
 seconds of its flight with no replica generating unchanged (`ceiling_at_engine_rate`:
 the trip's share, which a faster engine cannot take back); (b)'s rollout tokens/s over
 (a)'s in the workflow's order (what marl's services cost over the workflow's own order);
@@ -236,6 +236,7 @@ def figures_of(outs: list[Path], traced: list[StepTimes]) -> dict[str, float]:
     assert len(traced) == len(steps), (len(traced), len(steps))
     split = shares(traced)
     generating = sum(s.flight_generation for s in traced)
+    flown = sum(s.flight for s in traced)
     rate = steps_per_s(traced)
     return {
         "step_s": statistics.median(r["time/step_s"] for r in steps),
@@ -248,8 +249,8 @@ def figures_of(outs: list[Path], traced: list[StepTimes]) -> dict[str, float]:
         "share_reward": split["reward"],
         "share_queueing": split["queueing"],
         "rollout_tok_s_generating": sum(tokens) / max(generating, 1e-9),
-        "generation_of_flight": generating / max(sum(s.flight for s in traced), 1e-9),
-        "flight_not_generating_s": (sum(s.flight for s in traced) - generating) / len(traced),
+        "generation_of_flight": generating / max(flown, 1e-9),
+        "flight_not_generating_s": (flown - generating) / len(traced),
         "share_update": trained / total,
         "share_push": pushed / total,
         "update_share_burst": burst / max(trained, 1e-9),
