@@ -7,6 +7,8 @@
     the cost of mixing adapters, and one of GRPO groups (each prompt 8 times, one
     adapter) against that one-adapter batch: engines that prefill a shared prompt
     once (vLLM's prefix cache, the transformers engine's group prefill) gain there.
+    Each kind runs `--rounds` times, interleaved, and each ratio is the median of its
+    rounds' own ratios (`paired_ratio`).
 (b) Adapter push latency: a rank-64 adapter streamed over gRPC
     (`Inference.PushAdapter`) to every replica started here, timed from the
     first chunk until all replicas acknowledged (the server answers only once
@@ -160,12 +162,26 @@ async def throughput(args: argparse.Namespace, model_path: Path) -> dict[str, fl
     for adapters in kinds.values():  # warm-up: first use loads adapters into slots
         await timed_batch(engine, batch(adapters)[:8])
     rates: dict[str, list[float]] = {k: [] for k in [*kinds, "groups_of_8"]}
-    for _ in range(args.rounds):
-        for kind, adapters in kinds.items():
-            rates[kind].append(await timed_batch(engine, batch(adapters)))
-        rates["groups_of_8"].append(await timed_batch(engine, batch(keys[:1], groups)))
+    order = [*kinds, "groups_of_8"]
+    for i in range(args.rounds):
+        for kind in order if i % 2 == 0 else order[::-1]:
+            texts = groups if kind == "groups_of_8" else prompts
+            rates[kind].append(await timed_batch(engine, batch(kinds.get(kind, keys[:1]), texts)))
     await engine.close()
-    return {f"{k}_tok_s": statistics.median(v) for k, v in rates.items()}
+    return {
+        **{f"{k}_tok_s": statistics.median(v) for k, v in rates.items()},
+        "mixed_4_ratio": paired_ratio(rates["mixed_4"], rates["base"]),
+        "one_adapter_ratio": paired_ratio(rates["one_adapter"], rates["base"]),
+        "groups_ratio": paired_ratio(rates["groups_of_8"], rates["one_adapter"]),
+    }
+
+
+def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
+    """Median over rounds of each round's ratio: the two batches of a ratio run seconds
+    apart in the same round (in the order a b, then b a), so a shared VM whose speed
+    drifts over the bench's minute moves both, where a ratio of two medians would set one
+    round's fast batch against another's slow one."""
+    return statistics.median(n / d for n, d in zip(numerator, denominator, strict=True))
 
 
 # (b) push latency ---------------------------------------------------------------
@@ -302,7 +318,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=256 if cuda else 32, help="batch size of (a)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=128 if cuda else 32)
-    p.add_argument("--rounds", type=int, default=2, help="timed batches per kind; median kept")
+    p.add_argument(
+        "--rounds", type=int, default=2 if cuda else 6,
+        help="timed batches per kind; tok/s: the median; ratios: the median of each round's",
+    )
     p.add_argument("--rank", type=int, default=64, help="LoRA rank of every adapter")
     p.add_argument("--replicas", type=int, default=2, help="inference servers pushed to in (b)")
     p.add_argument("--pushes", type=int, default=20)
@@ -357,10 +376,6 @@ def main() -> None:
         model_path = build_model(args.model_size, Path(tmp))
         if args.skip != "throughput":
             figures.update(asyncio.run(throughput(args, model_path)))
-            figures["mixed_4_ratio"] = figures["mixed_4_tok_s"] / figures["base_tok_s"]
-            figures["one_adapter_ratio"] = figures["one_adapter_tok_s"] / figures["base_tok_s"]
-            figures["groups_ratio"] = (figures["groups_of_8_tok_s"]
-                                       / figures["one_adapter_tok_s"])
         if args.skip != "push":
             figures.update(asyncio.run(push_latency(args, model_path)))
         if args.skip != "staggered" and args.engine == "transformers":

@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import e2e  # noqa: E402
 import host  # noqa: E402
+import inference  # noqa: E402
 import vs_trl  # noqa: E402
 from models import bench_model  # noqa: E402
 
@@ -113,3 +114,14 @@ def test_the_sync_ceiling_keeps_the_flights_time_with_no_replica_generating() ->
     assert e2e.ceiling_at_engine_rate(1000, 10_000, 0.025) == pytest.approx(0.8)
     assert e2e.ceiling_at_engine_rate(1000, 10_000, 0.0) == pytest.approx(1.0)
     assert e2e.ceiling_at_engine_rate(648, 22_708, 0.043) == pytest.approx(0.3989, abs=1e-4)
+
+
+def test_inference_ratios_pair_each_rounds_batches() -> None:
+    """Round 2 ran in a slow stretch: the rounds' own ratios are 0.8, 0.8 and 0.5, and
+    their median 0.8, where the medians' ratio would set round 2's mixed batch against
+    round 3's base (450 / 900 = 0.5)."""
+    mixed, base = [800.0, 400.0, 450.0], [1000.0, 500.0, 900.0]
+    assert inference.paired_ratio(mixed, base) == pytest.approx(0.8)
+    assert inference.paired_ratio([3.0, 1.0], [4.0, 4.0]) == pytest.approx(0.5)
+    with pytest.raises(ValueError):
+        inference.paired_ratio([1.0], [1.0, 2.0])
