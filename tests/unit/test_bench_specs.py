@@ -117,9 +117,9 @@ def test_the_sync_ceiling_keeps_the_flights_time_with_no_replica_generating() ->
 
 
 def test_inference_ratios_pair_each_rounds_batches() -> None:
-    """Round 2 ran in a slow stretch: the rounds' own ratios are 0.8, 0.8 and 0.5, and
-    their median 0.8, where the medians' ratio would set round 2's mixed batch against
-    round 3's base (450 / 900 = 0.5)."""
+    """A slow stretch took round 2 whole and round 3's mixed batch only: the rounds' own
+    ratios are 0.8, 0.8 and 0.5, their median 0.8. Each kind's median is round 3's (450
+    and 900), so the medians' ratio would be that one uneven round's, 0.5."""
     mixed, base = [800.0, 400.0, 450.0], [1000.0, 500.0, 900.0]
     assert inference.paired_ratio(mixed, base) == pytest.approx(0.8)
     assert inference.paired_ratio([3.0, 1.0], [4.0, 4.0]) == pytest.approx(0.5)
