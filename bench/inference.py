@@ -7,8 +7,8 @@
     the cost of mixing adapters, and one of GRPO groups (each prompt 8 times, one
     adapter) against that one-adapter batch: engines that prefill a shared prompt
     once (vLLM's prefix cache, the transformers engine's group prefill) gain there.
-    Each kind runs `--rounds` times, interleaved, and each ratio is the median of its
-    rounds' own ratios (`paired_ratio`).
+    Each kind runs `--rounds` times, interleaved (`interleaved`), and each ratio is the
+    median of its rounds' own ratios (`paired_ratio`), here and in (c).
 (b) Adapter push latency: a rank-64 adapter streamed over gRPC
     (`Inference.PushAdapter`) to every replica started here, timed from the
     first chunk until all replicas acknowledged (the server answers only once
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import importlib.util
 import json
 import os
@@ -38,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -158,15 +160,20 @@ async def throughput(args: argparse.Namespace, model_path: Path) -> dict[str, fl
             for i, p in enumerate(texts)
         ]
 
-    kinds = {"base": [BASE], "one_adapter": keys[:1], "mixed_4": keys}
-    for adapters in kinds.values():  # warm-up: first use loads adapters into slots
-        await timed_batch(engine, batch(adapters)[:8])
-    rates: dict[str, list[float]] = {k: [] for k in [*kinds, "groups_of_8"]}
-    order = [*kinds, "groups_of_8"]
-    for i in range(args.rounds):
-        for kind in order if i % 2 == 0 else order[::-1]:
-            texts = groups if kind == "groups_of_8" else prompts
-            rates[kind].append(await timed_batch(engine, batch(kinds.get(kind, keys[:1]), texts)))
+    async def timed(adapters: list[str], texts: list[list[int]]) -> float:
+        return await timed_batch(engine, batch(adapters, texts))
+
+    kinds = {
+        "base": ([BASE], prompts),
+        "one_adapter": (keys[:1], prompts),
+        "mixed_4": (keys, prompts),
+        "groups_of_8": (keys[:1], groups),
+    }
+    for adapters, texts in kinds.values():  # warm-up: first use loads adapters into slots
+        await timed(adapters, texts[:8])
+    rates = await interleaved(
+        args.rounds, {kind: functools.partial(timed, *how) for kind, how in kinds.items()}
+    )
     await engine.close()
     return {
         **{f"{k}_tok_s": statistics.median(v) for k, v in rates.items()},
@@ -174,6 +181,20 @@ async def throughput(args: argparse.Namespace, model_path: Path) -> dict[str, fl
         "one_adapter_ratio": paired_ratio(rates["one_adapter"], rates["base"]),
         "groups_ratio": paired_ratio(rates["groups_of_8"], rates["one_adapter"]),
     }
+
+
+async def interleaved(
+    rounds: int, runs: dict[str, Callable[[], Awaitable[float]]]
+) -> dict[str, list[float]]:
+    """Each of `runs` once a round for `rounds` rounds, in the given order in even rounds and
+    reversed in odd ones (a b, b a, ...), so that no kind always runs first; each kind's
+    results in round order."""
+    rates: dict[str, list[float]] = {kind: [] for kind in runs}
+    order = list(runs)
+    for i in range(rounds):
+        for kind in order if i % 2 == 0 else order[::-1]:
+            rates[kind].append(await runs[kind]())
+    return rates
 
 
 def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
@@ -264,7 +285,8 @@ async def episode(engine: Engine, prompts: list[list[int]], budgets: list[int],
 async def staggered(args: argparse.Namespace, model_path: Path) -> dict[str, float]:
     """Tokens/s of `--episodes` Voting-shaped episodes started `--stagger-ms` apart, each
     request with its own budget (so rows finish apart), with requests joining the running
-    batch and with requests waiting for it to end; interleaved rounds, medians."""
+    batch and with requests waiting for it to end; interleaved rounds, tok/s medians, the
+    ratio `paired_ratio`."""
     from services.inference.transformers_engine import TransformersEngine
 
     engine = await asyncio.to_thread(TransformersEngine, str(model_path), args.dtype)
@@ -291,16 +313,20 @@ async def staggered(args: argparse.Namespace, model_path: Path) -> dict[str, flo
         ))
         return sum(tokens) / (time.perf_counter() - start)
 
-    rates: dict[str, list[float]] = {"joined": [], "waiting": []}
+    async def run_joining(join: bool) -> float:
+        engine.join_running = join
+        return await run_all()
+
     await run_all()  # warm-up
-    for _ in range(args.rounds):
-        for mode, join in (("joined", True), ("waiting", False)):
-            engine.join_running = join
-            rates[mode].append(await run_all())
+    rates = await interleaved(
+        args.rounds,
+        {"joined": functools.partial(run_joining, True),
+         "waiting": functools.partial(run_joining, False)},
+    )
     await engine.close()
-    joined, waiting = statistics.median(rates["joined"]), statistics.median(rates["waiting"])
-    return {"staggered_joined_tok_s": joined, "staggered_waiting_tok_s": waiting,
-            "staggered_join_ratio": joined / waiting}
+    return {"staggered_joined_tok_s": statistics.median(rates["joined"]),
+            "staggered_waiting_tok_s": statistics.median(rates["waiting"]),
+            "staggered_join_ratio": paired_ratio(rates["joined"], rates["waiting"])}
 
 
 # main ---------------------------------------------------------------------------

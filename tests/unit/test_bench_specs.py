@@ -3,7 +3,9 @@ policy_process.py): each bench's own default arguments give a spec the learner a
 
 from __future__ import annotations
 
+import asyncio
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -125,3 +127,18 @@ def test_inference_ratios_pair_each_rounds_batches() -> None:
     assert inference.paired_ratio([3.0, 1.0], [4.0, 4.0]) == pytest.approx(0.5)
     with pytest.raises(ValueError):
         inference.paired_ratio([1.0], [1.0, 2.0])
+
+
+def test_interleaved_reverses_the_order_every_other_round() -> None:
+    ran: list[str] = []
+
+    def run(kind: str, value: float) -> Callable[[], Awaitable[float]]:
+        async def one() -> float:
+            ran.append(kind)
+            return value + len(ran)
+
+        return one
+
+    rates = asyncio.run(inference.interleaved(3, {"a": run("a", 0.0), "b": run("b", 10.0)}))
+    assert ran == ["a", "b", "b", "a", "a", "b"]
+    assert rates == {"a": [1.0, 4.0, 5.0], "b": [12.0, 13.0, 16.0]}
