@@ -2,9 +2,9 @@
 
     answer = generator(problem)
     for round in 1..R:                    # R = 3 on math, 2 on code (caps.eval_opt_rounds_*)
-        verdict, critique = evaluator(problem, answer)
+        verdict, critique = evaluator(problem, transcript, answer)
         if verdict is Correct: stop
-        answer = generator(problem, answer, critique)    # one revision = one round
+        answer = generator(problem, transcript, answer, critique)  # one revision = one round
     final answer = the generator's last answer
 
 A round is one evaluation followed by one revision; "rounds used" counts
@@ -14,6 +14,19 @@ evaluator's last `\\boxed{Correct}` or `\\boxed{Incorrect}`; anything else count
 Incorrect. Generator turns take slots 0 (first answer), 1, 2, ... (revisions);
 the evaluator's turn before revision k takes slot k-1.
 
+The transcript: every evaluator and reviser turn sees the problem and every earlier
+solution and critique of the episode, oldest first, numbered by round (solution k and
+the critique of it), then the latest solution (and, for the reviser, its critique).
+Within the prompt cap (Table 7: 30720 tokens on math, 6 x 5120, and 10240 on code):
+when the whole transcript would render over `caps.prompt_tokens`, the oldest
+solution/critique pairs are left out first, one pair at a time, until it fits; the
+problem and the latest solution (with its critique) are always kept, and the pairs
+shown keep their round numbers, so a gap shows. Prompts are measured with the
+episode's own renderer (`render`, the runtime Episode's chat template and tokenizer);
+an episode without one (a test fake) is shown the whole transcript. If even the
+problem and the latest exchange are over the cap, the turn fails as any prompt over
+its cap does (the runtime ends the episode as a failed one).
+
 Facts: `rounds_used`, `verdict_parse_rate` (evaluations with a parseable
 verdict), `verdict_accuracy` (verdicts, as acted on, that match whether the
 judged answer is correct).
@@ -21,14 +34,17 @@ judged answer is correct).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
+
 from marl.config import WorkflowCaps
 from marl.data.problem import Problem
 from marl.rewards.math import last_boxed
 from marl.workflows import prompts
-from marl.workflows.base import Caps, Episode, TaskName, Workflow, prompt_cap
+from marl.workflows.base import Caps, Episode, Messages, TaskName, Workflow, prompt_cap
 
 PROMPT_TOKENS = {"math": 30720, "code": 10240}
-"""Table 7: Eval-Opt's prompts carry the answer and critique, so its math cap is longer."""
+"""Table 7: Eval-Opt's prompts carry the answers and critiques, so its math cap is longer."""
 
 
 def caps(spec: WorkflowCaps, task: TaskName) -> Caps:
@@ -43,20 +59,41 @@ def verdict(text: str) -> bool | None:
     return {"correct": True, "incorrect": False}.get(word or "")
 
 
+def within_cap(
+    episode: Episode,
+    build: Callable[[Sequence[prompts.Exchange]], Messages],
+    earlier: Sequence[prompts.Exchange],
+) -> Messages:
+    """`build(earlier[k:])` for the smallest k whose prompt fits the cap: the oldest
+    exchanges go first; with none left, whatever remains is the runtime's to refuse."""
+    render = getattr(episode, "render", None)
+    if render is None:
+        return build(earlier)
+    for k in range(len(earlier)):
+        messages = build(earlier[k:])
+        if len(render(messages)) <= episode.caps.prompt_tokens:
+            return messages
+    return build(())
+
+
 async def run(episode: Episode, problem: Problem) -> str:
     answer = await episode.turn("generator", 0, prompts.generator(problem))
+    earlier: list[prompts.Exchange] = []
     revisions = parsed = agreed = evaluations = 0
     for round_ in range(episode.caps.rounds):
-        critique = await episode.turn("evaluator", round_, prompts.evaluator(problem, answer))
+        number = round_ + 1
+        judge = functools.partial(prompts.evaluator, problem, answer, number=number)
+        critique = await episode.turn("evaluator", round_, within_cap(episode, judge, earlier))
         said = verdict(critique)
         evaluations += 1
         parsed += said is not None
         agreed += bool(said) == await episode.correct(answer)
         if said:
             break
-        answer = await episode.turn(
-            "generator", round_ + 1, prompts.reviser(problem, answer, critique)
-        )
+        revise = functools.partial(prompts.reviser, problem, answer, critique, number=number)
+        revised = await episode.turn("generator", number, within_cap(episode, revise, earlier))
+        earlier.append((number, answer, critique))
+        answer = revised
         revisions += 1
     episode.facts["rounds_used"] = float(revisions)
     if evaluations:

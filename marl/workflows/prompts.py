@@ -1,5 +1,6 @@
 """What each role is told, per task (math, code). Kept short: the demo's tiny model reads
-these too, and its word-level tokenizer knows these words (`marl.demo_model.EXTRA_WORDS`).
+these too, and its word-level tokenizer knows these words (`marl.demo_model.EXTRA_WORDS`);
+a word it does not know (`SELECT_INSTRUCTION`'s "only", "number") reads as `<unk>`.
 
 Every builder returns chat messages; the worker renders them with the model's
 chat template. The answer format (`\\boxed{}`, or one fenced Python block) is said
@@ -10,6 +11,8 @@ code stays on a line of its own.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from marl.data.problem import Problem
 
 Messages = list[dict[str, str]]
@@ -17,10 +20,15 @@ Messages = list[dict[str, str]]
 MATH_INSTRUCTION = "Answer in \\boxed{}."
 CODE_INSTRUCTION = "Answer with a complete Python solution in one fenced ```python block."
 AGGREGATOR_INSTRUCTION = "Pick the best candidate and give the final answer"
-EVALUATOR_INSTRUCTION = (
-    "Check the solution. Write a short critique, then give your verdict: "
-    "\\boxed{Correct} or \\boxed{Incorrect}."
+SELECT_INSTRUCTION = (
+    "Pick the best candidate. Reply with only its number in \\boxed{}, "
+    "as \\boxed{1} for Candidate 1."
 )
+"""Voting's aggregator: a terse `\\boxed{N}` selection stamp (paper §A.4, §A.6.2)."""
+VERDICT_INSTRUCTION = (
+    "Write a short critique, then give your verdict: \\boxed{Correct} or \\boxed{Incorrect}."
+)
+EVALUATOR_INSTRUCTION = f"Check the solution. {VERDICT_INSTRUCTION}"
 REVISE_INSTRUCTION = "Revise your solution with the critique."
 ORCHESTRATOR_INSTRUCTION = "Write a short plan for the workers. Do not solve the problem."
 WORKER_INSTRUCTION = "Solve the problem with the plan."
@@ -30,7 +38,6 @@ SYNTHESIZER_INSTRUCTION = "Combine the workers outputs and give the final answer
 def instruction(problem: Problem) -> str:
     """The task's answer format: `\\boxed{}` for math, one fenced Python block for code."""
     return CODE_INSTRUCTION if problem.task == "code" else MATH_INSTRUCTION
-
 
 
 def user(content: str) -> Messages:
@@ -50,6 +57,8 @@ def generator(problem: Problem) -> Messages:
 
 
 def aggregator(problem: Problem, candidates: list[str]) -> Messages:
+    """The final answer written from the candidates (a user workflow's judge; the demo
+    model's warm start). Voting's aggregator is asked for a stamp instead (`selector`)."""
     shown = listed("Candidate", candidates)
     return [
         {
@@ -60,17 +69,60 @@ def aggregator(problem: Problem, candidates: list[str]) -> Messages:
     ]
 
 
-def evaluator(problem: Problem, solution: str) -> Messages:
-    """Eval-Opt: judge the generator's latest solution; verdict in `\\boxed{}`."""
-    return user(f"{problem.prompt}\n\nSolution:\n{solution.strip()}\n\n{EVALUATOR_INSTRUCTION}")
+def selector(problem: Problem, candidates: list[str]) -> Messages:
+    """Voting: the aggregator picks a candidate and answers with its number, `\\boxed{N}`."""
+    return user(f"{problem.prompt}\n\n{listed('Candidate', candidates)}\n\n{SELECT_INSTRUCTION}")
 
 
-def reviser(problem: Problem, solution: str, critique: str) -> Messages:
-    """Eval-Opt: the generator revises its previous solution after an Incorrect verdict."""
-    return user(
-        f"{problem.prompt}\n\nYour previous solution:\n{solution.strip()}\n\n"
-        f"Critique:\n{critique.strip()}\n\n{REVISE_INSTRUCTION} {instruction(problem)}"
-    )
+Exchange = tuple[int, str, str]
+"""One earlier Eval-Opt round as shown again: (its number from 1, the solution, its critique)."""
+
+
+def _exchanges(solution_label: str, earlier: Sequence[Exchange]) -> list[str]:
+    return [
+        f"{solution_label} {n}:\n{solution.strip()}\n\nCritique {n}:\n{critique.strip()}"
+        for n, solution, critique in earlier
+    ]
+
+
+def evaluator(
+    problem: Problem, solution: str, earlier: Sequence[Exchange] = (), number: int = 1
+) -> Messages:
+    """Eval-Opt: judge the generator's latest solution (`number`, counted from 1), after
+    the `earlier` solutions and critiques of the episode, oldest first; verdict in
+    `\\boxed{}`. The first evaluation (no earlier round) reads as a lone solution."""
+    if number == 1 and not earlier:
+        return user(f"{problem.prompt}\n\nSolution:\n{solution.strip()}\n\n{EVALUATOR_INSTRUCTION}")
+    parts = [
+        problem.prompt,
+        *_exchanges("Solution", earlier),
+        f"Solution {number}:\n{solution.strip()}",
+        f"Check solution {number}. {VERDICT_INSTRUCTION}",
+    ]
+    return user("\n\n".join(parts))
+
+
+def reviser(
+    problem: Problem,
+    solution: str,
+    critique: str,
+    earlier: Sequence[Exchange] = (),
+    number: int = 1,
+) -> Messages:
+    """Eval-Opt: the generator revises its latest solution (`number`, counted from 1) after
+    an Incorrect verdict, seeing the `earlier` solutions and critiques too, oldest first.
+    The first revision (no earlier round) reads as one previous solution and its critique."""
+    if number == 1 and not earlier:
+        return user(
+            f"{problem.prompt}\n\nYour previous solution:\n{solution.strip()}\n\n"
+            f"Critique:\n{critique.strip()}\n\n{REVISE_INSTRUCTION} {instruction(problem)}"
+        )
+    parts = [
+        problem.prompt,
+        *_exchanges("Your solution", [*earlier, (number, solution, critique)]),
+        f"Revise your solution {number} with critique {number}. {instruction(problem)}",
+    ]
+    return user("\n\n".join(parts))
 
 
 def orchestrator(problem: Problem) -> Messages:
