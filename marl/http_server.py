@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from marl import auth, prometheus_metrics
+from marl import auth, prometheus_metrics, safe_input
 from marl.service_config import auth_token, tls_files
 
 log = logging.getLogger(__name__)
@@ -87,12 +87,23 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
                         content_type="application/json")
 
 
+MAX_BODY_DEPTH = 128
+"""Lists/objects a JSON request body may nest; deeper ones (a hostile `[[[[...`) are refused
+by name rather than left to exhaust the parser's recursion."""
+
+
 async def read_json_object(request: web.Request) -> dict[str, Any]:
     """The request body as a JSON object; a ValueError saying why it is not one."""
+    too_deep_error = (f"body: nested more than {MAX_BODY_DEPTH} lists/objects deep "
+                      f"(the limit is {MAX_BODY_DEPTH})")
     try:
         body = await request.json(loads=json.loads)
+    except RecursionError:
+        raise ValueError(too_deep_error) from None
     except ValueError as err:
         raise ValueError(f"body: not valid JSON ({err})") from None
+    if safe_input.too_deep(body, MAX_BODY_DEPTH):
+        raise ValueError(too_deep_error)
     if not isinstance(body, dict):
         raise ValueError("body: must be a JSON object")
     return body

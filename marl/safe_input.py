@@ -53,16 +53,56 @@ def _check_parsed(data: Any, what: str, error: type[Exception]) -> Any:
     return data
 
 
+_CONSTRUCT_ERRORS = (ValueError, TypeError, AttributeError, KeyError, IndexError, OverflowError)
+"""What PyYAML's safe constructors raise, unwrapped, for an explicitly tagged scalar they
+cannot convert (`!!int x`: ValueError, `!!bool x`: KeyError, `!!timestamp x`: AttributeError)."""
+
+
 def load_yaml(text: str, what: str, error: type[Exception] = ValueError) -> Any:
-    """YAML `text` parsed safely; a YAML, nesting or NUL problem is `error` naming `what`."""
+    """YAML `text` parsed safely; a YAML, tag, nesting or NUL problem is `error` naming `what`
+    (and, for a tagged value that cannot be converted, the field and the line)."""
     import yaml
 
     try:
-        return _check_parsed(yaml.safe_load(text), what, error)
+        data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise error(f"{what} is not valid YAML: {shorten(str(err), 400)}") from None
     except RecursionError:
         raise error(f"{what}: nested more than {MAX_DEPTH} levels deep; flatten it") from None
+    except _CONSTRUCT_ERRORS:
+        raise error(f"{what}: {_bad_tagged_value(text)}") from None
+    return _check_parsed(data, what, error)
+
+
+def _bad_tagged_value(text: str) -> str:
+    """Which tagged scalar of `text` PyYAML cannot convert, as `field `a.b`: ...`.
+
+    Only called once `safe_load` failed while constructing, so the text composes; the node
+    tree is walked without recursion and each scalar converted on its own."""
+    import yaml
+
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    constructor = yaml.constructor.SafeConstructor()
+    stack: list[tuple[Any, str]] = [(root, "")]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, yaml.MappingNode):
+            for key, value in reversed(node.value):
+                name = key.value if isinstance(key, yaml.ScalarNode) else "?"
+                stack.append((value, f"{where}.{shorten(str(name), 60)}".lstrip(".")))
+                stack.append((key, where))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend((v, f"{where}[{i}]") for i, v in reversed(list(enumerate(node.value))))
+        elif isinstance(node, yaml.ScalarNode):
+            try:
+                constructor.construct_object(node, deep=True)
+            except _CONSTRUCT_ERRORS:
+                tag = node.tag.rsplit(":", 1)[-1]
+                mark = node.start_mark
+                return (f"field `{where or '(top level)'}`: {shorten(node.value, 60)!r} is not a "
+                        f"valid !!{tag} value (line {mark.line + 1}, column {mark.column + 1}); "
+                        "fix the value or remove the tag")
+    return "a tagged value cannot be converted; check the `!!` tags"
 
 
 def load_json(text: str | bytes, what: str, error: type[Exception] = ValueError) -> Any:

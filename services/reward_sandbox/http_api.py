@@ -33,6 +33,7 @@ import base64
 import binascii
 import json
 import logging
+import math
 import posixpath
 import secrets
 from dataclasses import dataclass
@@ -135,6 +136,8 @@ def _number(body: dict[str, Any], name: str, default: float) -> float:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"{name}: must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: must be a finite number, got {value!r}")
     return float(value)
 
 

@@ -7,19 +7,27 @@
 - `expected`: expected stdout and return values; they stay in the server.
 
 Every user error is a ValueError naming the field, e.g.
-`tests[2].function_call.args_json: not valid JSON (...)`.
+`tests[2].function_call.args_json: not valid JSON (...)`. Numbers are strict: a
+limit that is NaN or infinite is refused, and a JSON document (arguments, expected
+values) may nest at most `MAX_JSON_DEPTH` lists/objects deep, so a hostile
+`[[[[...` is refused by name instead of exhausting the parser's recursion.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from marl.safe_input import too_deep
 from marl.v1 import sandbox_pb2
 
 from .config import SandboxConfig
+
+MAX_JSON_DEPTH = 100
+"""Lists/objects a test's args_json or expected_json may nest (real tests use a few)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,9 @@ class Job:
 
 def parse_limits(msg: sandbox_pb2.Limits, cfg: SandboxConfig) -> Limits:
     def pick(name: str, value: float, default: float, top: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError(f"limits.{name}: must be a finite number (0 for the default), "
+                             f"got {value}")
         if value < 0:
             raise ValueError(f"limits.{name}: must be positive (or 0 for the default)")
         if value > top:
@@ -81,9 +92,16 @@ def _identifier(value: str, where: str) -> str:
 
 def _json(text: str, where: str) -> Any:
     try:
-        return json.loads(text)
+        value = json.loads(text)
+    except RecursionError:
+        value = None
     except ValueError as e:
         raise ValueError(f"{where}: not valid JSON ({e})") from None
+    else:
+        if not too_deep(value, MAX_JSON_DEPTH):
+            return value
+    raise ValueError(f"{where}: nested more than {MAX_JSON_DEPTH} lists/objects deep "
+                     f"(the limit is {MAX_JSON_DEPTH})")
 
 
 def _check_program(program: str, where: str) -> None:

@@ -226,7 +226,9 @@ SPEC_YAML = st.one_of(
         lambda ch: yaml.safe_dump(mutate(base_spec(), ch), allow_unicode=True)),
     TEXT,
     st.sampled_from(["- 1\n- 2", "a: [", "\t: x", "!!python/object:os.system {}", "42",
-                     "a: &x [*x]", "name: " + "[" * 20_000, "? [a]\n: b"]),
+                     "a: &x [*x]", "name: " + "[" * 20_000, "? [a]\n: b", "a: !!int x",
+                     "train:\n  checkpoint_interval: !!int x", "seed: !!float y",
+                     "train:\n  checkpoint_interval: true", "train:\n  step_timeout_s: .nan"]),
 )
 
 
@@ -250,6 +252,10 @@ TASK_JSON = st.one_of(
     TEXT,
     st.sampled_from(["[]", "null", "1", '{"a": 1}', "[" * 100_000, '{"model_path": "/etc"}']),
 )
+
+
+DEEP_JSON_TEXTS = st.sampled_from(["[" * 100_000 + "]" * 100_000, "[" * 100_000,
+                                   '{"a":' * 100_000 + "1" + "}" * 100_000])
 
 
 def push_streams(manifest: common_pb2.AdapterManifest, payload: bytes
@@ -405,7 +411,9 @@ RPCS: dict[str, tuple[str, Any, float]] = {
     "Sandbox/Execute": ("sandbox", lambda c: wire(sandbox_pb2.ExecuteRequest, {
         "marl.v1.ExecuteRequest.code": st.one_of(
             TEXT, st.sampled_from(["print(input())", "def f(x):\n    return x", "1/0",
-                                   "import sys; sys.exit(3)", "x = 1"]))}), 180.0),
+                                   "import sys; sys.exit(3)", "x = 1"])),
+        "marl.v1.FunctionCallTest.args_json": st.one_of(TEXT, DEEP_JSON_TEXTS),
+        "marl.v1.FunctionCallTest.expected_json": st.one_of(TEXT, DEEP_JSON_TEXTS)}), 180.0),
     "Sandbox/Info": ("sandbox", lambda c: wire(sandbox_pb2.InfoRequest), 30.0),
     "Workflow/RunEpisode": ("workflow", lambda c: wire(workflow_pb2.RunEpisodeRequest, {
         "marl.v1.RunEpisodeRequest.task_json": TASK_JSON}), 120.0),
@@ -473,3 +481,49 @@ def test_fuzz_rpc(cluster: dict[str, Any], rpc: str) -> None:
     growth = end - state["baseline"]
     assert growth <= max(state["baseline"] // 10, 32 * 1024), (
         f"{kind} RSS grew {growth} KiB during {rpc} (from {state['baseline']} KiB)")
+
+
+def _deep_call(args_json: str) -> sandbox_pb2.ExecuteRequest:
+    return sandbox_pb2.ExecuteRequest(code="def f(x):\n    return x", tests=[sandbox_pb2.Test(
+        function_call=sandbox_pb2.FunctionCallTest(fn_name="f", args_json=args_json,
+                                                   expected_json="1"))])
+
+
+STRICT_INPUTS: list[tuple[str, str, Any, str]] = [
+    # (rpc, what, request, what the error must name)
+    ("Learner/SubmitRun", "YAML tag with a bad value", learner_pb2.SubmitRunRequest(
+        spec_yaml="a: !!int x"), "field `a`: 'x' is not a valid !!int value"),
+    ("Learner/SubmitRun", "bad tagged value in a real field", learner_pb2.SubmitRunRequest(
+        spec_yaml="train:\n  checkpoint_interval: !!int x"),
+     "field `train.checkpoint_interval`"),
+    ("Learner/SubmitRun", "boolean for an integer", learner_pb2.SubmitRunRequest(
+        spec_yaml=yaml.safe_dump(mutate(base_spec(), [("train.checkpoint_interval", True)]))),
+     "field `train.checkpoint_interval`: Value error, must be a number, not a boolean"),
+    ("Learner/SubmitRun", "NaN for a bound", learner_pb2.SubmitRunRequest(
+        spec_yaml=yaml.safe_dump(mutate(base_spec(), [("train.step_timeout_s", math.nan)]))),
+     "field `train.step_timeout_s`: Input should be a finite number"),
+    ("Sandbox/Execute", "100,000-deep JSON array", _deep_call("[" * 100_000 + "]" * 100_000),
+     "tests[0].function_call.args_json: nested more than 100 lists/objects deep"),
+    ("Sandbox/Execute", "100,000-deep JSON object",
+     _deep_call('{"a":' * 100_000 + "1" + "}" * 100_000),
+     "tests[0].function_call.args_json: nested more than 100 lists/objects deep"),
+    ("Sandbox/Execute", "NaN timeout", sandbox_pb2.ExecuteRequest(
+        code="x = 1", tests=[sandbox_pb2.Test(stdio=sandbox_pb2.StdioTest())],
+        limits=sandbox_pb2.Limits(timeout_seconds=math.nan)),
+     "limits.timeout_seconds: must be a finite number"),
+]
+
+
+@pytest.mark.parametrize(("rpc", "what", "request_msg", "named"), STRICT_INPUTS,
+                         ids=[s[1] for s in STRICT_INPUTS])
+def test_strict_inputs_are_invalid_argument(cluster: dict[str, Any], rpc: str, what: str,
+                                            request_msg: Any, named: str) -> None:
+    """The inputs that once got UNKNOWN or were accepted: each is INVALID_ARGUMENT naming
+    the field (and the limit)."""
+    kind = {"Learner": "learner", "Sandbox": "sandbox"}[rpc.split("/")[0]]
+    service = {"Learner": "marl.v1.Learner", "Sandbox": "marl.v1.Sandbox"}[rpc.split("/")[0]]
+    with grpc.insecure_channel(address(cluster, kind)) as channel:
+        call = raw_call(channel, f"/{service}/{rpc.split('/')[1]}", False, False, 60.0)
+        code, details = call(request_msg.SerializeToString())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (what, code, details)
+    assert named in details, (what, details)
