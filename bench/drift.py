@@ -88,7 +88,7 @@ def measure(
         times["whole"].append(seconds)
         seconds, got = once(True)
         times["cut"].append(seconds)
-        for key in ("role/solver/chi2", "role/solver/kl_base"):
+        for key in ("role/solver/update_chi2", "role/solver/kl_base"):
             assert abs(got[key] - want[key]) <= 1e-4 * max(abs(want[key]), 1e-8), key
     whole_s, cut_s = (statistics.median(times[k]) for k in ("whole", "cut"))
     return {

@@ -7,7 +7,7 @@ Voting prompts rendered by the shipped demo model's chat template, answers in
 the demo's shapes and rewards drawn 0/1 from a seed. The same batch trains the
 shipped demo model's adapters under SP (one adapter, one stream of 512
 sequences) and IP (generator 384, aggregator 128 sequences): with
-`grpo.mini_batch_size` 128 both take 4 optimizer steps, so the ratio measures
+`grpo.mini_batch_size` 16 problems (128 sequences) both take 4 optimizer steps, so the ratio measures
 the cost of keeping adapters apart, not of more updates.
 
 Printed: median GRPO step time per policy over `--repeats` steps (after one
@@ -128,7 +128,7 @@ def qwen3_shape_bench(args: argparse.Namespace) -> None:
                      "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
                                         "gate_proj", "up_proj", "down_proj"]},
             "optim": {"lr": 1e-5, "warmup_steps": 0, "schedule": "constant"},
-            "grpo": {"group_size": args.sequences, "mini_batch_size": args.sequences},
+            "grpo": {"group_size": args.sequences, "mini_batch_size": 1},
         }
         if args.max_tokens_per_micro_batch:
             raw["grpo"]["max_tokens_per_micro_batch"] = args.max_tokens_per_micro_batch

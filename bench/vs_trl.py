@@ -161,7 +161,7 @@ def run_marl_single(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     spec["optim"] = {"lr": LR, "warmup_steps": 0, "schedule": "constant"}
     spec["grpo"] = {
         "group_size": args.group,
-        "mini_batch_size": args.problems * args.group,  # one optimizer step, as TRL's
+        "mini_batch_size": args.problems,  # one optimizer step, as TRL's
         "loss_agg": "seq_mean_token_mean",
     }
     threads = service_threads(DEFAULT_CORES, overlapped=args.max_staleness > 0)

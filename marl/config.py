@@ -31,8 +31,46 @@ class SpecError(ValueError):
     """A user error in a run spec; the message names the field and the fix."""
 
 
+def _numbers_only(annotation: Any) -> tuple[bool, Any]:
+    """(whether a boolean is wrong for `annotation`: it takes int or float but not bool,
+    the element annotation of a dict's values / a tuple's or list's items, else None)."""
+    import types
+    import typing
+
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _numbers_only(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        options = [_numbers_only(a) for a in typing.get_args(annotation)]
+        takes_bool = any(a is bool for a in typing.get_args(annotation))
+        return (not takes_bool and any(o[0] for o in options),
+                next((o[1] for o in options if o[1] is not None), None))
+    if origin in (dict, list, tuple):
+        args = typing.get_args(annotation)
+        return False, (args[-1] if origin is dict else args[0]) if args else None
+    return annotation in (int, float), None
+
+
 class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: every float of a spec is a bound or a rate; nan or inf is a typo
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: Any) -> Any:
+        """`true` is not a number: pydantic would take it as 1 (`checkpoint_interval: true`)."""
+        field = cls.model_fields.get(info.field_name) if info.field_name else None
+        if field is None:
+            return value
+        wrong, inner = _numbers_only(field.annotation)
+        if isinstance(value, bool) and wrong:
+            raise ValueError(f"must be a number, not a boolean ({str(value).lower()})")
+        if inner is not None and _numbers_only(inner)[0]:
+            items = value.values() if isinstance(value, dict) else (
+                value if isinstance(value, list | tuple) else ())
+            if any(isinstance(v, bool) for v in items):
+                raise ValueError("must hold numbers, not booleans")
+        return value
 
 
 class ModelSpec(_Spec):
@@ -86,9 +124,13 @@ class GRPOSpec(_Spec):
     epochs: int = Field(1, ge=1)
     """PPO epochs per step."""
     mini_batch_size: int = Field(64, ge=1)
-    """Role-turn sequences of one adapter per PPO mini-batch (Table 7: 64), one optimizer
-    step each: an adapter serving more turns per step (Voting's 3 generators under IP)
-    takes more steps, every one after its first off-policy (paper §5.1)."""
+    """PPO mini-batch in *problems*, as verl counts Table 7's 64: one optimizer step takes
+    `mini_batch_size x group_size` role-turn sequences of one adapter, so an adapter takes
+    ceil(its sequences this step / that) x `epochs` steps. At the defaults (64 problems x
+    8 rollouts a step): Single 1 a step; Voting-SP 4, Voting-IP's generator 3 and its
+    aggregator 1; Orch-Workers-SP 5, -IP 3 (workers), 1 and 1; Eval-Opt up to 2R + 1 under
+    SP with R rounds. Every step after an adapter's first is off-policy: the "more
+    same-role updates per iteration" of the paper's Table 2 (§5.1)."""
     loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "seq_mean_token_mean"
     """Loss aggregation within a mini-batch, as verl names it: `token_mean` averages over
     all its tokens; `seq_mean_token_mean` averages each sequence's token-mean. Table 7
@@ -120,6 +162,11 @@ class GRPOSpec(_Spec):
     correction π_old/π_sampler is truncated at this (services/learner/update.py)."""
 
     @property
+    def sequences_per_mini_batch(self) -> int:
+        """Role-turn sequences of one adapter per optimizer step."""
+        return self.mini_batch_size * self.group_size
+
+    @property
     def row_tokens(self) -> int:
         """The cap a shared-prompt row actually gets: within the micro-batch budget too."""
         return min(self.shared_prompt_row_tokens, self.max_tokens_per_micro_batch)
@@ -130,8 +177,8 @@ class GRPOSpec(_Spec):
         if isinstance(data, dict) and "mini_batch_problems" in data:
             raise ValueError(
                 "grpo.mini_batch_problems was replaced by grpo.mini_batch_size, which counts "
-                "role-turn sequences of one adapter (e.g. 4 problems x 8 rollouts x 4 Voting "
-                "turns = mini_batch_size 128)"
+                "problems as verl does (a mini-batch holds mini_batch_size x group_size "
+                "role-turn sequences of one adapter)"
             )
         return data
 
@@ -153,6 +200,14 @@ class TrainSpec(_Spec):
     """A step whose rollouts do not all arrive in time fails the run."""
     rollouts_logged: int = Field(8, ge=0)
     """Whole rollouts (every role's turn) written per step to `rollouts/step_N.jsonl`."""
+    max_failed_fraction: float = Field(0.5, ge=0, le=1)
+    """A step whose share of failed episodes (no replica, sandbox down, dead-lettered) is
+    above this counts as a failed step (`train/failed_step` in its record; the run record's
+    `failed_steps`)."""
+    max_failed_steps: float = Field(0.2, ge=0, le=1)
+    """A run that trains its last step with more than this share of its steps failed ends
+    FAILED, its error giving the counts (its checkpoints and metrics are kept); 1: never.
+    Apart from this, steps whose every episode failed end the run at once after 3 in a row."""
     max_staleness: int = Field(0, ge=0, le=63)
     """K: the learner keeps the next K steps' tasks queued while it trains, so workers
     generate for steps t+1..t+K during step t's update. A rollout with a turn more than K
@@ -253,7 +308,16 @@ GuardAction = Literal["warn", "stop", "rollback"]
 
 
 class AlarmSpec(_Spec):
-    """Thresholds of the role drift alarms (marl/diagnostics/alarms.py; paper §4-5, §A.6.2)."""
+    """Thresholds of the role drift alarms (marl/diagnostics/alarms.py; paper §4-5, §A.6.2).
+
+    The paper names the mechanisms and the signals; every threshold here is marl's own
+    choice, not a number the paper gives."""
+
+    chi2_signal: Literal["chi2_token", "update_chi2"] = "chi2_token"
+    """The χ² series the alarms (and `marl matrix report`'s Table 2) read: `chi2_token` is
+    the paper's (verl's rollout-correction χ² between learner and sampler); `update_chi2`
+    is how far each role's policy moved during the step. On a float32 CPU run the learner
+    and the sampler agree (ρ ≈ 1), so only `update_chi2` moves there."""
 
     min_points: int = Field(3, ge=1)
     """A role's series fires only once it has this many logged values (first ones are noisy)."""
@@ -262,12 +326,20 @@ class AlarmSpec(_Spec):
     of their last `window` values with the mean of their first `window`, once they have
     two windows of values."""
     amplification_ratio: float = Field(3.0, gt=1)
-    """gradient_amplification: a role's χ² or perplexity over its first values reaches this..."""
+    """gradient_amplification (Isolated-Policy, a role with parallel slots): the role's χ²
+    or training perplexity over its first values reaches this..."""
     amplification_margin: float = Field(2.0, ge=1)
     """...and this many times every other role's ratio of the same signal (Fig. 6a's shape)."""
     amplification_chi2_floor: float = Field(0.02, ge=0)
-    """χ² values below this count as this much in gradient_amplification's ratio: near-zero
+    """χ² values below this count as this much in every χ² ratio the alarms take: near-zero
     χ² is noise, and a ratio of two noises means nothing."""
+    capture_amplitude_ratio: float = Field(3.0, gt=1)
+    """sp_role_capture by per-episode frequency asymmetry (§5.2, Fig. 6b): under a shared
+    adapter with a multi-slot role, the adapter's global χ² or training perplexity over its
+    first values reaches this..."""
+    capture_dominant_share: float = Field(0.5, gt=0, le=1)
+    """...while the multi-slot role carries at least this share of the adapter's gradient
+    (`role/<r>/grad_share`): it holds most of the episode's slots, so it drives the update."""
     capture_length_ratio: float = Field(2.0, gt=1)
     """sp_role_capture: a role's median length over its first value reaches this while it
     closes the gap to a longer role."""

@@ -19,7 +19,7 @@ DEMO_SPEC: dict[str, Any] = {
     "engine": "transformers",
     "lora": {"rank": 16, "alpha": 32},
     "optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "constant"},
-    "grpo": {"group_size": 8, "mini_batch_size": 128, "micro_batch_sequences": 128},
+    "grpo": {"group_size": 8, "mini_batch_size": 16, "micro_batch_sequences": 128},
     "train": {
         "steps": 40,
         "problems_per_step": 16,

@@ -3,8 +3,8 @@
 The paper's monitoring advice (§A.6.2) is per-role training metrics, per-role response
 shape, and reading each role's transcripts at a few chosen checkpoints, because aggregate
 accuracy hides role drift until the cliff. The report puts those side by side: reward and
-validation accuracy; per-role χ², perplexity and gradient norm normalised to the first
-logged step (Fig. 6's shape); gradient-mass shares; per-role length and signature curves
+validation accuracy; per-role χ² (the paper's `chi2_token` and marl's `update_chi2`),
+training perplexity and gradient norm normalised to the first logged step (Fig. 6's shape); gradient-mass shares; per-role length and signature curves
 recomputed from the saved rollouts; alarms as vertical lines on every time axis; one
 transcript per role at the first, best and last step with saved rollouts.
 """
@@ -129,7 +129,11 @@ def plot_outcome(run: RunData, out: Path) -> Plot:
 def plot_normalised(run: RunData, out: Path) -> Plot | None:
     import matplotlib.pyplot as plt
 
-    signals = [s for s in ("chi2", "perplexity", "grad_norm") if _roles(run.records, "role/", s)]
+    signals = [
+        s
+        for s in ("chi2_token", "update_chi2", "training_ppl", "grad_norm")
+        if _roles(run.records, "role/", s)
+    ]
     if not signals:
         return None
     fig, axes = plt.subplots(1, len(signals), figsize=(4 * len(signals), 3.4), squeeze=False)

@@ -4,7 +4,7 @@ RUN is a run id (followed through the learner's `WatchRun` stream) or a run dire
 (its `metrics.jsonl` followed on disk, so a run can be watched from any machine that
 mounts it, and a finished one replayed). Either way the screen is one `rich` layout:
 progress and the last reward/validation numbers, a per-role table with the signals the
-paper reads per role (χ² and perplexity over their first value, entropy, gradient
+paper reads per role (χ² and training perplexity over their first value, entropy, gradient
 share, length and signatures), and every alarm as it fires. Alarms are the learner's
 own (`metrics.jsonl` `alarms`) plus, for a directory, those recomputed under the run's
 thresholds, so a run recorded before alarms existed still shows them.
@@ -31,8 +31,9 @@ from marl.diagnostics.signatures import parallel_roles
 Record = dict[str, Any]
 
 COLUMNS = (
-    ("chi2", "χ²/first", True),
-    ("perplexity", "ppl/first", True),
+    ("chi2_token", "χ²/first", True),
+    ("update_chi2", "moved χ²/first", True),
+    ("training_ppl", "ppl/first", True),
     ("entropy", "entropy", False),
     ("grad_share", "grad share", False),
     ("response_len_p50", "len p50", False),

@@ -1,16 +1,25 @@
 """Role drift alarms over a run's metric records: fire before the accuracy cliff (paper §4-5).
 
-Pure functions over the records `metrics.jsonl` holds (`{"step": n, "role/<role>/chi2": ...}`),
-with thresholds from the RunSpec's `alarms` section. The paper's point is that aggregate
-accuracy hides role drift until a late cliff, so each alarm reads one role's own series:
+Pure functions over the records `metrics.jsonl` holds
+(`{"step": n, "role/<role>/chi2_token": ...}`), with thresholds from the RunSpec's `alarms`
+section (marl's choices; the paper names the mechanisms, not numbers). The paper's point
+is that aggregate accuracy hides role drift until a late cliff, so each alarm reads one
+role's own series. "χ²" below is the series `alarms.chi2_signal` names: the paper's
+`chi2_token` by default, or marl's `update_chi2`.
 
-- `gradient_amplification` (§5.1, Fig. 6a, Table 2): a parallel role's χ² or perplexity,
-  normalised to its first values, reaches `amplification_ratio` and
-  `amplification_margin` times every other role's ratio of the same signal;
-- `sp_role_capture` (§5.2, Tables 5-6; shared adapters only): a role's output shape
-  moves toward another role's: its median length grows `capture_length_ratio`-fold while
-  closing the gap to a longer role, the aggregator loses its terseness, or the
-  evaluator starts writing code fences;
+- `gradient_amplification` (§5.1, Fig. 6a, Table 2): Isolated-Policy only, and only a role
+  with parallel slots (Voting's generators, Orch-Workers' workers): its χ² or training
+  perplexity, normalised to its first values, reaches `amplification_ratio` and
+  `amplification_margin` times every other role's ratio of the same signal. Under a
+  shared adapter the same per-role shape is not this mechanism and does not fire it;
+- `sp_role_capture` (§5.2; shared adapters only), both of the paper's manifestations:
+  token-distribution asymmetry (Tables 5): a role's output shape moves toward another
+  role's: its median length grows `capture_length_ratio`-fold while closing the gap to a
+  longer role, the aggregator loses its terseness, or the evaluator starts writing code
+  fences; and per-episode frequency asymmetry (Table 6, Fig. 6b): a multi-slot role holds
+  most of the episode's slots (at least `capture_dominant_share` of the gradient) while the
+  shared adapter's global χ² or training perplexity escalates `capture_amplitude_ratio`-fold
+  over its first values; the alarm names the multi-slot role;
 - `entropy_collapse` (§4.2, Fig. 5): a role's token entropy falls below
   `(1 - entropy_drop)` times its first values;
 - `accuracy_cliff`: validation accuracy falls `cliff_drop` below its best so far;
@@ -24,11 +33,11 @@ accuracy hides role drift until a late cliff, so each alarm reads one role's own
 Training-side signals (χ², perplexity, entropy) are logged every step and are noisy
 step to step, so they compare the mean of their last `window` values with the mean of
 their first `window`; χ² below `amplification_chi2_floor` counts as the floor, since a
-ratio of two near-zero χ² values is noise (a plain demo run's χ² wanders 0.001-0.016).
+ratio of two near-zero χ² values is noise.
 Validation signatures (lengths, rates over 50-100 problems) compare first and last.
-A role's gradient-mass share is plotted, not alarmed on: as one role's groups saturate
-(every rollout right, zero advantage) the other roles' shares rise in a healthy run
-(a plain Voting-SP demo run: the aggregator's 0.32 -> 0.84).
+A role's gradient-mass share alone is plotted, not alarmed on: as one role's groups
+saturate (every rollout right, zero advantage) the other roles' shares rise in a healthy
+run.
 
 An alarm is reported at its onset: the step its condition turns true after being false
 (or never evaluated), so a run that stays drifted is not re-alarmed every step.
@@ -104,18 +113,30 @@ def _training_series(
     return s
 
 
+def _floors(spec: AlarmSpec) -> dict[str, float]:
+    """The training-side signals the amplitude checks read, with the floor of each ratio."""
+    return {spec.chi2_signal: spec.amplification_chi2_floor, "training_ppl": 1.0}
+
+
+def _ratio(records: Sequence[Record], key: str, floor: float, spec: AlarmSpec) -> float | None:
+    """Mean of the last window over the mean of the first, both at least `floor`."""
+    s = _training_series(records, key, spec)
+    if s is None:
+        return None
+    first, now = _windows(s, spec.window)
+    return max(now, floor) / max(first, floor)
+
+
 def _amplification(
     records: Sequence[Record], spec: AlarmSpec, parallel: Collection[str] | None
 ) -> Iterator[tuple[str, Alarm | None]]:
     step = int(records[-1]["step"])
-    floors = {"chi2": spec.amplification_chi2_floor, "perplexity": 1.0}
-    for signal, floor in floors.items():
+    for signal, floor in _floors(spec).items():
         ratios: dict[str, float] = {}
         for role in roles(records):
-            s = _training_series(records, f"role/{role}/{signal}", spec)
-            if s is not None:
-                first, now = _windows(s, spec.window)
-                ratios[role] = max(now, floor) / max(first, floor)
+            ratio = _ratio(records, f"role/{role}/{signal}", floor, spec)
+            if ratio is not None:
+                ratios[role] = ratio
         if len(ratios) < 2:
             continue
         for role, ratio in ratios.items():
@@ -135,6 +156,36 @@ def _amplification(
                 if fire
                 else None,
             )
+
+
+def _frequency_capture(
+    records: Sequence[Record], spec: AlarmSpec, parallel: Collection[str]
+) -> Iterator[tuple[str, Alarm | None]]:
+    """Per-episode frequency asymmetry: a multi-slot role drives a shared adapter whose
+    global amplitude escalates (Orch-Workers-SP's 3 workers of 5 slots, Fig. 6b)."""
+    last = records[-1]
+    step = int(last["step"])
+    adapters = sorted({k.split("/")[1] for k in last if k.startswith("policy/")})
+    for role in parallel:
+        share = last.get(f"role/{role}/grad_share")
+        if share is None:
+            continue
+        for adapter in adapters:
+            for signal, floor in _floors(spec).items():
+                ratio = _ratio(records, f"policy/{adapter}/{signal}", floor, spec)
+                if ratio is None:
+                    continue
+                fire = (
+                    ratio >= spec.capture_amplitude_ratio and share >= spec.capture_dominant_share
+                )
+                evidence = (
+                    f"shared adapter {adapter}'s {signal} {ratio:.2f}x its first value while "
+                    f"{role} carries {share:.2f} of its gradient"
+                )
+                yield (
+                    f"sp_role_capture/{role}/{adapter}/{signal}",
+                    Alarm("sp_role_capture", role, step, evidence) if fire else None,
+                )
 
 
 def _length_capture(
@@ -249,21 +300,25 @@ def check(
 ) -> dict[str, Alarm | None]:
     """Every condition that applies at the last record: its key -> the alarm, or None when
     it holds quiet. `shared`: one adapter serves several roles, the only routing in which
-    one role can capture another's slot (sp_role_capture). `parallel`: the roles whose
-    slots run side by side, the only ones gradient_amplification can name (§5.1:
-    same-role parallelism amplifies; a lone role's noisy χ² is not that mechanism); None
-    lets every role be named."""
+    one role can capture another's slot (sp_role_capture) and in which
+    gradient_amplification, an Isolated-Policy mechanism, is not checked. `parallel`: the
+    roles whose slots run side by side, the only ones gradient_amplification can name
+    (§5.1: same-role parallelism amplifies; a lone role's noisy χ² is not that mechanism)
+    and the multi-slot roles of frequency asymmetry; None (a user workflow) lets every role
+    be named by the first and checks the second for none."""
     if not records:
         return {}
     out: dict[str, Alarm | None] = {}
     checks = [
-        _amplification(records, spec, parallel),
         _entropy(records, spec),
         _cliff(records, spec),
         _sampler_mismatch(records, spec),
     ]
-    if shared:
+    if not shared:
+        checks.append(_amplification(records, spec, parallel))
+    else:
         checks += [
+            _frequency_capture(records, spec, parallel or ()),
             _length_capture(records, spec),
             _shift(records, spec, "terse_rate", -1.0, spec.capture_terse_drop, "terse rate"),
             _shift(

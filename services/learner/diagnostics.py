@@ -1,22 +1,32 @@
 """Per-role training signals the paper reads (§5, §A.3-A.4), every step, under IP and SP.
 
 `role/<role>/...` in metrics.jsonl:
+- `chi2_token`: **the paper's token-level χ²**, verl's rollout-correction χ²: mean(ρ²) - 1
+  over every completion token of the role this step, ρ = π_learner / π_sampler, π_learner
+  being the learner's recompute at the step's start (π_old) and π_sampler the log-prob
+  inference reported when it sampled the token (log ρ clamped to ±20, as verl does);
+- `training_ppl`: **the paper's training perplexity**, verl's: the mean over the role's
+  sequences of exp(mean negative log-likelihood of the sequence's tokens under π_old);
+- `update_chi2`: marl's own: mean of (π/π_old - 1)² after the step's updates, over a
+  uniform random sample of the role's tokens: how far the policy moved during the step.
+  On a float32 CPU run learner and sampler agree (ρ ≈ 1, chi2_token ≈ 0) and this is the
+  χ² that moves;
 - `entropy`: mean token entropy of the role's turns in the step's first-epoch forwards;
-- `perplexity`: exp of the mean negative log-likelihood of the role's tokens under π_old;
 - `clip_fraction`: share of the role's token updates the PPO clip cut off (both bounds);
-- `chi2`: mean of (π/π_old - 1)² after the step's updates, over a uniform random sample of
-  the role's tokens;
-- `kl_base`: KL(π || π_base) of the full next-token distributions at those sampled tokens,
+- `kl_base`: KL(π || π_base) of the full next-token distributions at the sampled tokens,
   π_base being the base model with every adapter disabled;
 - `grad_norm`: norm of the gradient the role's part of its adapter's first mini-batch loss
-  puts on that adapter (under SP each role is back-propagated apart, so the roles' parts
-  sum to the mini-batch's gradient);
+  puts on that adapter, i.e. of a single optimizer step as the paper's Table 2 reads it
+  (under SP each role is back-propagated apart, so the roles' parts sum to the
+  mini-batch's gradient);
 - `grad_share`: the role's grad_norm over the sum of every role's grad_norm this step: who
   drives the update, the `sp_role_capture` evidence under SP;
 - `logprob_gap`: mean |log π_old - log q| over the role's tokens, q being the log-prob
   inference reported when it sampled the token.
 
-`policy/<adapter>/...`, the same sampler/learner divergence per adapter:
+`policy/<adapter>/...`: `chi2_token`, `training_ppl` and `update_chi2` over every token
+(sequence) the adapter served (the paper's single shared-policy row under SP), and the
+sampler/learner divergence:
 - `logprob_gap`: mean |log π_old - log q| over every token the adapter served;
 - `logprob_kl`: an estimate of KL(q || π_old) from those tokens, which q sampled:
   the mean of exp(d) - 1 - d with d = log π_old - log q (unbiased and never negative).
@@ -24,14 +34,14 @@ With the learner training the version that served the step (the synchronous loop
 measure the engines' disagreement alone: ~0 between the transformers engine and the learner,
 small for a lower-precision engine, and growing with every step when inference silently
 serves something else (a failed adapter sync). The `sampler_mismatch` alarm reads the gap.
-The sample costs two forwards over at most SAMPLE_TOKENS_PER_ROLE sequences per role, each
-cut after its last sampled token (`bench/drift.py`).
+chi2_token, training_ppl and the gap come from π_old, which the update computes anyway: no
+extra forward. update_chi2 costs two forwards over at most SAMPLE_TOKENS_PER_ROLE
+sequences per role, each cut after its last sampled token.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import random
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
@@ -45,25 +55,71 @@ from services.learner.sequences import Sequence
 SAMPLE_TOKENS_PER_ROLE = 32
 
 
+LOG_RATIO_BOUND = 20.0
+"""|log ρ| is clamped here before ρ² (verl's SAFETY_BOUND): one token the sampler found
+near-impossible must not overflow the step's χ²."""
+
+
+@dataclass
+class OldSums:
+    """Sums over π_old's log-probs of the tokens (and sequences) a role or adapter served."""
+
+    tokens: float = 0.0
+    sequences: float = 0.0
+    ppl: float = 0.0
+    chi2_token: float = 0.0
+    logprob_gap: float = 0.0
+    kl: float = 0.0
+    update_chi2: float = 0.0
+    sampled: float = 0.0
+
+    def add(self, olds: list[torch.Tensor], sampled: list[list[float]]) -> None:
+        """One role's (or adapter's) sequences: π_old's log-probs and the sampler's."""
+        lengths = [len(o) for o in olds]
+        old = torch.cat(olds)
+        q = torch.tensor(
+            [lp for s, n in zip(sampled, lengths, strict=True) for lp in s[:n]],
+            dtype=old.dtype,
+            device=old.device,
+        )
+        d = old - q
+        seg = torch.repeat_interleave(
+            torch.arange(len(lengths), device=old.device),
+            torch.tensor(lengths, device=old.device),
+        )
+        n = torch.tensor(lengths, dtype=old.dtype, device=old.device)
+        nll = torch.zeros(len(lengths), dtype=old.dtype, device=old.device).index_add_(0, seg, -old)
+        ppl = torch.exp(nll[n > 0] / n[n > 0])
+        rho2 = torch.exp(2 * d.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+        sums = torch.stack(
+            [ppl.sum(), (rho2 - 1).sum(), d.abs().sum(), (torch.expm1(d) - d).sum()]
+        ).tolist()
+        self.tokens += len(old)
+        self.sequences += len(ppl)
+        self.ppl += sums[0]
+        self.chi2_token += sums[1]
+        self.logprob_gap += sums[2]
+        self.kl += sums[3]
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        out = {
+            prefix + "chi2_token": self.chi2_token / max(self.tokens, 1),
+            prefix + "training_ppl": self.ppl / self.sequences if self.sequences else 1.0,
+            prefix + "logprob_gap": self.logprob_gap / max(self.tokens, 1),
+        }
+        if self.sampled:
+            out[prefix + "update_chi2"] = self.update_chi2 / self.sampled
+        return out
+
+
 @dataclass
 class RoleSums:
-    tokens: float = 0.0
+    old: OldSums = field(default_factory=OldSums)
     entropy: float = 0.0
-    nll_old: float = 0.0
-    logprob_gap: float = 0.0
     updated_tokens: float = 0.0
     clipped: float = 0.0
-    chi2: float = 0.0
     kl_base: float = 0.0
-    sampled: float = 0.0
     grad_norm: float = 0.0
-
-
-@dataclass
-class GapSums:
-    tokens: float = 0.0
-    gap: float = 0.0
-    kl: float = 0.0
 
 
 @dataclass
@@ -71,28 +127,21 @@ class RoleSignals:
     """Accumulates one step's per-role sums; `metrics()` turns them into means."""
 
     roles: dict[str, RoleSums] = field(default_factory=lambda: defaultdict(RoleSums))
-    policies: dict[str, GapSums] = field(default_factory=lambda: defaultdict(GapSums))
+    policies: dict[str, OldSums] = field(default_factory=lambda: defaultdict(OldSums))
 
     def add_old(self, seqs: list[Sequence], olds: list[torch.Tensor]) -> None:
-        """π_old's log-probs of each sequence's completion: perplexity and the gap to what
-        inference reported when it sampled. A few tensor operations per role and adapter,
-        not per sequence (a step holds hundreds of short ones)."""
+        """π_old's log-probs of each sequence's completion against what inference reported
+        when it sampled: χ², training perplexity and the gap, per role and per adapter. A
+        few tensor operations per role and adapter, not per sequence (a step holds hundreds
+        of short ones)."""
         groups: dict[tuple[str, str], list[int]] = defaultdict(list)
         for i, s in enumerate(seqs):
             groups[(s.role, s.policy)].append(i)
         for (role, policy), idx in groups.items():
-            old = torch.cat([olds[i] for i in idx])
-            sampled = [lp for i in idx for lp in seqs[i].sample_logprobs[: len(olds[i])]]
-            d = old - torch.tensor(sampled, dtype=old.dtype, device=old.device)
-            sums = torch.stack([old.sum(), d.abs().sum(), (torch.expm1(d) - d).sum()]).tolist()
-            r = self.roles[role]
-            r.tokens += len(old)
-            r.nll_old -= sums[0]
-            r.logprob_gap += sums[1]
-            p = self.policies[policy]
-            p.tokens += len(old)
-            p.gap += sums[1]
-            p.kl += sums[2]
+            olds_of = [olds[i] for i in idx]
+            sampled = [seqs[i].sample_logprobs for i in idx]
+            self.roles[role].old.add(olds_of, sampled)
+            self.policies[policy].add(olds_of, sampled)
 
     def add_update(self, role: str, tokens: int, clipped: int, entropy: float | None) -> None:
         r = self.roles[role]
@@ -109,18 +158,17 @@ class RoleSignals:
         total_grad = sum(r.grad_norm for r in self.roles.values())
         for role, r in sorted(self.roles.items()):
             pre = f"role/{role}/"
-            out[pre + "entropy"] = r.entropy / max(r.tokens, 1)
-            out[pre + "perplexity"] = math.exp(r.nll_old / max(r.tokens, 1))
-            out[pre + "logprob_gap"] = r.logprob_gap / max(r.tokens, 1)
+            out.update(r.old.metrics(pre))
+            out[pre + "entropy"] = r.entropy / max(r.old.tokens, 1)
             out[pre + "clip_fraction"] = r.clipped / max(r.updated_tokens, 1)
             out[pre + "grad_norm"] = r.grad_norm
             out[pre + "grad_share"] = r.grad_norm / total_grad if total_grad > 0 else 0.0
-            if r.sampled:
-                out[pre + "chi2"] = r.chi2 / r.sampled
-                out[pre + "kl_base"] = r.kl_base / r.sampled
+            if r.old.sampled:
+                out[pre + "kl_base"] = r.kl_base / r.old.sampled
         for policy, p in sorted(self.policies.items()):
-            out[f"policy/{policy}/logprob_gap"] = p.gap / max(p.tokens, 1)
-            out[f"policy/{policy}/logprob_kl"] = p.kl / max(p.tokens, 1)
+            pre = f"policy/{policy}/"
+            out.update(p.metrics(pre))
+            out[pre + "logprob_kl"] = p.kl / max(p.tokens, 1)
         return out
 
 
@@ -163,7 +211,8 @@ def sampled_drift(
     max_tokens: int | None = None,
     row_tokens: int = 0,
 ) -> None:
-    """χ² against π_old and KL to the base model at the sampled tokens, after the update.
+    """update_chi2 (against π_old) and KL to the base model at the sampled tokens, after
+    the update.
 
     Micro-batches as the update packs them (`micro` sequences, `max_tokens` padded
     positions, prompts shared up to `row_tokens` a row); full next-token distributions
@@ -196,7 +245,9 @@ def sampled_drift(
                 pos = torch.tensor(picked[i], dtype=torch.long, device=new.device)
                 ratio = torch.exp(new - old[i][pos])
                 kl = (logp.exp() * (logp - logq)).sum(-1)
+                moved = float(((ratio - 1) ** 2).sum())
                 r = signals.roles[s.role]
-                r.chi2 += float(((ratio - 1) ** 2).sum())
                 r.kl_base += float(kl.sum())
-                r.sampled += len(pos)
+                for sums in (r.old, signals.policies[s.policy]):
+                    sums.update_chi2 += moved
+                    sums.sampled += len(pos)

@@ -2,8 +2,9 @@
 
 Failed episodes leave their groups; advantages are group-relative over the rest.
 Each adapter's role-turn sequences are shuffled into mini-batches of
-`grpo.mini_batch_size`, one AdamW step each, so an adapter serving more turns
-takes more steps (Voting-IP's generator about 3x its aggregator's). π_old is
+`grpo.mini_batch_size` problems x `grpo.group_size` sequences (verl's count), one
+AdamW step each, so an adapter serving more turns takes more steps (Voting-IP's
+generator 3, its aggregator 1 at the paper's defaults). π_old is
 the policy before the step's first update: the first mini-batch's own forward
 (detached) gives it for its sequences, one no-grad forward before that update
 gives it for the others; every later mini-batch is off-policy, so ratios,
@@ -236,7 +237,7 @@ def grpo_step(
     )
     # seeded by the step, so a resumed run shuffles as an uninterrupted one
     rng = random.Random(spec.seed * 1_000_003 + policy.updates)
-    plan = plan_mini_batches(seqs, g.mini_batch_size, g.epochs, rng)
+    plan = plan_mini_batches(seqs, g.sequences_per_mini_batch, g.epochs, rng)
     signals = diagnostics.RoleSignals()
     off_policy = spec.train.max_staleness > 0
     importance = ImportanceStats()

@@ -21,11 +21,11 @@ def test_demo_run_writes_tensorboard_and_reports(tmp_path: Path) -> None:
     events.Reload()
     scalars = set(events.Tags()["scalars"])
     for role in ("generator", "aggregator"):
-        for signal in ("chi2", "perplexity", "grad_norm", "grad_share", "entropy"):
+        for signal in ("chi2_token", "update_chi2", "training_ppl", "grad_norm", "grad_share", "entropy"):
             assert f"role/{role}/{signal}" in scalars
         assert f"sig/{role}/len_p50" in scalars
     assert "sig/aggregator/terse_rate" in scalars and "val/accuracy" in scalars
-    assert [e.step for e in events.Scalars("role/generator/chi2")] == [1, 2, 3]
+    assert [e.step for e in events.Scalars("role/generator/chi2_token")] == [1, 2, 3]
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(isinstance(x["alarms"], list) for x in lines)
     report = tmp_path / "report"

@@ -34,7 +34,7 @@ def voting_spec(name: str, out_dir: Path, steps: int, group: int, problems: int)
         "model": {"path": str(demo_model_dir())},
         "lora": {"rank": 4, "alpha": 8},
         "optim": {"lr": 1e-2, "warmup_steps": 0},
-        "grpo": {"group_size": group, "mini_batch_size": group * problems},
+        "grpo": {"group_size": group, "mini_batch_size": problems},
         "train": {
             "steps": steps,
             "problems_per_step": problems,

@@ -25,7 +25,7 @@ def _trained_checkpoint(model_dir: Path, out: Path) -> tuple[Path, list[int], li
             "lora": {"rank": 8, "alpha": 16},
             "optim": {"lr": 0.05, "warmup_steps": 0},
             "sampling": {"temperature": 1.0},
-            "grpo": {"group_size": 2, "mini_batch_size": 4},
+            "grpo": {"group_size": 2, "mini_batch_size": 2},
         }
     )
     policy = MultiAdapterPolicy(str(model_dir), ["shared"], spec.lora, spec.optim, 10)

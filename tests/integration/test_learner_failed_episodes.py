@@ -45,7 +45,7 @@ def base_spec(model_dir: Path, out: Path) -> dict:
         "model": {"path": str(model_dir)},
         "lora": {"rank": 4, "alpha": 8},
         "optim": {"lr": 1e-2, "warmup_steps": 0},
-        "grpo": {"group_size": GROUP, "mini_batch_size": 16},
+        "grpo": {"group_size": GROUP, "mini_batch_size": PROBLEMS},
         "train": {
             "steps": 1,
             "problems_per_step": PROBLEMS,

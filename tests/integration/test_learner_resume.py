@@ -38,7 +38,7 @@ def resume_spec(model_dir: Path, out_dir: Path) -> dict:
         "model": {"path": str(model_dir)},
         "lora": {"rank": 4, "alpha": 8},
         "optim": {"lr": 1e-2, "warmup_steps": 0},
-        "grpo": {"group_size": 4, "mini_batch_size": 16},
+        "grpo": {"group_size": 4, "mini_batch_size": 4},
         "train": {
             "steps": 3,
             "problems_per_step": 4,

@@ -30,7 +30,7 @@ MATRIX = {
         "engine": "transformers",
         "lora": {"rank": 16, "alpha": 32},
         "optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "constant"},
-        "grpo": {"group_size": 8, "mini_batch_size": 128, "micro_batch_sequences": 128},
+        "grpo": {"group_size": 8, "mini_batch_size": 16, "micro_batch_sequences": 128},
         "train": {"steps": 3, "problems_per_step": 8, "val_interval": 1, "val_problems": 40,
                   "checkpoint_interval": 1, "step_timeout_s": 300},
         "sampling": {"temperature": 1.0, "max_tokens": 8},

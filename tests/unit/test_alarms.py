@@ -26,8 +26,8 @@ def records(**columns: list[float | None]) -> list[dict[str, Any]]:
 
 def test_gradient_amplification_fires_on_the_role_that_climbs_alone() -> None:
     recs = records(
-        role__generator__chi2=[0.05, 0.05, 0.05, 0.2, 0.3, 0.4],
-        role__aggregator__chi2=[0.05, 0.05, 0.05, 0.05, 0.06, 0.07],
+        role__generator__chi2_token=[0.05, 0.05, 0.05, 0.2, 0.3, 0.4],
+        role__aggregator__chi2_token=[0.05, 0.05, 0.05, 0.05, 0.06, 0.07],
     )
     # the generator is Voting's parallel role; naming only the aggregator keeps it quiet
     assert scan(recs, SPEC, shared=False, parallel=("aggregator",)) == []
@@ -37,32 +37,32 @@ def test_gradient_amplification_fires_on_the_role_that_climbs_alone() -> None:
             "gradient_amplification",
             "generator",
             6,
-            "chi2 6.00x its first value vs at most 1.20x for the other roles",
+            "chi2_token 6.00x its first value vs at most 1.20x for the other roles",
         )
     ]
 
 
 def test_gradient_amplification_quiet_when_roles_rise_together_or_alone_or_early() -> None:
     together = records(
-        role__generator__chi2=[1.0, 1.0, 1.0, 2.0, 4.0, 6.0],
-        role__aggregator__chi2=[1.0, 1.0, 1.0, 2.0, 3.0, 4.0],
+        role__generator__chi2_token=[1.0, 1.0, 1.0, 2.0, 4.0, 6.0],
+        role__aggregator__chi2_token=[1.0, 1.0, 1.0, 2.0, 3.0, 4.0],
     )
     assert scan(together, SPEC, shared=False) == []  # 4x < 2 x 3x
-    one_role = records(role__generator__chi2=[1.0, 1.0, 1.0, 2.0, 9.0, 9.0])
+    one_role = records(role__generator__chi2_token=[1.0, 1.0, 1.0, 2.0, 9.0, 9.0])
     assert scan(one_role, SPEC, shared=False) == []  # nothing to compare with
     early = records(
-        role__generator__chi2=[1.0, 1.0, 1.0, 9.0, 9.0],
-        role__aggregator__chi2=[1.0, 1.0, 1.0, 1.0, 1.0],
+        role__generator__chi2_token=[1.0, 1.0, 1.0, 9.0, 9.0],
+        role__aggregator__chi2_token=[1.0, 1.0, 1.0, 1.0, 1.0],
     )
     assert scan(early, SPEC, shared=False) == []  # fewer than two windows of values
     just_below = records(
-        role__generator__perplexity=[2.0, 2.0, 2.0, 5.0, 6.0, 6.7],
-        role__aggregator__perplexity=[2.0, 2.0, 2.0, 2.0, 2.0, 2.0],
+        role__generator__training_ppl=[2.0, 2.0, 2.0, 5.0, 6.0, 6.7],
+        role__aggregator__training_ppl=[2.0, 2.0, 2.0, 2.0, 2.0, 2.0],
     )
     assert scan(just_below, SPEC, shared=False) == []  # 5.9 / 2 = 2.95x < 3x
     noise = records(
-        role__generator__chi2=[0.001, 0.001, 0.001, 0.005, 0.01, 0.015],
-        role__aggregator__chi2=[0.001, 0.001, 0.001, 0.001, 0.001, 0.001],
+        role__generator__chi2_token=[0.001, 0.001, 0.001, 0.005, 0.01, 0.015],
+        role__aggregator__chi2_token=[0.001, 0.001, 0.001, 0.001, 0.001, 0.001],
     )
     assert scan(noise, SPEC, shared=False) == []  # 10x of values under the 0.02 floor
 
@@ -170,10 +170,10 @@ def test_check_reports_quiet_conditions_and_watch_follows_records() -> None:
 
 def test_gradient_amplification_names_only_parallel_roles_when_told() -> None:
     climbing, flat = [0.05, 0.05, 0.05, 0.2, 0.3, 0.4], [0.05] * 6
-    recs = records(role__aggregator__chi2=climbing, role__generator__chi2=flat)
+    recs = records(role__aggregator__chi2_token=climbing, role__generator__chi2_token=flat)
     assert [a.role for a in scan(recs, SPEC, shared=False)] == ["aggregator"]
     assert scan(recs, SPEC, shared=False, parallel=("generator",)) == []
-    flipped = records(role__generator__chi2=climbing, role__aggregator__chi2=flat)
+    flipped = records(role__generator__chi2_token=climbing, role__aggregator__chi2_token=flat)
     assert [a.role for a in scan(flipped, SPEC, shared=False, parallel=("generator",))] == [
         "generator"
     ]
@@ -194,3 +194,68 @@ def test_sampler_mismatch_names_the_adapter_at_onset() -> None:
     assert check(recs, SPEC, shared=False)["sampler_mismatch/aggregator"] is None
     loose = AlarmSpec(logprob_gap_max=0.3)
     assert [a.step for a in scan(recs, loose, shared=False)] == [6]
+
+
+def test_gradient_amplification_is_an_isolated_policy_mechanism() -> None:
+    """The IP signature (Voting's generator climbing alone) on an SP record set is not
+    gradient_amplification: one adapter serves every role, so nothing is amplified apart."""
+    ip_signature = records(
+        role__generator__chi2_token=[0.05, 0.05, 0.05, 0.2, 0.3, 0.4],
+        role__aggregator__chi2_token=[0.05, 0.05, 0.05, 0.05, 0.06, 0.07],
+        role__generator__training_ppl=[2.0, 2.0, 2.0, 5.0, 7.0, 9.0],
+        role__aggregator__training_ppl=[2.0] * 6,
+    )
+    assert [a.mechanism for a in scan(ip_signature, SPEC, shared=False, parallel=("generator",))] == [
+        "gradient_amplification",
+        "gradient_amplification",
+    ]
+    sp = scan(ip_signature, SPEC, shared=True, parallel=("generator",))
+    assert [a for a in sp if a.mechanism == "gradient_amplification"] == []
+
+
+def test_alarms_read_the_chi2_the_spec_names() -> None:
+    recs = records(
+        role__generator__update_chi2=[0.05, 0.05, 0.05, 0.2, 0.3, 0.4],
+        role__aggregator__update_chi2=[0.05] * 6,
+        role__generator__chi2_token=[1e-7] * 6,
+        role__aggregator__chi2_token=[1e-7] * 6,
+    )
+    assert scan(recs, SPEC, shared=False, parallel=("generator",)) == []  # ρ ≈ 1: flat
+    moved = AlarmSpec(chi2_signal="update_chi2")
+    assert [str(a) for a in scan(recs, moved, shared=False, parallel=("generator",))] == [
+        "gradient_amplification[generator]@6: update_chi2 6.00x its first value vs at most "
+        "1.00x for the other roles"
+    ]
+
+
+def orch_workers_sp(worker_share: list[float], chi2: list[float]) -> list[dict[str, Any]]:
+    """Orch-Workers-SP: 3 worker slots of 5 on the one shared adapter (Table 6, Fig. 6b);
+    per-role shapes stay put, the adapter's global χ² climbs."""
+    n = len(chi2)
+    return records(
+        policy__shared__chi2_token=chi2,
+        policy__shared__training_ppl=[1.8] * n,
+        role__worker__grad_share=worker_share,
+        role__orchestrator__grad_share=[(1 - s) / 2 for s in worker_share],
+        role__synthesizer__grad_share=[(1 - s) / 2 for s in worker_share],
+        role__worker__chi2_token=chi2,
+        role__orchestrator__chi2_token=chi2,
+        role__synthesizer__chi2_token=chi2,
+    )
+
+
+def test_sp_role_capture_by_frequency_asymmetry_names_the_multi_slot_role() -> None:
+    recs = orch_workers_sp([0.6] * 7, [0.04, 0.04, 0.04, 0.06, 0.1, 0.16, 0.2])
+    # mean of the last 3 over the first 3: (0.1 + 0.16 + 0.2) / 3 / 0.04 = 3.83x at step 7;
+    # step 6: (0.06 + 0.1 + 0.16) / 3 / 0.04 = 2.67x, below the 3x threshold
+    assert [str(a) for a in scan(recs, SPEC, shared=True, parallel=("worker",))] == [
+        "sp_role_capture[worker]@7: shared adapter shared's chi2_token 3.83x its first value "
+        "while worker carries 0.60 of its gradient"
+    ]
+    # the same climb with the workers not dominating the gradient is not capture
+    minor = orch_workers_sp([0.4] * 7, [0.04, 0.04, 0.04, 0.06, 0.1, 0.16, 0.2])
+    assert scan(minor, SPEC, shared=True, parallel=("worker",)) == []
+    # nor under Isolated-Policy, nor a flat adapter
+    assert scan(recs, SPEC, shared=False, parallel=("worker",)) == []
+    flat = orch_workers_sp([0.6] * 7, [0.04] * 7)
+    assert scan(flat, SPEC, shared=True, parallel=("worker",)) == []

@@ -25,7 +25,7 @@ def test_adapter_dir_loads_with_peft_and_gives_the_learners_greedy_tokens(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    s = spec(mini_batch_size=16)
+    s = spec(mini_batch_size=4)
     policy = new_policy(model_dir, "isolated", s)
     step(policy, voting_batch(), "isolated", s)
     ckpt = checkpoint.save(tmp_path, 1, policy, {"data_position": 0})
@@ -54,7 +54,7 @@ def test_adapter_dir_loads_with_peft_and_gives_the_learners_greedy_tokens(
 def test_resumed_step_equals_the_uninterrupted_one(model_dir: Path, tmp_path: Path) -> None:
     """Adapters, AdamW moments, the LR schedule and the step count come back: the next
     step after a reload gives the same loss and the same weights, bit for bit."""
-    s = spec(mini_batch_size=16).model_copy(deep=True)
+    s = spec(mini_batch_size=4).model_copy(deep=True)
     s.optim.schedule = "cosine"
     s.optim.warmup_steps = 2
     a = new_policy(model_dir, "shared", s)

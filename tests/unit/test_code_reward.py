@@ -118,5 +118,22 @@ async def test_a_sandbox_failure_is_not_a_zero(verdict: Any) -> None:
 
 
 async def test_failed_verdicts_are_just_a_lower_pass_rate() -> None:
-    sandbox = FakeSandbox(pass_rate=0.5, verdicts=["PASSED", "TIMEOUT"])
-    assert await score(ANSWER, TESTS, sandbox) == 0.5
+    for failed in ("FAILED", "RUNTIME_ERROR", "MEMORY_LIMIT", "OUTPUT_LIMIT", 2, 4):
+        sandbox = FakeSandbox(pass_rate=0.5, verdicts=["PASSED", failed])
+        assert await score(ANSWER, TESTS, sandbox) == 0.5
+
+
+@pytest.mark.parametrize("timeout", ["TIMEOUT", 5])
+async def test_a_timeout_on_any_test_scores_the_answer_zero(timeout: Any) -> None:
+    # §A.7: code that hits the per-test timeout gets 0, not the share of the other tests
+    # it passed: 3 of 4 passed (0.75) and one timed out
+    sandbox = FakeSandbox(pass_rate=0.75, verdicts=["PASSED", timeout, "PASSED", "PASSED"])
+    assert await score(ANSWER, TESTS * 2, sandbox) == 0.0
+    first = FakeSandbox(pass_rate=0.5, verdicts=[timeout, "PASSED"])
+    assert await score(ANSWER, TESTS, first) == 0.0
+
+
+async def test_a_sandbox_failure_outranks_a_timeout() -> None:
+    sandbox = FakeSandbox(pass_rate=0.0, verdicts=["TIMEOUT", "SANDBOX_ERROR"])
+    with pytest.raises(SandboxFailure):
+        await score(ANSWER, TESTS, sandbox)

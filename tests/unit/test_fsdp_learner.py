@@ -31,7 +31,7 @@ def ranked(model_dir: Path, s: RunSpec, world_size: int = 2) -> RankedPolicy:
 def test_two_ranks_give_the_loss_and_adapters_of_one_process(
     model_dir: Path, tmp_path: Path
 ) -> None:
-    s = spec(mini_batch_size=8, micro_batch_sequences=3)
+    s = spec(mini_batch_size=2, micro_batch_sequences=3)
     s = s.model_copy(update={"optim": s.optim.model_copy(update={"lr": 0.01})})
     rollouts = voting_batch()
     groups = [r.problem_id for r in rollouts]
@@ -110,7 +110,7 @@ def test_bf16_base_keeps_fp32_adapters_and_optimizer_state(model_dir: Path) -> N
     so AdamW's moments) in fp32, and a step trains them."""
     from services.learner.policy import MultiAdapterPolicy
 
-    s = spec(mini_batch_size=8)
+    s = spec(mini_batch_size=2)
     policy = MultiAdapterPolicy(
         str(model_dir), ["aggregator", "generator"], s.lora, s.optim, 10, "bfloat16"
     )

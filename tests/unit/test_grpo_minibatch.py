@@ -66,11 +66,13 @@ def step(policy: MultiAdapterPolicy, rollouts: list[Rollout], mode: str, s: RunS
 @pytest.mark.parametrize(
     ("mode", "size", "expected"),
     [
-        # SP: 32 sequences in one stream; IP: 24 generator, 8 aggregator sequences
-        ("shared", 8, {"shared": 4}),
-        ("isolated", 8, {"generator": 3, "aggregator": 1}),
-        ("shared", 5, {"shared": 7}),  # ceil(32 / 5)
-        ("isolated", 5, {"generator": 5, "aggregator": 2}),  # ceil(24 / 5), ceil(8 / 5)
+        # SP: 32 sequences in one stream; IP: 24 generator, 8 aggregator sequences;
+        # a mini-batch of `size` problems holds size x 4 (the group) sequences
+        ("shared", 2, {"shared": 4}),
+        ("isolated", 2, {"generator": 3, "aggregator": 1}),
+        ("shared", 3, {"shared": 3}),  # ceil(32 / 12)
+        ("isolated", 3, {"generator": 2, "aggregator": 1}),  # ceil(24 / 12), ceil(8 / 12)
+        ("isolated", 1, {"generator": 6, "aggregator": 2}),  # 24 / 4, 8 / 4
     ],
 )
 def test_optimizer_steps_per_adapter(
@@ -81,9 +83,10 @@ def test_optimizer_steps_per_adapter(
     result = step(policy, voting_batch(), mode, s)
     steps = {p: int(result.metrics[f"policy/{p}/optimizer_steps"]) for p in expected}
     assert steps == expected
-    assert [mb.sequences for mb in result.mini_batches if mb.policy == sorted(expected)[0]][
-        :1
-    ] == [min(size, 24 if mode == "isolated" else 32)]
+    first = sorted(expected)[0]
+    assert [mb.sequences for mb in result.mini_batches if mb.policy == first][:1] == [
+        min(size * 4, {"aggregator": 8, "generator": 24, "shared": 32}[first])
+    ]
 
 
 def test_plan_is_a_shuffled_partition_per_epoch() -> None:
@@ -101,7 +104,7 @@ def test_plan_is_a_shuffled_partition_per_epoch() -> None:
 
 
 def test_first_mini_batch_is_on_policy_later_ones_clip_at_both_bounds(model_dir: Path) -> None:
-    s = spec(mini_batch_size=16)
+    s = spec(mini_batch_size=4)
     policy = new_policy(model_dir, "shared", s)
     result = step(policy, voting_batch(), "shared", s)
     first, second = result.mini_batches
@@ -115,7 +118,7 @@ def test_first_mini_batch_is_on_policy_later_ones_clip_at_both_bounds(model_dir:
 
 
 def test_isolated_roles_change_only_their_own_adapter(model_dir: Path) -> None:
-    s = spec(mini_batch_size=8)
+    s = spec(mini_batch_size=2)
     policy = new_policy(model_dir, "isolated", s)
     rollouts = voting_batch()
     for r in rollouts:  # only generators emitted tokens
@@ -147,7 +150,7 @@ def test_failed_episodes_leave_their_group() -> None:
 
 
 def test_a_failed_episode_changes_no_other_advantage_and_trains_nothing(model_dir: Path) -> None:
-    s = spec(mini_batch_size=64, loss_agg="token_mean")
+    s = spec(mini_batch_size=16, loss_agg="token_mean")
     clean = voting_batch()
     failed = voting_batch()
     extra = voting_batch(seed=5)[0]  # a p0 rollout whose episode failed: reward 0
@@ -178,7 +181,7 @@ def test_loss_aggregations_as_worked_out(model_dir: Path) -> None:
     rollout's advantage by its tokens, seq_mean_token_mean by its sequences."""
     losses = {}
     for agg in ("token_mean", "seq_mean_token_mean"):
-        s = spec(mini_batch_size=64, loss_agg=agg)
+        s = spec(mini_batch_size=16, loss_agg=agg)
         policy = new_policy(model_dir, "shared", s)
         losses[agg] = step(policy, uneven_batch(), "shared", s).metrics["policy/shared/loss"]
     adv = group_advantages(
@@ -207,3 +210,62 @@ def test_building_the_policy_warns_of_nothing(model_dir: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         new_policy(model_dir, "shared", spec())
+
+
+TURNS = {
+    # role turns per episode at the paper's caps (3 voters, 3 workers)
+    "single": {"generator": 1},
+    "voting": {"generator": 3, "aggregator": 1},
+    "orch_workers": {"orchestrator": 1, "worker": 3, "synthesizer": 1},
+    # Eval-Opt with R rounds, every verdict Incorrect: R + 1 answers, R evaluations
+    "eval_opt_1": {"generator": 2, "evaluator": 1},
+    "eval_opt_3": {"generator": 4, "evaluator": 3},
+    # ... or the first answer judged Correct at once
+    "eval_opt_correct": {"generator": 1, "evaluator": 1},
+}
+
+
+@pytest.mark.parametrize(
+    ("episode", "policy", "expected"),
+    [
+        # 64 problems x 8 rollouts = 512 episodes; a mini-batch: 64 x 8 = 512 sequences
+        ("single", "shared", {"shared": 1}),
+        ("single", "isolated", {"generator": 1}),
+        ("voting", "shared", {"shared": 4}),  # 2048 / 512
+        ("voting", "isolated", {"generator": 3, "aggregator": 1}),
+        ("orch_workers", "shared", {"shared": 5}),
+        ("orch_workers", "isolated", {"orchestrator": 1, "worker": 3, "synthesizer": 1}),
+        ("eval_opt_1", "shared", {"shared": 3}),
+        ("eval_opt_1", "isolated", {"generator": 2, "evaluator": 1}),
+        ("eval_opt_3", "shared", {"shared": 7}),
+        ("eval_opt_3", "isolated", {"generator": 4, "evaluator": 3}),
+        ("eval_opt_correct", "shared", {"shared": 2}),
+    ],
+)
+def test_optimizer_steps_at_the_papers_defaults(
+    episode: str, policy: str, expected: dict[str, int]
+) -> None:
+    from services.learner.sequences import Sequence
+
+    g = RunSpec().grpo
+    assert (g.mini_batch_size, g.group_size, g.epochs, g.sequences_per_mini_batch) == (
+        64, 8, 1, 512,
+    )
+    episodes = RunSpec().train.problems_per_step * g.group_size
+    seqs = [
+        Sequence("shared" if policy == "shared" else role, role, [1, 2], 1, 0.0, [0.0])
+        for _ in range(episodes)
+        for role, n in TURNS[episode].items()
+        for _ in range(n)
+    ]
+    plan = plan_mini_batches(seqs, g.sequences_per_mini_batch, g.epochs, random.Random(0))
+    assert {p: len(mbs) for p, mbs in plan.items()} == expected
+
+
+def test_epochs_multiply_the_steps() -> None:
+    from services.learner.sequences import Sequence
+
+    g = parse_spec({"grpo": {"epochs": 2, "mini_batch_size": 32}}).grpo
+    seqs = [Sequence("shared", "generator", [1, 2], 1, 0.0, [0.0]) for _ in range(512)]
+    plan = plan_mini_batches(seqs, g.sequences_per_mini_batch, g.epochs, random.Random(0))
+    assert len(plan["shared"]) == 2 * 512 // (32 * 8)

@@ -51,10 +51,35 @@ def test_perplexity_from_old_logprobs_by_hand() -> None:
     )
     m = sig.metrics()
     # generator: mean NLL (ln 2 + ln 4) / 2 = 1.5 ln 2 -> 2^1.5; aggregator: 1 / 0.1
-    assert m["role/generator/perplexity"] == pytest.approx(2**1.5)
-    assert m["role/aggregator/perplexity"] == pytest.approx(10.0)
+    assert m["role/generator/training_ppl"] == pytest.approx(2**1.5)
+    assert m["role/aggregator/training_ppl"] == pytest.approx(10.0)
     # the gap to the sampling log-probs (0 here): mean |old - sampled|
     assert m["role/generator/logprob_gap"] == pytest.approx(1.5 * LN(2))
+
+
+def test_chi2_token_and_training_ppl_are_verls_by_hand() -> None:
+    """ρ = π_learner / π_sampler per token; χ²_token = mean(ρ²) - 1 over every token of the
+    role; training_ppl = mean over sequences of exp(the sequence's mean NLL)."""
+    sig = RoleSignals()
+    gen = [
+        Sequence("a", "generator", [1, 1, 0, 0], 2, 1.0, [LN(0.25), LN(0.5)]),
+        Sequence("a", "generator", [1, 1, 0], 2, 1.0, [LN(0.5)]),
+    ]
+    # learner: 0.5 and 0.5 on the first sequence (ρ = 2 and 1), 0.25 on the second (ρ = 0.5)
+    sig.add_old(gen, [torch.tensor([LN(0.5), LN(0.5)]), torch.tensor([LN(0.25)])])
+    sig.add_old([Sequence("b", "aggregator", [1, 0], 1, 1.0, [LN(0.1)])],
+                [torch.tensor([LN(0.1)])])
+    m = sig.metrics()
+    assert m["role/generator/chi2_token"] == pytest.approx((4 + 1 + 0.25) / 3 - 1)
+    assert m["role/generator/training_ppl"] == pytest.approx((2.0 + 4.0) / 2)
+    assert m["policy/a/chi2_token"] == m["role/generator/chi2_token"]
+    assert m["policy/a/training_ppl"] == m["role/generator/training_ppl"]
+    assert m["role/aggregator/chi2_token"] == pytest.approx(0.0, abs=1e-12)
+    assert m["policy/b/training_ppl"] == pytest.approx(10.0)
+    # a token the sampler found near-impossible: log ρ clamped at 20 (verl's bound)
+    far = RoleSignals()
+    far.add_old([Sequence("a", "generator", [1, 0], 1, 1.0, [-100.0])], [torch.tensor([0.0])])
+    assert far.metrics()["role/generator/chi2_token"] == pytest.approx(math.exp(40) - 1)
 
 
 def test_sampler_learner_gap_per_adapter_by_hand() -> None:
@@ -86,8 +111,10 @@ def test_chi2_and_kl_to_base_by_hand() -> None:
     sampled_drift(FixedPolicy(), seqs, old, picked, 1.0, 8, sig)  # type: ignore[arg-type]
     m = sig.metrics()
     # ratios 1.5 and 0.5 -> (0.5² + 0.5²) / 2 = 0.25; aggregator: ratio 0.5 -> 0.25
-    assert m["role/generator/chi2"] == pytest.approx(0.25)
-    assert m["role/aggregator/chi2"] == pytest.approx(0.25)
+    assert m["role/generator/update_chi2"] == pytest.approx(0.25)
+    assert m["role/aggregator/update_chi2"] == pytest.approx(0.25)
+    # per adapter: both roles on `shared`, (0.25 + 0.25 + 0.25) / 3 tokens
+    assert m["policy/shared/update_chi2"] == pytest.approx(0.25)
     kl = 0.75 * LN(0.75 / 0.5) + 0.25 * LN(0.25 / 0.5)  # KL((3/4, 1/4) || (1/2, 1/2))
     assert m["role/generator/kl_base"] == pytest.approx(kl)
     assert m["role/aggregator/kl_base"] == pytest.approx(kl)
@@ -125,16 +152,16 @@ def test_grad_share_sums_to_one() -> None:
 def test_every_role_signal_is_logged_under_ip_and_sp(model_dir: Path, mode: str) -> None:
     from test_grpo_minibatch import new_policy, spec, step, voting_batch
 
-    s = spec(mini_batch_size=16)
+    s = spec(mini_batch_size=4)
     policy = new_policy(model_dir, mode, s)
     result = step(policy, voting_batch(), mode, s)
     m = result.metrics
     for role in ("generator", "aggregator"):
-        for name in ("entropy", "perplexity", "clip_fraction", "chi2", "kl_base", "grad_norm",
-                     "grad_share"):
+        for name in ("entropy", "training_ppl", "chi2_token", "clip_fraction", "update_chi2",
+                     "kl_base", "grad_norm", "grad_share"):
             assert math.isfinite(m[f"role/{role}/{name}"]), (role, name)
         assert m[f"role/{role}/grad_norm"] > 0
-        assert m[f"role/{role}/chi2"] > 0 and m[f"role/{role}/kl_base"] > 0
+        assert m[f"role/{role}/update_chi2"] > 0 and m[f"role/{role}/kl_base"] > 0
     assert m["role/generator/grad_share"] + m["role/aggregator/grad_share"] == pytest.approx(1)
     first = {mb.policy: mb for mb in result.mini_batches if mb.index == 0}
     if mode == "isolated":
@@ -208,6 +235,6 @@ def test_drift_on_cut_sequences_matches_full_forwards(model_dir: Path) -> None:
                 w[1] += kl
                 w[2] += 1
     for role, (chi2, kl, n) in want.items():
-        assert m[f"role/{role}/chi2"] == pytest.approx(chi2 / n, rel=1e-4)
+        assert m[f"role/{role}/update_chi2"] == pytest.approx(chi2 / n, rel=1e-4)
         assert m[f"role/{role}/kl_base"] == pytest.approx(kl / n, rel=1e-4)
         assert kl > 0

@@ -33,7 +33,7 @@ def paced_threads(policy: object) -> int:
 
 
 def test_own_process_trains_as_the_server_process_does(model_dir: Path) -> None:
-    s = spec(mini_batch_size=8)
+    s = spec(mini_batch_size=2)
     rollouts = voting_batch()
     groups = [r.problem_id for r in rollouts]
     torch.manual_seed(0)

@@ -138,7 +138,7 @@ def test_a_grpo_step_with_shared_prompts_is_the_step_without(
     # the host's CPU gets (MKL_CBWR=COMPATIBLE passes at 1e-6, an AVX-512 EPYC does not).
     # A completion that sees another's tokens moves it by orders of magnitude more.
     for key in ("policy/shared/loss", "policy/shared/grad_norm", "role/solver/entropy",
-                "role/solver/perplexity", "role/solver/chi2", "role/solver/kl_base"):
+                "role/solver/training_ppl", "role/solver/update_chi2", "role/solver/kl_base"):
         assert got.metrics[key] == pytest.approx(ref.metrics[key], rel=1e-4, abs=1e-5), key
     # AdamW's first step at lr 0.1 moves an entry by ~lr * g / |g| whatever the gradient's
     # size, so an entry whose gradient is ~0 lands wherever the rounding puts it (one of

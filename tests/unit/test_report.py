@@ -59,8 +59,8 @@ def make_run(path: Path) -> None:
             rec["train/reward_mean"] = 0.1 * step
             rec["train/accuracy"] = 0.1 * step
             for role, chi2 in (("generator", 0.01 * step), ("aggregator", 0.01)):
-                rec[f"role/{role}/chi2"] = chi2
-                rec[f"role/{role}/perplexity"] = 1.5
+                rec[f"role/{role}/chi2_token"] = chi2
+                rec[f"role/{role}/training_ppl"] = 1.5
                 rec[f"role/{role}/grad_norm"] = 0.3
                 rec[f"role/{role}/grad_share"] = 0.5
             agg_len = 5 * step  # the aggregator grows toward the generators' 20 tokens

@@ -64,7 +64,7 @@ def test_synchronous_step_loss_is_unchanged(model_dir: Path) -> None:
     (which differ with the thread count and SIMD width) move whole steps; the later
     losses differed by 1.5e-4 relative between the machine that pinned them and an
     AMD EPYC machine of the same kind, and again with 1 thread instead of 2."""
-    s = spec(mini_batch_size=8)
+    s = spec(mini_batch_size=2)
     policy = new_policy(model_dir, "shared", s)
     result = step(policy, voting_batch(), "shared", s)
     losses = [mb.loss for mb in result.mini_batches]
@@ -79,7 +79,7 @@ def test_synchronous_step_loss_is_unchanged(model_dir: Path) -> None:
 def test_off_policy_step_weights_tokens_by_the_sampler(model_dir: Path) -> None:
     """At K >= 1 the sampler's log-probs enter the loss: the voting batch's placeholder
     log-probs (-1 for every token) give other losses than the synchronous step."""
-    s = spec(mini_batch_size=8)
+    s = spec(mini_batch_size=2)
     off = s.model_copy(update={"train": s.train.model_copy(update={"max_staleness": 1})})
     sync = step(new_policy(model_dir, "shared", s), voting_batch(), "shared", s)
     late = step(new_policy(model_dir, "shared", s), voting_batch(), "shared", off)

@@ -52,7 +52,7 @@ def test_a_burst_no_larger_than_the_share_is_off() -> None:
 def test_an_update_paces_before_its_forwards_and_bursts_midway(model_dir: Path) -> None:
     """A whole GRPO step (old log-probs, mini-batches, drift sample) on the torch thread:
     `pace` runs before each forward, so a burst asked for midway is taken midway."""
-    s = spec(mini_batch_size=8)
+    s = spec(mini_batch_size=2)
     worker = TorchThread("test")
     policy = worker.call(new_policy, model_dir, "shared", s)
     burst = ThreadBurst(share=1, burst=2)

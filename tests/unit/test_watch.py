@@ -26,8 +26,8 @@ RECORDS: list[dict[str, object]] = [
         {
             "step": s,
             "train/reward_mean": 0.1 * s,
-            "role/generator/chi2": [0.05, 0.05, 0.05, 0.2, 0.3, 0.3][s - 1],
-            "role/aggregator/chi2": 0.05,
+            "role/generator/chi2_token": [0.05, 0.05, 0.05, 0.2, 0.3, 0.3][s - 1],
+            "role/aggregator/chi2_token": 0.05,
             "role/generator/entropy": 0.8,
             "alarms": ["from the learner"] if s == 2 else [],
         }
@@ -55,7 +55,7 @@ def test_watch_state_shows_normalised_chi2_and_every_alarm_once(tmp_path: Path) 
     assert last.count("step 2: from the learner") == 1
     # recomputed under the run's thresholds (generator is Voting's parallel role): the mean
     # of the last 3 values over that of the first 3, 0.8 / 3 / 0.05
-    assert "gradient_amplification[generator]@6: chi2 5.33x" in last
+    assert "gradient_amplification[generator]@6: chi2_token 5.33x" in last
     assert "no alarms" not in last
 
 
