@@ -1,11 +1,13 @@
 """Code reward (paper §A.7): the final answer's last fenced Python block, run in the sandbox.
 
-The reward is the fraction of the problem's tests that pass. No code block, a
-block that does not compile, a crash or a timeout all give 0: the sandbox
-reports crashes and timeouts as failed tests, and a syntax error is caught here
-before a sandbox round trip is spent on it. Nothing here runs the code: `compile`
-only parses it. A SANDBOX_ERROR verdict is the sandbox failing, not the answer:
-it raises `SandboxFailure` rather than teach the policy a false 0.
+The reward is the fraction of the problem's tests that pass. No code block, or a
+block that does not compile, gives 0 (a syntax error is caught here before a
+sandbox round trip is spent on it); so does an answer that hits the per-test
+timeout on ANY test, whatever the others did (§A.7: code that "hits the per-test
+execution timeout receives a reward of 0"). Any other failed test (wrong output,
+a crash, the memory or output limit) only lowers the pass rate. Nothing here runs
+the code: `compile` only parses it. A SANDBOX_ERROR verdict is the sandbox failing,
+not the answer: it raises `SandboxFailure` rather than teach the policy a false 0.
 """
 
 from __future__ import annotations
@@ -94,14 +96,20 @@ def compiles(code: str) -> bool:
 
 
 async def score(response: str, tests: list[dict[str, Any]], client: SandboxExecutor) -> float:
-    """Fraction of `tests` the answer's last Python block passes; 0 without runnable code."""
+    """Fraction of `tests` the answer's last Python block passes; 0 without runnable code
+    or when any test timed out."""
     if not tests:
-        raise ValueError("a code problem needs at least one test; the data loader should "
-                         "have refused this problem")
+        raise ValueError(
+            "a code problem needs at least one test; the data loader should "
+            "have refused this problem"
+        )
     code = extract_code(response)
     if code is None or not compiles(code):
         return 0.0
     result = await client.execute(code, tests, limits=None)
-    if any(v in ("SANDBOX_ERROR", sandbox_pb2.SANDBOX_ERROR) for v in result.verdicts):
+    verdicts = list(result.verdicts)
+    if any(v in ("SANDBOX_ERROR", sandbox_pb2.SANDBOX_ERROR) for v in verdicts):
         raise SandboxFailure("the sandbox reported SANDBOX_ERROR; see its log")
+    if any(v in ("TIMEOUT", sandbox_pb2.TIMEOUT) for v in verdicts):
+        return 0.0
     return min(1.0, max(0.0, float(result.pass_rate)))

@@ -167,3 +167,28 @@ def test_worker_scores_humaneval_answers_in_the_cluster_sandbox(cluster: Cluster
             await runner.close()
 
     assert asyncio.run(scores()) == [1.0, 0.0, 0.0]
+
+
+def test_worker_scores_an_answer_that_times_out_on_any_test_zero(cluster: Cluster) -> None:
+    """§A.7: an answer that hits the per-test timeout gets 0, even with other tests passed;
+    a plain wrong answer on one of the same tests keeps its pass rate."""
+    from marl.data.problem import Problem
+    from services.workflow.worker import EpisodeRunner
+
+    tests: list[dict[str, Any]] = [{"fn_name": "f", "args": [x], "expected": x} for x in (0, 1)]
+    problem = Problem(id="loops", prompt="Write f.", task="code", tests=tests)
+    task = Task(run_id="r", step=0, kind="train", problem=problem, sample=0, workflow="single",
+                adapters={}, model_path="", temperature=1.0, top_p=1.0, max_tokens=8)
+    runner = EpisodeRunner(None, "test", sandbox_address=cluster.endpoints()["sandbox"][0])
+    fence = "```"
+    loops = "def f(x):\n    if x == 1:\n        while True:\n            pass\n    return x\n"
+    wrong_on_one = "def f(x):\n    return 0\n"
+
+    async def scores() -> list[float]:
+        try:
+            return [await runner.score(task, f"{fence}python\n{a}{fence}\n")
+                    for a in (loops, wrong_on_one)]
+        finally:
+            await runner.close()
+
+    assert asyncio.run(scores()) == [0.0, 0.5]
