@@ -19,6 +19,8 @@ holds it may do anything any client may do.
 from __future__ import annotations
 
 import hmac
+import ipaddress
+import os
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -138,15 +140,35 @@ class _AioStreamStream(_Metadata, grpc.aio.StreamStreamClientInterceptor):
         return await continuation(self._details(details), it)
 
 
+TLS_SERVER_NAME_ENV = "MARL_TLS_SERVER_NAME"
+
+
 def _credentials() -> grpc.ChannelCredentials | None:
     ca = tls_files().get("ca")
     return None if ca is None else grpc.ssl_channel_credentials(root_certificates=ca)
 
 
+def _tls_options(address: str, options: ChannelOptions) -> ChannelOptions:
+    """With `$MARL_TLS_SERVER_NAME` set, a server dialled at an IP address must present a
+    certificate for that name instead of the address: inference replicas advertise their
+    pod IPs, which no long-lived certificate can list (the Helm chart sets it). A server
+    dialled by name is still checked against that name."""
+    name = os.environ.get(TLS_SERVER_NAME_ENV)
+    if not name:
+        return options
+    try:
+        ipaddress.ip_address(address.rsplit(":", 1)[0].strip("[]"))
+    except ValueError:
+        return options
+    return [*(options or []), ("grpc.ssl_target_name_override", name)]
+
+
 def channel(address: str, options: ChannelOptions = None) -> grpc.Channel:
     """A blocking channel to `address` that sends the token when one is set, over TLS
-    (verified against `$MARL_TLS_CA`) when that is set."""
+    (verified against `$MARL_TLS_CA`, see `_tls_options`) when that is set."""
     creds = _credentials()
+    if creds is not None:
+        options = _tls_options(address, options)
     ch = (grpc.insecure_channel(address, options=options) if creds is None
           else grpc.secure_channel(address, creds, options=options))
     token = auth_token()
@@ -161,7 +183,7 @@ def aio_channel(address: str, options: ChannelOptions = None) -> grpc.aio.Channe
          _AioStreamStream(token)] if token else [])
     creds = _credentials()
     if creds is not None:
-        return grpc.aio.secure_channel(address, creds, options=options,
+        return grpc.aio.secure_channel(address, creds, options=_tls_options(address, options),
                                        interceptors=interceptors)
     return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 

@@ -4,10 +4,16 @@ Each service process exposes one registry (prometheus_client's default, with its
 collector) on its HTTP server's `/metrics`: request counts and latencies of every gRPC
 method (an aio server interceptor in `marl.serving.ServiceHost`) and every HTTP route (an
 aiohttp middleware in `marl.http_server.HttpServer`), plus what the service itself
-knows: episodes in flight (workflow), adapter versions loaded (inference), sandbox
-verdicts by kind (sandbox), the lag of the task stream (workflow). Values that live
-elsewhere (Redis) are read when Prometheus scrapes, by hooks a service adds with
-`on_scrape`. Prometheus scrapes the port the service's HTTP server listens on.
+knows: episodes in flight (workflow), adapter versions loaded and generation requests in
+flight (inference), sandbox verdicts by kind (sandbox), the lag of the task stream
+(workflow). Values that live elsewhere (Redis) are read when Prometheus scrapes, by hooks a
+service adds with `on_scrape`. Prometheus scrapes the port the service's HTTP server
+listens on (`http_port`; the Helm chart's workflow pods serve it on 8080).
+
+The two autoscaling signals (deploy/helm scales on them with KEDA's Prometheus scaler):
+`marl_stream_lag` of `marl:tasks` for workflow workers, which every worker reports alike
+(query it with `max`, not `sum`), and `marl_inference_requests_in_flight` for inference
+replicas, one figure per replica (query it with `sum`).
 """
 
 from __future__ import annotations
@@ -38,6 +44,11 @@ INFLIGHT_EPISODES = Gauge("marl_inflight_episodes", "Episodes this workflow work
 ADAPTER_VERSIONS = Gauge(
     "marl_adapter_versions_loaded", "Adapter versions this inference replica holds loaded"
 )
+INFERENCE_IN_FLIGHT = Gauge(
+    "marl_inference_requests_in_flight",
+    "Generation requests this inference replica serves now, queued or decoding (each request "
+    "of a GenerateMany counts, and each OpenAI completion served with an adapter)",
+)
 SANDBOX_VERDICTS = Counter(
     "marl_sandbox_verdicts", "Sandbox test verdicts, by verdict", ["verdict"]
 )
@@ -46,6 +57,10 @@ STREAM_LAG = Gauge(
     "Entries of a Redis stream its consumer group has not acknowledged (undelivered + pending)",
     ["stream", "group"],
 )
+"""Work waiting on a stream, from `marl.streams.backlog`: right on Redis 7 also after entries
+past the group's position were deleted, where XINFO GROUPS' own `lag` is NULL (the entries
+are then counted inside Redis), so autoscaling on it keeps working where a scaler that reads
+`lag` (KEDA's redis-streams `lagCount`) gets nothing to use."""
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from marl import adapter_io, replicas, streams, trace
 from marl.aio_tasks import cancel_until_done
 from marl.heap import keep_freed_heap_until_trimmed
 from marl.http_server import HttpServer
-from marl.prometheus_metrics import ADAPTER_VERSIONS
+from marl.prometheus_metrics import ADAPTER_VERSIONS, INFERENCE_IN_FLIGHT
 from marl.serving import (
     ServiceHost,
     bounded,
@@ -417,6 +417,10 @@ async def _serve(
     inference_pb2_grpc.add_InferenceServicer_to_server(service, server.server)
     ADAPTER_VERSIONS.set_function(
         lambda: 0 if service._registry is None else len(service._registry.all())
+    )
+    INFERENCE_IN_FLIGHT.set_function(  # the chart scales replicas on it
+        lambda: 0 if service._registry is None
+        else sum(v.in_flight for v in service._registry.all())
     )
     redis_client = streams.connect(redis_url) if redis_url else None
     # model_path: what workers may load a tokenizer from (never a caller's path)
