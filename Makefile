@@ -57,6 +57,10 @@ check: setup ## ruff and mypy
 	$(BIN)/ruff check marl services tests bench scripts
 	$(BIN)/mypy
 
+.PHONY: docs
+docs: setup ## the docs site into site/ (mkdocs build --strict; the config and CLI references are generated from the code)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 protos: setup ## regenerate marl/v1 from proto/marl/v1
 	$(BIN)/python scripts/gen_protos.py
 
