@@ -22,9 +22,19 @@ Definitions, taken from the paper:
   of >= 3 non-blank body lines), `bare_stamp` (<= 200 tokens, a parseable
   `\\boxed{Correct|Incorrect}`, no fenced block), else `other`; verdict parse rate is the
   share with a parseable verdict;
+- evaluator verdicts (Table 5, Panels A1-A2): `boxed_correct_rate` is the share of
+  evaluator turns whose verdict (the last `\\boxed{}`, as Eval-Opt reads it) is
+  `\\boxed{Correct}`, `unparseable_rate` the share with no parseable verdict
+  (1 - `verdict_parse_rate`);
 - orchestrator openers: distinct first three words (lower-cased, punctuation dropped) (Table 6's diversity proxy);
 - length gap: p95 - p50 of a role's lengths (Table 6's synthesizer bimodality; also read
   on workers).
+
+Eval-Opt's rounds apart (Table 5 reads the evaluator's and generator's iter-1 outputs):
+besides `sig/<role>/<name>` over every turn, the same names over the first round only,
+`sig/<role>/iter1/<name>` (generator slot 0, the first answer; evaluator slot 0, the
+first evaluation), and over the later rounds, `sig/<role>/later/<name>` (slots >= 1:
+revisions and re-evaluations), each only when the step has such turns.
 """
 
 from __future__ import annotations
@@ -187,6 +197,16 @@ def verdict_parse_rate(turns: Sequence[Turn]) -> float:
     return _rate(turns, (verdict(t.text) is not None for t in turns))
 
 
+def boxed_correct_rate(turns: Sequence[Turn]) -> float:
+    """Share of the turns whose verdict is `\\boxed{Correct}`."""
+    return _rate(turns, (verdict(t.text) is True for t in turns))
+
+
+def unparseable_rate(turns: Sequence[Turn]) -> float:
+    """Share of the turns with no parseable `\\boxed{Correct|Incorrect}` verdict."""
+    return _rate(turns, (verdict(t.text) is None for t in turns))
+
+
 def opener(text: str) -> str:
     """First three words, lower-cased, punctuation around them dropped."""
     return " ".join(w.strip(string.punctuation).lower() for w in _WORD.findall(text)[:3])
@@ -201,9 +221,42 @@ def length_gap(turns: Sequence[Turn]) -> float:
     return s.p95 - s.p50
 
 
+def _signatures(
+    turns: Sequence[Turn], role: str, jaccard3: float | None = None
+) -> dict[str, float]:
+    """Every signature of one role's turns (at least one), by name."""
+    n = lengths(turns)
+    out = {
+        "len_mean": n.mean,
+        "len_p50": n.p50,
+        "len_p95": n.p95,
+        "len_gap": n.p95 - n.p50,
+        "truncation_rate": truncation_rate(turns),
+        "boxed_rate": boxed_rate(turns),
+        "hedging_rate": hedging_rate(turns),
+    }
+    if jaccard3 is not None:
+        out["jaccard3"] = jaccard3
+    if role == "aggregator":
+        out["terse_rate"] = terse_rate(turns)
+    if role == "evaluator":
+        out.update(evaluator_classes(turns))
+        out["verdict_parse_rate"] = verdict_parse_rate(turns)
+        out["boxed_correct_rate"] = boxed_correct_rate(turns)
+        out["unparseable_rate"] = unparseable_rate(turns)
+    if role == "orchestrator":
+        out["distinct_openers"] = float(distinct_openers(turns))
+    return out
+
+
+ROUND_SPLIT = ("eval_opt",)
+"""Workflows whose slot 0 is the first round and slots >= 1 the later ones (Eval-Opt)."""
+
+
 def role_signatures(rollouts: Sequence[Rollout], workflow: str) -> dict[str, float]:
-    """Every signature for every role in the rollouts, as `sig/<role>/<name>`; episodes
-    that could not run are left out. `workflow` names the parallel roles."""
+    """Every signature for every role in the rollouts, as `sig/<role>/<name>`, and for
+    Eval-Opt also `sig/<role>/iter1/<name>` and `sig/<role>/later/<name>`; episodes that
+    could not run are left out. `workflow` names the parallel roles."""
     good = [r for r in rollouts if r.error is None]
     by_role: dict[str, list[Turn]] = defaultdict(list)
     for r in good:
@@ -211,25 +264,15 @@ def role_signatures(rollouts: Sequence[Rollout], workflow: str) -> dict[str, flo
             by_role[t.role].append(t)
     out: dict[str, float] = {}
     for role, turns in sorted(by_role.items()):
-        pre = f"sig/{role}/"
-        n = lengths(turns)
-        out[pre + "len_mean"] = n.mean
-        out[pre + "len_p50"] = n.p50
-        out[pre + "len_p95"] = n.p95
-        out[pre + "len_gap"] = n.p95 - n.p50
-        out[pre + "truncation_rate"] = truncation_rate(turns)
-        out[pre + "boxed_rate"] = boxed_rate(turns)
-        out[pre + "hedging_rate"] = hedging_rate(turns)
+        j = None
         if role in PARALLEL_ROLES.get(workflow, ()):
             j = inter_slot_jaccard(good, role)
-            if j is not None:
-                out[pre + "jaccard3"] = j
-        if role == "aggregator":
-            out[pre + "terse_rate"] = terse_rate(turns)
-        if role == "evaluator":
-            for c, v in evaluator_classes(turns).items():
-                out[pre + c] = v
-            out[pre + "verdict_parse_rate"] = verdict_parse_rate(turns)
-        if role == "orchestrator":
-            out[pre + "distinct_openers"] = float(distinct_openers(turns))
+        parts: list[tuple[str, list[Turn]]] = [("", turns)]
+        if workflow in ROUND_SPLIT:
+            parts.append(("iter1/", [t for t in turns if t.slot == 0]))
+            parts.append(("later/", [t for t in turns if t.slot >= 1]))
+        for part, chosen in parts:
+            if chosen:
+                for name, value in _signatures(chosen, role, j if not part else None).items():
+                    out[f"sig/{role}/{part}{name}"] = value
     return out
