@@ -131,6 +131,38 @@ def routing_of_run(
     }
 
 
+SOLVER_ROLES = ("generator", "worker")
+"""The role that solves the problem as the single agent does, by preference: Orch-Workers has
+no generator, and its workers take the SA-RL adapter in Table 3 (read literally, the paper's
+A.2 puts the workers on the base model too, leaving Orch-Workers with no adapter at all)."""
+
+
+def solver_role(spec: RunSpec) -> str | None:
+    """The role of `spec`'s workflow that Table 3 serves with the SA-RL adapter."""
+    from marl.workflows.routing import policy_of_role
+
+    roles = policy_of_role(spec)
+    return next((r for r in SOLVER_ROLES if r in roles), None)
+
+
+def generator_transfer(
+    spec: RunSpec, sa_rl_dir: Path, checkpoint: str = "latest"
+) -> dict[str, AdapterSource]:
+    """Paper Table 3's routing for `spec`'s workflow: the single-agent RL run's adapter (its
+    one policy, at `checkpoint`) on the generator role (`solver_role`), the base model on
+    every other."""
+    from marl.workflows.routing import policy_of_role
+
+    roles = list(policy_of_role(spec))
+    role = solver_role(spec)
+    if role is None:
+        raise SpecError(
+            f"workflow {spec.workflow} has no {' or '.join(SOLVER_ROLES)} role to serve with "
+            f"the SA-RL adapter; its roles are {', '.join(roles)}"
+        )
+    return parse_routing(f"{role}={sa_rl_dir}@{checkpoint}", roles)
+
+
 # ---------------------------------------------------------------- payloads
 
 
@@ -201,8 +233,13 @@ async def _push(
             "with the spec's model.path"
         )
     manifest = adapter_io.make_manifest(
-        name, 1, base_model, int(config["r"]), float(config["lora_alpha"]),
-        sorted(config["target_modules"]), payload,
+        name,
+        1,
+        base_model,
+        int(config["r"]),
+        float(config["lora_alpha"]),
+        sorted(config["target_modules"]),
+        payload,
     )
     for address in targets:
         async with auth.aio_channel(address) as channel:
@@ -294,9 +331,7 @@ def evaluate_sync(
 # ---------------------------------------------------------------- attribution
 
 
-def attribute(
-    run_dir: Path, checkpoint: str, baseline: str, redis_url: str
-) -> dict[str, Any]:
+def attribute(run_dir: Path, checkpoint: str, baseline: str, redis_url: str) -> dict[str, Any]:
     """Validation accuracy of the trained workflow, of it with each role in turn served by
     `baseline` (`base` or an earlier checkpoint of the same run), and with every role so."""
     spec = run_spec(run_dir)
@@ -362,7 +397,10 @@ class EvalCluster:
         if engine == "auto":
             engine = "vllm" if vllm_available() else "transformers"
         self.cluster = Cluster(
-            workdir, spec.model.path, engine=engine, learner=False,
+            workdir,
+            spec.model.path,
+            engine=engine,
+            learner=False,
             max_lora_rank=max(spec.lora.rank, 64),
         )
 

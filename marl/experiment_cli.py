@@ -24,24 +24,25 @@ def cmd_matrix(args: argparse.Namespace) -> int:
             raise SpecError(f"usage: marl matrix {action} DIR")
         root = Path(rest[0])
         if action == "report":
-            paths = matrix.write_report(root, Path(args.out) if args.out else None)
+            paths = matrix.write_report(root, Path(args.out) if args.out else None, args.chi2)
             print(paths["markdown"].read_text())
-            print(f"table: {paths['markdown']} and {paths['csv']}; scatter: {paths['png']}")
+            _print_report(paths)
             return 0
-        saved = root / "matrix.yaml"
-        if not saved.is_file():
-            raise SpecError(f"{root}: no matrix.yaml; pass the --out directory of `marl matrix`")
-        m = matrix.load_matrix(yaml.safe_load(saved.read_text()))
-        print("\n".join(matrix.status_lines(root, m)))
+        print("\n".join(matrix.status_lines(root, matrix.saved_matrix(root))))
         return 0
     if rest:
         raise SpecError("usage: marl matrix MATRIX.yaml [--out DIR] | report DIR | status DIR")
     m = matrix.load_matrix(action)
     root = Path(args.out or f"matrix-{m.name}")
     rc = matrix.run_matrix(m, root, learner=args.learner, redis_url=args.redis)
-    paths = matrix.write_report(root)
-    print(f"table: {paths['markdown']} and {paths['csv']}; scatter: {paths['png']}")
+    _print_report(matrix.write_report(root, chi2=args.chi2))
     return rc
+
+
+def _print_report(paths: dict[str, Path]) -> None:
+    index = paths["index.html"]
+    names = sorted(p.name for k, p in paths.items() if k == p.name and k != "index.html")
+    print(f"report: {index} ({', '.join(names)} in {index.parent})")
 
 
 def _spec(path: str, overrides: list[str]) -> RunSpec:
@@ -67,8 +68,10 @@ def _with_cluster(spec: RunSpec, redis_url: str | None, fn: Any) -> Any:
     try:
         return _on_cluster(spec, redis_url, fn)
     except RedisUnreachable as err:
-        raise SpecError(f"--redis {redis_url}: cannot connect ({err}); pass a running cluster's "
-                        "Redis URL, or leave --redis out to start one") from None
+        raise SpecError(
+            f"--redis {redis_url}: cannot connect ({err}); pass a running cluster's "
+            "Redis URL, or leave --redis out to start one"
+        ) from None
     except grpc.RpcError as err:
         raise EvalFailed(f"an inference replica refused the evaluation: {err}") from None
     except RuntimeError as err:
@@ -80,9 +83,10 @@ def _on_cluster(spec: RunSpec, redis: str | None, fn: Any) -> Any:
         return fn(redis)
     from marl.evaluate import EvalCluster
 
-    with tempfile.TemporaryDirectory(prefix="marl-eval-") as tmp, EvalCluster(
-        Path(tmp), spec
-    ) as url:
+    with (
+        tempfile.TemporaryDirectory(prefix="marl-eval-") as tmp,
+        EvalCluster(Path(tmp), spec) as url,
+    ):
         return fn(url)
 
 
@@ -105,14 +109,19 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     metrics = _with_cluster(spec, args.redis, lambda url: evaluate_sync(spec, routing, url))
     result = {"routing": {r: s.label for r, s in routing.items()}, **metrics}
     if metrics["val/episode_errors"]:
-        print(f"warning: {metrics['val/episode_errors']} episodes failed (scored 0), e.g. "
-              f"{metrics['val/first_episode_error']}", file=sys.stderr)
+        print(
+            f"warning: {metrics['val/episode_errors']} episodes failed (scored 0), e.g. "
+            f"{metrics['val/first_episode_error']}",
+            file=sys.stderr,
+        )
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"validation accuracy {metrics['val/accuracy']:.3f} "
-              f"on {metrics['val/problems']} problems "
-              f"({metrics['val/episode_errors']} episode errors)")
+        print(
+            f"validation accuracy {metrics['val/accuracy']:.3f} "
+            f"on {metrics['val/problems']} problems "
+            f"({metrics['val/episode_errors']} episode errors)"
+        )
     return 0
 
 
@@ -130,7 +139,8 @@ def _cmd_attribute(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     spec = run_spec(run_dir)
     result = _with_cluster(
-        spec, args.redis,
+        spec,
+        args.redis,
         lambda url: attribute(run_dir, args.checkpoint, args.baseline, url),
     )
     print(json.dumps(result) if args.json else format_attribution(result))
@@ -140,16 +150,34 @@ def _cmd_attribute(args: argparse.Namespace) -> int:
 def add_parsers(sub: Any) -> None:
     p = sub.add_parser(
         "matrix",
-        help="the paper's matrix: MATRIX.yaml runs every cell and its controls (resumable); "
-        "`report DIR` writes Table 1 and Fig. 3; `status DIR` shows each cell",
+        help="the paper's matrix: MATRIX.yaml runs every cell, its controls and Table 3's "
+        "evaluations (resumable); `report DIR` writes Tables 1-6, Figs. 2-6 and index.html "
+        "to DIR/report; `status DIR` shows each cell",
     )
     p.add_argument("target", nargs="+", metavar="MATRIX.yaml | report DIR | status DIR")
-    p.add_argument("--out", default=None,
-                   help="matrix directory (default matrix-<name>); report: where tables go")
-    p.add_argument("--learner", default=None,
-                   help="submit to this cluster's learner instead of running embedded")
-    p.add_argument("--redis", default=None,
-                   help="with --learner: the cluster's Redis URL (the base-model control)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="matrix directory (default matrix-<name>); report: where the report "
+        "goes (default DIR/report)",
+    )
+    p.add_argument(
+        "--chi2",
+        default="chi2_token",
+        choices=["chi2_token", "update_chi2"],
+        help="the χ² series of Table 2 and Figs. 5-6: the paper's token-level χ² "
+        "(default) or how far each policy moved during the step",
+    )
+    p.add_argument(
+        "--learner",
+        default=None,
+        help="submit to this cluster's learner instead of running embedded",
+    )
+    p.add_argument(
+        "--redis",
+        default=None,
+        help="with --learner: the cluster's Redis URL (the base-model control)",
+    )
     p.set_defaults(fn=cmd_matrix)
 
     p = sub.add_parser(
@@ -157,11 +185,15 @@ def add_parsers(sub: Any) -> None:
     )
     p.add_argument("spec", help="run spec YAML or a run directory (its run.yaml)")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
-    p.add_argument("--adapters", default="",
-                   help="role=RUN_DIR@best[:POLICY] or role=base, comma separated; `*=` for "
-                   "every other role; roles not named get the base model")
-    p.add_argument("--redis", default=None,
-                   help="a running cluster's Redis URL (default: start one embedded)")
+    p.add_argument(
+        "--adapters",
+        default="",
+        help="role=RUN_DIR@best[:POLICY] or role=base, comma separated; `*=` for "
+        "every other role; roles not named get the base model",
+    )
+    p.add_argument(
+        "--redis", default=None, help="a running cluster's Redis URL (default: start one embedded)"
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_eval)
 
@@ -170,9 +202,13 @@ def add_parsers(sub: Any) -> None:
     )
     p.add_argument("run_dir")
     p.add_argument("--checkpoint", default="best", help="best, latest, step_N or N")
-    p.add_argument("--baseline", default="base",
-                   help="what replaces a role: base, or an earlier checkpoint (step_N)")
-    p.add_argument("--redis", default=None,
-                   help="a running cluster's Redis URL (default: start one embedded)")
+    p.add_argument(
+        "--baseline",
+        default="base",
+        help="what replaces a role: base, or an earlier checkpoint (step_N)",
+    )
+    p.add_argument(
+        "--redis", default=None, help="a running cluster's Redis URL (default: start one embedded)"
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_attribute)

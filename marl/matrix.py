@@ -1,16 +1,29 @@
-"""`marl matrix`: the paper's experiment as one command, and its Table 1 and Fig. 3.
+"""`marl matrix`: the paper's experiment as one command, resumable.
 
 A matrix file holds a base run spec and axes:
 
-    name: demo-matrix
-    base: {train: {steps: 40}, ...}          # any RunSpec fields (dotted overrides work too)
+    name: paper
+    base: {train: {steps: 500}, ...}       # any RunSpec fields (dotted overrides work too)
     axes:
-      workflow: [voting, eval_opt]
+      task:                                # a dataset name sets data.train = data.val ...
+        - arithmetic
+        - {name: math, data: {train: dapo_math, train_path: /data/dapo.parquet}}
+        - {name: code, data: {train: deepcoder}, sampling: {max_tokens: 2048}}
+      model:                               # ... a model path (`demo`: the shipped one) ...
+        - demo
+        - {name: qwen3-4b, model: {path: Qwen/Qwen3-4B, dtype: bfloat16},
+           grpo: {max_tokens_per_micro_batch: 8192}}
+      workflow: [single, voting, eval_opt, orch_workers]
       policy: [shared, isolated]           # SP and IP
-      task: [arithmetic]                   # data.train = data.val
-      model: [demo]                        # model.path; `demo` is the shipped demo model
       seed: [0]
     controls: {base: true, sa_rl: true}
+
+An axis value is a plain name or a mapping: its `name` (what tables and cell names show)
+and any run spec fields it sets, so one file holds the paper's whole matrix, each task with
+its data and caps and each scale with its dtype and micro-batch budget. A task mapping that
+sets `data.train` and not `data.val` validates on the same dataset; a workflow or policy
+mapping that does not set `workflow` / `policy` takes its name. Values merge into `base` in
+axis order (task, model, workflow, policy, seed), later ones winning.
 
 It expands to one run per combination of the axes plus, per (task, model, seed), two
 controls: the base model (evaluation only: every role served by the base model, workflow
@@ -19,13 +32,17 @@ outputs go to `DIR/cells/<cell>/` (the run's own `metrics.jsonl`, checkpoints, .
 is done once `cell.json` there says SUCCEEDED and its `metrics.jsonl` exists, so running
 the same matrix again redoes only the cells that are not (a half-written one starts over).
 
-`marl matrix report DIR` reads the cells' `metrics.jsonl` into Table 1 (Markdown + CSV)
-and the Fig. 3 scatter (IP vs. SP peak accuracy per workflow).
+Once a block's SA-RL cell is done, its final adapter is dropped onto the generator role of
+each of the block's workflows (Orch-Workers' workers: marl/evaluate.py `solver_role`), every
+other role on the base model, and the workflow is validated (paper Table 3): `DIR/transfer/<block>-<workflow>.json`, written when done and
+skipped on a rerun like a cell.
+
+`marl matrix report DIR` (marl/matrix_report.py) turns the cells into the paper's tables and
+figures.
 """
 
 from __future__ import annotations
 
-import csv
 import itertools
 import json
 import shutil
@@ -38,13 +55,32 @@ from typing import Any, TextIO
 import yaml
 
 from marl.config import RunSpec, SpecError, apply_overrides, parse_spec
-from marl.workflows.routing import adapter_versions_in_flight
+from marl.matrix_tables import (
+    BASE_CONTROL,
+    CONTROL_WORKFLOW,
+    SA_RL_CONTROL,
+    Curve,
+    curve,
+    table_rows,
+)
+from marl.workflows.routing import adapter_versions_in_flight, policy_of_role
+
+__all__ = [
+    "AXES", "BASE_CONTROL", "CONTROL_WORKFLOW", "SA_RL_CONTROL", "Cell", "Curve", "Matrix",
+    "Transfer", "cell_dir", "cell_done", "curve", "load_curves", "load_matrix", "prepare",
+    "read_metrics", "run_matrix", "status_lines", "table_rows", "write_report",
+]  # fmt: skip
 
 AXES = ("task", "model", "workflow", "policy", "seed")
-"""Axis names a matrix may have; every other key of `axes` is refused."""
-CONTROL_WORKFLOW = "single"
-BASE_CONTROL = "base"
-SA_RL_CONTROL = "sa_rl"
+"""Axis names a matrix may have, in the order their values merge; any other key of `axes`
+is refused."""
+
+
+@dataclass(frozen=True)
+class AxisValue:
+    name: str
+    fields: dict[str, Any]
+    """The run spec fields this value sets (nested, like a spec)."""
 
 
 @dataclass(frozen=True)
@@ -60,11 +96,34 @@ class Cell:
     spec: RunSpec = field(compare=False, hash=False)
 
 
+@dataclass(frozen=True)
+class Transfer:
+    """Table 3's evaluation for one workflow of a (task, model, seed) block: the block's
+    SA-RL adapter on the generator, the base model on every other role."""
+
+    task: str
+    model: str
+    seed: int
+    workflow: str
+    spec: RunSpec = field(compare=False, hash=False)
+    """A run cell's spec of that workflow (only the roles' routing differs)."""
+    sa_rl: Cell = field(compare=False, hash=False)
+
+    @property
+    def key(self) -> tuple[str, str, int, str]:
+        return (self.task, self.model, self.seed, self.workflow)
+
+    @property
+    def name(self) -> str:
+        return f"{_block(self.task, self.model, self.seed)}-{_tag(self.workflow)}"
+
+
 @dataclass
 class Matrix:
     name: str
     raw: dict[str, Any]
     cells: list[Cell]
+    transfers: list[Transfer] = field(default_factory=list)
 
 
 def _model_path(value: str) -> str:
@@ -78,6 +137,62 @@ def _model_path(value: str) -> str:
 def _tag(value: Any) -> str:
     text = Path(str(value)).name if "/" in str(value) else str(value)
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in text)
+
+
+def _block(task: str, model: str, seed: int) -> str:
+    return f"{_tag(task)}-{_tag(model)}-s{seed}"
+
+
+def _merge(into: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+    out = dict(into)
+    for k, v in more.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _plain(axis: str, value: Any) -> dict[str, Any]:
+    """The fields a plain (non-mapping) axis value sets."""
+    if axis == "task":
+        return {"data": {"train": value, "val": value}}
+    if axis == "model":
+        return {"model": {"path": _model_path(str(value))}}
+    return {axis: value}
+
+
+def _axis_value(axis: str, i: int, value: Any, base: dict[str, Any]) -> AxisValue:
+    where = f"axes.{axis}[{i}]"
+    if axis == "seed":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SpecError(f"field `{where}`: a seed is an integer (got {value!r})")
+        return AxisValue(str(value), {"seed": value})
+    if not isinstance(value, dict):
+        if not isinstance(value, str | int | float) or isinstance(value, bool) or value == "":
+            raise SpecError(f"field `{where}`: a name or a mapping with `name` (got {value!r})")
+        out = AxisValue(str(value), _plain(axis, value))
+    else:
+        name = value.get("name")
+        if not isinstance(name, str) or not name.strip():
+            raise SpecError(
+                f"field `{where}.name`: a mapping axis value needs a `name` (what tables and "
+                f"cell names show), e.g. {{name: {axis}-1, ...}}"
+            )
+        fields = {k: v for k, v in value.items() if k != "name"}
+        if axis in ("workflow", "policy"):
+            fields.setdefault(axis, name)
+        if axis == "task":
+            data = fields.get("data")
+            if isinstance(data, dict) and "train" in data and "val" not in data:
+                fields["data"] = {**data, "val": data["train"]}
+        if axis == "model":
+            model = fields.get("model")
+            if isinstance(model, dict) and isinstance(model.get("path"), str):
+                fields["model"] = {**model, "path": _model_path(model["path"])}
+        out = AxisValue(name, fields)
+    try:
+        parse_spec(_merge(base, out.fields))
+    except SpecError as err:
+        raise SpecError(f"field `{where}` ({out.name}): {err}") from None
+    return out
 
 
 def load_matrix(source: str | Path | dict[str, Any]) -> Matrix:
@@ -96,8 +211,9 @@ def load_matrix(source: str | Path | dict[str, Any]) -> Matrix:
         raise SpecError("a matrix must be a mapping with `base`, `axes` and optionally `controls`")
     unknown = sorted(set(raw) - {"name", "base", "axes", "controls"})
     if unknown:
-        raise SpecError(f"matrix: unknown field(s) {', '.join(unknown)}; use name, base, axes, "
-                        "controls")
+        raise SpecError(
+            f"matrix: unknown field(s) {', '.join(unknown)}; use name, base, axes, controls"
+        )
     base = raw.get("base") or {}
     if isinstance(base, list):
         base = apply_overrides({}, [str(x) for x in base])
@@ -109,31 +225,47 @@ def load_matrix(source: str | Path | dict[str, Any]) -> Matrix:
     bad = sorted(set(axes) - set(AXES))
     if bad:
         raise SpecError(f"field `axes`: unknown axis {', '.join(bad)}; axes are {', '.join(AXES)}")
-    values: dict[str, list[Any]] = {}
+    values: dict[str, list[AxisValue]] = {}
     for axis in AXES:
         v = axes.get(axis)
         if v is None:
-            values[axis] = [_default(base, axis)]
+            v = [_default(base, axis)]
         elif not isinstance(v, list) or not v:
             raise SpecError(f"field `axes.{axis}`: a non-empty list of values")
-        else:
-            values[axis] = v
+        values[axis] = [_axis_value(axis, i, x, base) for i, x in enumerate(v)]
+        names = [x.name for x in values[axis]]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise SpecError(f"field `axes.{axis}`: two values named {', '.join(twice)}")
     controls = {BASE_CONTROL: True, SA_RL_CONTROL: True, **(raw.get("controls") or {})}
     bad = sorted(set(controls) - {BASE_CONTROL, SA_RL_CONTROL})
     if bad:
         raise SpecError(f"field `controls`: unknown control {', '.join(bad)}; use base, sa_rl")
+    from marl.evaluate import solver_role
+
     name = str(raw.get("name") or "matrix")
     cells: list[Cell] = []
+    transfers: list[Transfer] = []
+    single = AxisValue(CONTROL_WORKFLOW, {"workflow": CONTROL_WORKFLOW})
+    shared = AxisValue("shared", {"policy": "shared"})
     for task, model, seed in itertools.product(values["task"], values["model"], values["seed"]):
-        prefix = f"{_tag(task)}-{_tag(model)}-s{seed}"
+        prefix = _block(task.name, model.name, int(seed.name))
+        sa_rl: Cell | None = None
         for kind in (BASE_CONTROL, SA_RL_CONTROL):
             if controls[kind]:
-                cells.append(_cell(f"{prefix}-{kind}", kind, base, task, model, int(seed),
-                                   CONTROL_WORKFLOW, "shared"))
+                cell = _cell(f"{prefix}-{kind}", kind, base, task, model, seed, single, shared)
+                cells.append(cell)
+                sa_rl = cell if kind == SA_RL_CONTROL else sa_rl
         for workflow, policy in itertools.product(values["workflow"], values["policy"]):
-            cells.append(_cell(f"{prefix}-{_tag(workflow)}-{_tag(policy)}", "run", base, task,
-                               model, int(seed), str(workflow), str(policy)))
-    return Matrix(name, raw, cells)
+            cell = _cell(f"{prefix}-{_tag(workflow.name)}-{_tag(policy.name)}", "run", base,
+                         task, model, seed, workflow, policy)  # fmt: skip
+            cells.append(cell)
+            if sa_rl is None or solver_role(cell.spec) is None:
+                continue
+            t = Transfer(cell.task, cell.model, cell.seed, cell.workflow, cell.spec, sa_rl)
+            if all(x.key != t.key for x in transfers):
+                transfers.append(t)
+    return Matrix(name, raw, cells, transfers)
 
 
 def _default(base: dict[str, Any], axis: str) -> Any:
@@ -145,17 +277,19 @@ def _default(base: dict[str, Any], axis: str) -> Any:
     return getattr(spec, axis)
 
 
-def _cell(name: str, kind: str, base: dict[str, Any], task: Any, model: Any, seed: int,
-          workflow: str, policy: str) -> Cell:
-    data = apply_overrides(base, [
-        f"data.train={task}", f"data.val={task}", f"model.path={_model_path(str(model))}",
-        f"seed={seed}", f"workflow={workflow}", f"policy={policy}", f"name={name[:64]}",
-    ])
+def _cell(
+    name: str, kind: str, base: dict[str, Any], task: AxisValue, model: AxisValue,
+    seed: AxisValue, workflow: AxisValue, policy: AxisValue,
+) -> Cell:  # fmt: skip
+    data = base
+    for v in (task, model, workflow, policy, seed):
+        data = _merge(data, v.fields)
+    data = _merge(data, {"name": name[:64]})
     try:
         spec = parse_spec(data)
     except SpecError as err:
         raise SpecError(f"matrix cell {name}: {err}") from None
-    return Cell(name, kind, str(task), str(model), seed, workflow, policy, spec)
+    return Cell(name, kind, task.name, model.name, spec.seed, workflow.name, policy.name, spec)
 
 
 # ---------------------------------------------------------------- the matrix directory
@@ -173,12 +307,31 @@ def cell_done(root: Path, cell: Cell) -> bool:
     return bool(json.loads(marker.read_text()).get("state") == "SUCCEEDED")
 
 
+def transfer_path(root: Path, t: Transfer) -> Path:
+    return root / "transfer" / f"{t.name}.json"
+
+
+def transfer_done(root: Path, t: Transfer) -> bool:
+    """Evaluated with the SA-RL run that is there now (a rerun SA-RL cell invalidates it)."""
+    path = transfer_path(root, t)
+    if not path.is_file() or not cell_done(root, t.sa_rl):
+        return False
+    run_id = json.loads((cell_dir(root, t.sa_rl) / "cell.json").read_text()).get("run_id")
+    return bool(json.loads(path.read_text()).get("sa_rl_run_id") == run_id)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
 def _mark(root: Path, cell: Cell, state: str, **extra: Any) -> None:
-    d = cell_dir(root, cell)
-    d.mkdir(parents=True, exist_ok=True)
-    tmp = d / ".cell.json.tmp"
-    tmp.write_text(json.dumps({"cell": cell.name, "kind": cell.kind, "state": state, **extra}))
-    tmp.replace(d / "cell.json")
+    _write_json(
+        cell_dir(root, cell) / "cell.json",
+        {"cell": cell.name, "kind": cell.kind, "state": state, **extra},
+    )
 
 
 def prepare(root: Path, matrix: Matrix) -> None:
@@ -195,12 +348,39 @@ def prepare(root: Path, matrix: Matrix) -> None:
         saved.write_text(yaml.safe_dump(matrix.raw, sort_keys=False))
 
 
+def saved_matrix(root: Path) -> Matrix:
+    """The matrix `marl matrix` recorded in DIR."""
+    saved = root / "matrix.yaml"
+    if not saved.is_file():
+        raise SpecError(f"{root}: no matrix.yaml; pass the --out directory of `marl matrix`")
+    return load_matrix(yaml.safe_load(saved.read_text()))
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def load_curves(root: Path, matrix: Matrix) -> dict[Cell, Curve | None]:
+    """The curve of every done cell (cells not done are left out)."""
+    return {
+        cell: curve(read_metrics(cell_dir(root, cell) / "metrics.jsonl"))
+        for cell in matrix.cells
+        if cell_done(root, cell)
+    }
+
+
+def write_report(
+    root: Path, out_dir: Path | None = None, chi2: str = "chi2_token"
+) -> dict[str, Path]:
+    """Every table and figure of `marl matrix report` (marl/matrix_report.py)."""
+    from marl.matrix_report import write_report as write
+
+    return write(root, out_dir, chi2)
+
+
 def status_lines(root: Path, matrix: Matrix) -> list[str]:
-    """One line per cell: done / partial / pending, its last step and validation accuracy."""
+    """One line per cell: done / partial / pending, its last step and validation accuracy;
+    then one per Table 3 evaluation."""
     lines = []
     for cell in matrix.cells:
         d = cell_dir(root, cell)
@@ -217,7 +397,18 @@ def status_lines(root: Path, matrix: Matrix) -> list[str]:
         last = f"step {rows[-1]['step']}/{cell.spec.train.steps}" if rows else ""
         acc = f"val {vals[-1]['val/accuracy']:.3f}" if vals else ""
         lines.append(f"{cell.name:<40} {state:<9} {last:<12} {acc}".rstrip())
+    for t in matrix.transfers:
+        done = transfer_done(root, t)
+        acc = ""
+        if done:
+            result = json.loads(transfer_path(root, t).read_text())
+            acc = f"val {result['val/accuracy']:.3f}" if "val/accuracy" in result else ""
+        name = f"table3/{t.name}"
+        lines.append(f"{name:<40} {'done' if done else 'pending':<9} {'':<12} {acc}".rstrip())
     return lines
+
+
+# ---------------------------------------------------------------- running
 
 
 def run_matrix(
@@ -227,36 +418,55 @@ def run_matrix(
     redis_url: str | None = None,
     out: TextIO = sys.stdout,
 ) -> int:
-    """Run every cell that is not done, one after another: on an embedded cluster (one per
-    model), or on the cluster whose learner is `learner` (the base-model control then needs
-    that cluster's `redis_url`). 0 when every cell succeeded."""
+    """Run every cell that is not done, one after another, then Table 3's evaluations: on an
+    embedded cluster (one per model), or on the cluster whose learner is `learner` (the
+    base-model control and Table 3 then need that cluster's `redis_url`). 0 when every cell
+    and evaluation succeeded."""
     prepare(root, matrix)
     todo = [c for c in matrix.cells if not cell_done(root, c)]
-    out.write(f"marl matrix {matrix.name}: {len(matrix.cells)} cells, "
-              f"{len(matrix.cells) - len(todo)} done, {len(todo)} to run -> {root}\n")
-    if not todo:
+    transfers = [t for t in matrix.transfers if not transfer_done(root, t)]
+    extra = f" (+{len(transfers)} Table 3 evaluations)" if transfers else ""
+    out.write(
+        f"marl matrix {matrix.name}: {len(matrix.cells)} cells, "
+        f"{len(matrix.cells) - len(todo)} done, {len(todo)} to run{extra} -> {root}\n"
+    )
+    if not todo and not transfers:
         return 0
     if learner is not None:
         if redis_url is None and any(c.kind == BASE_CONTROL for c in todo):
-            raise SpecError("--redis: the base-model control evaluates on the cluster's workers; "
-                            "pass the cluster's Redis URL with --redis, or run embedded")
+            raise SpecError(
+                "--redis: the base-model control evaluates on the cluster's workers; "
+                "pass the cluster's Redis URL with --redis, or run embedded"
+            )
         failed = _run_cells(todo, root, matrix, learner, redis_url, out)
+        if redis_url is None:
+            if transfers:
+                out.write("Table 3 skipped: it evaluates on the cluster's workers; pass --redis\n")
+        else:
+            failed += _run_transfers(transfers, root, redis_url, out)
         return 1 if failed else 0
     from marl.launcher import Cluster
 
     failed = 0
-    for model in dict.fromkeys(c.model for c in todo):
+    for model in dict.fromkeys(c.model for c in matrix.cells):
         cells = [c for c in todo if c.model == model]
-        spec = cells[0].spec
+        mine = [t for t in transfers if t.model == model]
+        if not cells and not mine:
+            continue
+        specs = [c.spec for c in cells] or [t.spec for t in mine]
         started = time.monotonic()
-        cluster = Cluster(root / "cluster", spec.model.path, engine=_engine(spec),
-                          max_lora_rank=max(c.spec.lora.rank for c in cells),
-                          max_loras=max(adapter_versions_in_flight(c.spec) for c in cells))
+        cluster = Cluster(
+            root / "cluster", specs[0].model.path, engine=_engine(specs[0]),
+            max_lora_rank=max(s.lora.rank for s in specs),
+            # Table 3 serves two adapters at once (SA-RL's and the base model's zeros)
+            max_loras=max([2] + [adapter_versions_in_flight(s) for s in specs]),
+        )  # fmt: skip
         endpoints = cluster.start()
         out.write(f"cluster up in {time.monotonic() - started:.0f}s (model {model})\n")
         try:
-            failed += _run_cells(cells, root, matrix, endpoints["learner"],
-                                 str(endpoints["redis"]), out)
+            url = str(endpoints["redis"])
+            failed += _run_cells(cells, root, matrix, endpoints["learner"], url, out)
+            failed += _run_transfers(mine, root, url, out)
         finally:
             cluster.stop()
     return 1 if failed else 0
@@ -270,10 +480,14 @@ def _engine(spec: RunSpec) -> str:
     return "vllm" if vllm_available() else "transformers"
 
 
-def _run_cells(cells: list[Cell], root: Path, matrix: Matrix, learner: str,
-               redis_url: str | None, out: TextIO) -> int:
+def _run_cells(
+    cells: list[Cell], root: Path, matrix: Matrix, learner: str, redis_url: str | None,
+    out: TextIO,
+) -> int:  # fmt: skip
     from marl.clients.runs import RunsClient
 
+    if not cells:
+        return 0
     failed = 0
     total = len(matrix.cells)
     with RunsClient(learner) as runs:
@@ -298,8 +512,8 @@ def _run_cells(cells: list[Cell], root: Path, matrix: Matrix, learner: str,
             if state != "SUCCEEDED":
                 failed += 1
             rows = read_metrics(d / "metrics.jsonl") if (d / "metrics.jsonl").is_file() else []
-            vals = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
-            peak = f", peak val {max(vals):.3f}" if vals else ""
+            c = curve(rows)
+            peak = f", peak val {c.peak:.3f}" if c is not None else ""
             error = f": {info['error']}" if info.get("error") and state != "SUCCEEDED" else ""
             out.write(f"{state} in {seconds:.0f}s{peak}{error}\n")
             out.flush()
@@ -309,7 +523,6 @@ def _run_cells(cells: list[Cell], root: Path, matrix: Matrix, learner: str,
 def _run_base(cell: Cell, d: Path, redis_url: str) -> tuple[str, dict[str, Any]]:
     from marl.config import dump_spec
     from marl.evaluate import AdapterSource, evaluate_sync
-    from marl.workflows.routing import policy_of_role
 
     (d / "run.yaml").write_text(dump_spec(cell.spec))
     routing = {role: AdapterSource(None) for role in policy_of_role(cell.spec)}
@@ -339,8 +552,9 @@ def _live_run(runs: Any, d: Path) -> str | None:
     return str(run_id) if run.state in ("QUEUED", "RUNNING", "SUCCEEDED") else None
 
 
-def _run_training(cell: Cell, runs: Any, out: TextIO, root: Path,
-                  adopted: str | None) -> tuple[str, dict[str, Any]]:
+def _run_training(
+    cell: Cell, runs: Any, out: TextIO, root: Path, adopted: str | None
+) -> tuple[str, dict[str, Any]]:
     run_id = adopted or runs.submit(cell.spec)
     _mark(root, cell, "RUNNING", run_id=run_id)
     out.write(f"run {run_id}{' (resumed following it)' if adopted else ''} ")
@@ -357,182 +571,42 @@ def _run_training(cell: Cell, runs: Any, out: TextIO, root: Path,
     return run.state, {"run_id": run_id, "error": run.error}
 
 
-# ---------------------------------------------------------------- Table 1
+def _run_transfers(transfers: list[Transfer], root: Path, redis_url: str, out: TextIO) -> int:
+    """Table 3's evaluations whose SA-RL cell is done; 1 per one that failed."""
+    from marl.evaluate import evaluate_sync, generator_transfer, solver_role
 
-
-@dataclass(frozen=True)
-class Curve:
-    """The validation-accuracy curve of one run and what Table 1 reads off it."""
-
-    steps: list[int]
-    accuracy: list[float]
-    alarms: list[str]
-
-    @property
-    def peak(self) -> float:
-        return max(self.accuracy)
-
-    @property
-    def peak_step(self) -> int:
-        """The first step at which the peak was reached."""
-        return self.steps[self.accuracy.index(self.peak)]
-
-    @property
-    def final(self) -> float:
-        return self.accuracy[-1]
-
-    @property
-    def cliff(self) -> float:
-        """Final minus peak: 0 when the run ended at its best, negative after a cliff."""
-        return self.final - self.peak
-
-
-def curve(rows: list[dict[str, Any]]) -> Curve | None:
-    """The curve of a run's metrics rows (None when it never validated). A step logged
-    twice (a run resumed after a rollback) counts with its last value."""
-    by_step: dict[int, float] = {}
-    alarms: list[str] = []
-    for r in rows:
-        if r.get("val/accuracy") is not None:
-            by_step[int(r["step"])] = float(r["val/accuracy"])
-        alarms += [f"step {r['step']}: {a}" for a in r.get("alarms") or []]
-        if r.get("guard"):
-            alarms.append(f"step {r['step']}: guard {r['guard']}")
-    if not by_step:
-        return None
-    steps = sorted(by_step)
-    return Curve(steps, [by_step[s] for s in steps], list(dict.fromkeys(alarms)))
-
-
-COLUMNS = (
-    "task", "model", "seed", "workflow", "base", "sa_rl", "ip_peak", "sp_peak",
-    "ip_residual", "sp_residual", "ip_final", "sp_final", "ip_cliff", "sp_cliff",
-    "ip_peak_step", "sp_peak_step", "ip_alarms", "sp_alarms",
-)
-POLICY_COLUMN = {"isolated": "ip", "shared": "sp"}
-
-
-def table_rows(curves: dict[Cell, Curve | None]) -> list[dict[str, Any]]:
-    """Table 1: one row per (task, model, seed, workflow): the base and SA-RL controls, IP and
-    SP peak accuracy, their residuals against SA-RL (peak - SA-RL peak), final accuracy, cliff
-    depth (final - peak), step of the peak and alarms. Missing cells leave blanks."""
-    rows: dict[tuple[str, str, int, str], dict[str, Any]] = {}
-    controls: dict[tuple[str, str, int], dict[str, float]] = {}
-    for cell, c in curves.items():
-        if cell.kind != "run" and c is not None:
-            # the base control is its single evaluation; SA-RL is read at its peak
-            controls.setdefault((cell.task, cell.model, cell.seed), {})[cell.kind] = (
-                c.final if cell.kind == BASE_CONTROL else c.peak)
-    for cell, c in curves.items():
-        if cell.kind != "run":
+    failed = 0
+    for t in transfers:
+        if not cell_done(root, t.sa_rl):
+            out.write(f"table3 {t.name}: skipped, the SA-RL cell {t.sa_rl.name} is not done\n")
             continue
-        key = (cell.task, cell.model, cell.seed, cell.workflow)
-        ctl = controls.get(key[:3], {})
-        row = rows.setdefault(key, {
-            "task": cell.task, "model": cell.model, "seed": cell.seed,
-            "workflow": cell.workflow, "base": ctl.get(BASE_CONTROL),
-            "sa_rl": ctl.get(SA_RL_CONTROL),
-        })
-        p = POLICY_COLUMN.get(cell.policy)
-        if p is None or c is None:
+        started = time.monotonic()
+        out.write(f"table3 {t.name}: ")
+        out.flush()
+        sa_dir = cell_dir(root, t.sa_rl)
+        routing = generator_transfer(t.spec, sa_dir, "latest")
+        metrics = evaluate_sync(t.spec, routing, redis_url)
+        seconds = time.monotonic() - started
+        if metrics["val/episode_errors"] == metrics["val/problems"]:
+            failed += 1
+            out.write(f"FAILED: every episode failed: {metrics['val/first_episode_error']}\n")
             continue
-        row[f"{p}_peak"] = c.peak
-        row[f"{p}_final"] = c.final
-        row[f"{p}_cliff"] = c.cliff
-        row[f"{p}_peak_step"] = c.peak_step
-        row[f"{p}_alarms"] = c.alarms
-        if row["sa_rl"] is not None:
-            row[f"{p}_residual"] = c.peak - row["sa_rl"]
-    return [{k: row.get(k) for k in COLUMNS} for row in rows.values()]
-
-
-def load_curves(root: Path, matrix: Matrix) -> dict[Cell, Curve | None]:
-    """The curve of every done cell (cells not done are left out)."""
-    return {
-        cell: curve(read_metrics(cell_dir(root, cell) / "metrics.jsonl"))
-        for cell in matrix.cells if cell_done(root, cell)
-    }
-
-
-def _fmt(key: str, v: Any, markdown: bool) -> str:
-    if v is None:
-        return "" if not markdown else "–"
-    if key.endswith("alarms"):
-        if markdown:
-            return f"{len(v)}: " + "; ".join(v[:3]) + (" …" if len(v) > 3 else "") if v else "0"
-        return " | ".join(v)
-    if isinstance(v, float):
-        sign = "+" if key.endswith(("residual", "cliff")) and v > 0 else ""
-        return f"{sign}{v:.3f}" if markdown else repr(v)
-    return str(v)
-
-
-HEADERS = {
-    "base": "Base", "sa_rl": "SA-RL", "ip_peak": "IP peak", "sp_peak": "SP peak",
-    "ip_residual": "IP − SA-RL", "sp_residual": "SP − SA-RL", "ip_final": "IP final",
-    "sp_final": "SP final", "ip_cliff": "IP cliff", "sp_cliff": "SP cliff",
-    "ip_peak_step": "IP peak step", "sp_peak_step": "SP peak step",
-    "ip_alarms": "IP alarms", "sp_alarms": "SP alarms",
-}
-
-
-def markdown_table(rows: list[dict[str, Any]]) -> str:
-    head = [HEADERS.get(k, k) for k in COLUMNS]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for row in rows:
-        lines.append("| " + " | ".join(_fmt(k, row[k], True) for k in COLUMNS) + " |")
-    return "\n".join(lines)
-
-
-def write_report(root: Path, out_dir: Path | None = None) -> dict[str, Path]:
-    """Table 1 (table1.md, table1.csv) and Fig. 3 (fig3.png) of the matrix in `root`."""
-    saved = root / "matrix.yaml"
-    if not saved.is_file():
-        raise SpecError(f"{root}: no matrix.yaml; pass the --out directory of `marl matrix`")
-    matrix = load_matrix(yaml.safe_load(saved.read_text()))
-    out_dir = out_dir or root / "report"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rows = table_rows(load_curves(root, matrix))
-    done = sum(cell_done(root, c) for c in matrix.cells)
-    md = out_dir / "table1.md"
-    md.write_text(
-        f"# {matrix.name}: Table 1 ({done}/{len(matrix.cells)} cells done)\n\n"
-        "Peak validation accuracy; residual = peak − SA-RL peak; cliff = final − peak; "
-        "IP = isolated policies, SP = shared policy.\n\n" + markdown_table(rows) + "\n"
-    )
-    csv_path = out_dir / "table1.csv"
-    with csv_path.open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(COLUMNS)
-        for row in rows:
-            writer.writerow([_fmt(k, row[k], False) for k in COLUMNS])
-    png = out_dir / "fig3.png"
-    plot_scatter(rows, png)
-    return {"markdown": md, "csv": csv_path, "png": png}
-
-
-def plot_scatter(rows: list[dict[str, Any]], path: Path) -> None:
-    """Fig. 3: IP vs. SP peak accuracy per cell, with the diagonal (IP = SP)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5.2, 5.0))
-    pts = [r for r in rows if r["ip_peak"] is not None and r["sp_peak"] is not None]
-    vals = [v for r in pts for v in (r["ip_peak"], r["sp_peak"])] or [0.0, 1.0]
-    lo, hi = max(0.0, min(vals) - 0.05), min(1.0, max(vals) + 0.05)
-    ax.plot([lo, hi], [lo, hi], color="0.6", lw=1, ls="--", label="IP = SP")
-    for r in pts:
-        ax.scatter(r["sp_peak"], r["ip_peak"], s=36, clip_on=False)
-        ax.annotate(f"{r['workflow']} / {r['task']}", (r["sp_peak"], r["ip_peak"]),
-                    textcoords="offset points", xytext=(4, 4), fontsize=8)
-    ax.set_xlim(lo, hi)
-    ax.set_ylim(lo, hi)
-    ax.set_xlabel("SP peak validation accuracy")
-    ax.set_ylabel("IP peak validation accuracy")
-    ax.set_title("IP vs. SP per cell (above the diagonal: IP better)")
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        sa = json.loads((sa_dir / "cell.json").read_text())
+        role = solver_role(t.spec)
+        assert role is not None
+        step = routing[role].step
+        sa_vals = {
+            int(r["step"]): r["val/accuracy"]
+            for r in read_metrics(sa_dir / "metrics.jsonl")
+            if "val/accuracy" in r
+        }
+        _write_json(transfer_path(root, t), {
+            "task": t.task, "model": t.model, "seed": t.seed, "workflow": t.workflow,
+            "role": role, "sa_rl_cell": t.sa_rl.name, "sa_rl_run_id": sa.get("run_id"),
+            "checkpoint": f"step_{step:06d}", "sa_rl_final": sa_vals.get(step),
+            "routing": {role: s.label for role, s in routing.items()},
+            "seconds": round(seconds, 1), **metrics,
+        })  # fmt: skip
+        out.write(f"val {metrics['val/accuracy']:.3f} in {seconds:.0f}s\n")
+        out.flush()
+    return failed
