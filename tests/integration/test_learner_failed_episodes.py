@@ -71,7 +71,7 @@ def aggregator_cap(model_dir: Path, raw: dict) -> int:
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return len(tok.encode(str(text), add_special_tokens=False))
 
-    empty = max(length(prompts.aggregator(p, ["", "", ""])) for p in problems)
+    empty = max(length(prompts.selector(p, ["", "", ""])) for p in problems)
     return empty + 14
 
 
