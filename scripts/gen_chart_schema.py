@@ -23,6 +23,7 @@ from marl.service_config import MODELS  # noqa: E402
 
 OUT = ROOT / "deploy" / "helm" / "values.schema.json"
 
+DURATION = r"^([0-9]+(\.[0-9]+)?(ns|us|ms|s|m|h))+$"
 QUANTITY = {"type": ["string", "number"], "pattern": r"^[0-9.]+([eE][0-9]+|[mkKMGTPE]i?)?$"}
 
 
@@ -110,14 +111,34 @@ def hpa(desc: str) -> dict[str, Any]:
     )
 
 
+def keda_scaling(desc: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """A KEDA ScaledObject's knobs: `extra` (its trigger's) plus the replica bounds."""
+    return obj(
+        {
+            "enabled": boolean("Scale with a KEDA ScaledObject instead."),
+            **extra,
+            "minReplicaCount": integer("Fewest replicas."),
+            "maxReplicaCount": integer("Most replicas.", 1),
+            "pollingInterval": integer("Seconds between checks.", 1),
+            "cooldownPeriod": integer("Seconds before scaling to the minimum."),
+            "query": string("PromQL in place of the chart's (prometheus triggers)."),
+        },
+        desc,
+    )
+
+
 def build() -> dict[str, Any]:
     inference = obj(
         {
-            "replicas": integer("Inference replicas."),
+            "replicas": integer("Inference replicas (when keda is off)."),
             "image": IMAGE,
             "gpu": integer("nvidia.com/gpu per replica; 0 = CPU."),
             "resources": RESOURCES,
             "startupSeconds": integer("Seconds a replica may take to load its model.", 10),
+            "keda": keda_scaling(
+                "KEDA scaling on generation requests in flight (Prometheus).",
+                {"requestsPerReplica": integer("Requests in flight per replica.", 1)},
+            ),
             "config": config_schema("inference"),
             **SCHEDULING,
         },
@@ -130,18 +151,19 @@ def build() -> dict[str, Any]:
             "resources": RESOURCES,
             "config": config_schema("workflow"),
             "autoscaling": hpa("CPU autoscaling (ignored when keda.enabled)."),
-            "keda": obj(
+            "keda": keda_scaling(
+                "KEDA scaling on the tasks stream's backlog.",
                 {
-                    "enabled": boolean("Scale on the tasks stream's lag with a KEDA ScaledObject."),
-                    "lagCount": integer("Waiting tasks per replica.", 1),
-                    "minReplicaCount": integer("Fewest replicas."),
-                    "maxReplicaCount": integer("Most replicas.", 1),
-                    "pollingInterval": integer("Seconds between lag checks.", 1),
-                    "cooldownPeriod": integer("Seconds before scaling to the minimum."),
+                    "trigger": {
+                        "enum": ["auto", "prometheus", "redis-streams"],
+                        "description": "prometheus: marl_stream_lag (marl's count); "
+                        "redis-streams: XINFO GROUPS lag (NULL after deletions on Redis 7); "
+                        "auto: prometheus when prometheus.serverAddress is set.",
+                    },
+                    "lagCount": integer("Backlog per replica.", 1),
                     "operatorNamespace": string("KEDA operator's namespace (admitted to Redis)."),
                     "redisAddress": string("host:port KEDA polls; empty = the in-release Redis."),
                 },
-                "KEDA scaling on Redis stream lag.",
             ),
             **SCHEDULING,
         },
@@ -246,6 +268,55 @@ def build() -> dict[str, Any]:
                     ),
                     "existingSecret": string("Existing Secret with key `token`."),
                 }
+            ),
+            "tls": obj(
+                {
+                    "enabled": boolean("TLS for every service and Redis; clients verify."),
+                    "existingSecret": string("Secret with tls.crt, tls.key, ca.crt."),
+                    "sandboxExistingSecret": string("The sandbox's own Secret."),
+                    "serverName": string("Name checked for servers dialled at an IP."),
+                    "extraDnsNames": {
+                        "type": "array",
+                        "items": {"type": "string", "minLength": 1},
+                        "description": "More DNS names for the shared certificate.",
+                    },
+                    "certManager": obj(
+                        {
+                            "enabled": boolean("Have cert-manager issue the Secrets."),
+                            "issuerRef": obj(
+                                {
+                                    "name": string("Issuer name."),
+                                    "kind": {
+                                        "enum": ["Issuer", "ClusterIssuer"],
+                                        "description": "Issuer kind.",
+                                    },
+                                    "group": string("Issuer API group.", minLength=1),
+                                }
+                            ),
+                            "duration": string(
+                                "Certificate lifetime (Go duration).", pattern=DURATION
+                            ),
+                            "renewBefore": string("Renewal lead (Go duration).", pattern=DURATION),
+                        }
+                    ),
+                },
+                "TLS between every component.",
+            ),
+            "prometheus": obj(
+                {
+                    "serverAddress": string(
+                        "Prometheus URL the KEDA prometheus triggers query.",
+                        pattern=r"^$|^https?://",
+                    ),
+                    "namespace": string("Prometheus's namespace, admitted to /metrics ports."),
+                    "podMonitor": obj(
+                        {
+                            "enabled": boolean("PodMonitors for workflow and inference."),
+                            "interval": string("Scrape interval.", pattern=DURATION),
+                        }
+                    ),
+                },
+                "Prometheus: where KEDA queries it, and how it reaches the pods.",
             ),
             "networkPolicy": obj({"enabled": boolean("NetworkPolicies for every component.")}),
             "models": obj({"existingClaim": string("PVC with base models, mounted at /models.")}),

@@ -56,13 +56,16 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- end }}
 
 {{/* The Redis URL a service uses; $(MARL_AUTH_TOKEN) is expanded by the kubelet from the env var set before it. */}}
+{{/* With TLS: rediss://, verified against the mounted CA (redis-py reads ssl_ca_certs from the URL). */}}
 {{- define "marl.redisUrl" -}}
 {{- if .Values.redis.enabled }}
 {{- $host := printf "%s-redis" (include "marl.fullname" .) }}
+{{- $scheme := ternary "rediss" "redis" .Values.tls.enabled }}
+{{- $query := ternary "?ssl_ca_certs=/etc/marl-tls/ca.crt" "" .Values.tls.enabled }}
 {{- if include "marl.authEnabled" . }}
-{{- printf "redis://:$(MARL_AUTH_TOKEN)@%s:6379/0" $host }}
+{{- printf "%s://:$(MARL_AUTH_TOKEN)@%s:6379/0%s" $scheme $host $query }}
 {{- else }}
-{{- printf "redis://%s:6379/0" $host }}
+{{- printf "%s://%s:6379/0%s" $scheme $host $query }}
 {{- end }}
 {{- else }}
 {{- required "redis.external.url is required when redis.enabled is false" .Values.redis.external.url }}
@@ -108,15 +111,6 @@ capabilities:
   drop: [ALL]
 seccompProfile:
   type: RuntimeDefault
-{{- end }}
-
-{{/* A gRPC health probe on the service's port (kubelet's native gRPC probe, GA in 1.27). */}}
-{{- define "marl.grpcProbe" -}}
-grpc:
-  port: {{ .port }}
-periodSeconds: {{ .period | default 10 }}
-failureThreshold: {{ .failures | default 3 }}
-timeoutSeconds: 5
 {{- end }}
 
 {{/* Scheduling knobs shared by every workload. */}}
@@ -169,4 +163,112 @@ checkov findings this chart does not follow, each with its reason (read by
 checkov.io/skip1: CKV_K8S_43=tags are pinned per release; set TAG@sha256:DIGEST to pin a digest
 checkov.io/skip2: CKV_K8S_15=release tags are immutable; Always breaks side-loaded images
 checkov.io/skip3: CKV_K8S_35=the token reaches redis-server and the Redis URL only through env
+{{- end }}
+
+{{/* ---- TLS (tls.enabled): one certificate for every pod but the sandbox, which has its own. */}}
+
+{{/* The name clients check a server dialled at an IP address against (MARL_TLS_SERVER_NAME). */}}
+{{- define "marl.tlsServerName" -}}
+{{- default (printf "%s.%s.svc" (include "marl.fullname" .) .Release.Namespace) .Values.tls.serverName }}
+{{- end }}
+
+{{/* The Secret holding tls.crt, tls.key and ca.crt for `.component` ("sandbox": its own). */}}
+{{- define "marl.tlsSecret" -}}
+{{- $root := .root }}
+{{- if eq .component "sandbox" }}
+{{- if $root.Values.tls.certManager.enabled }}
+{{- printf "%s-sandbox-tls" (include "marl.fullname" $root) }}
+{{- else }}
+{{- required "tls.sandboxExistingSecret is required with tls.existingSecret while sandbox.enabled: untrusted code can read the sandbox pod's files, so it gets a certificate of its own" $root.Values.tls.sandboxExistingSecret }}
+{{- end }}
+{{- else if $root.Values.tls.certManager.enabled }}
+{{- printf "%s-tls" (include "marl.fullname" $root) }}
+{{- else }}
+{{- required "tls.enabled needs tls.existingSecret (tls.crt, tls.key, ca.crt) or tls.certManager.enabled" $root.Values.tls.existingSecret }}
+{{- end }}
+{{- end }}
+
+{{/* DNS names a certificate holds: each component's Service in every form, and localhost. */}}
+{{- define "marl.tlsDnsNames" -}}
+{{- $root := .root }}
+{{- range .components }}
+{{- $svc := printf "%s-%s" (include "marl.fullname" $root) . }}
+- {{ $svc }}
+- {{ $svc }}.{{ $root.Release.Namespace }}
+- {{ $svc }}.{{ $root.Release.Namespace }}.svc
+- {{ $svc }}.{{ $root.Release.Namespace }}.svc.cluster.local
+{{- end }}
+- localhost
+{{- end }}
+
+{{/* MARL_TLS_* for a marl service: its certificate and key (it serves TLS only), and for
+every client but the sandbox (which calls no one) the CA to verify servers with and the name
+to check a server dialled at its IP against. */}}
+{{- define "marl.tlsEnv" -}}
+{{- if .root.Values.tls.enabled }}
+- name: MARL_TLS_CERT
+  value: /etc/marl-tls/tls.crt
+- name: MARL_TLS_KEY
+  value: /etc/marl-tls/tls.key
+{{- if ne .component "sandbox" }}
+- name: MARL_TLS_CA
+  value: /etc/marl-tls/ca.crt
+- name: MARL_TLS_SERVER_NAME
+  value: {{ include "marl.tlsServerName" .root | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "marl.tlsMount" -}}
+{{- if .Values.tls.enabled }}
+- {name: tls, mountPath: /etc/marl-tls, readOnly: true}
+{{- end }}
+{{- end }}
+
+{{- define "marl.tlsVolume" -}}
+{{- if .root.Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ include "marl.tlsSecret" . }}
+    defaultMode: 0440
+{{- end }}
+{{- end }}
+
+{{/* A health probe on a marl service's gRPC port: the kubelet's native gRPC probe, or with
+TLS (which that probe cannot speak) a short Python check of the same health service over
+TLS, verifying the pod's certificate for `name` against the CA. */}}
+{{- define "marl.probe" -}}
+{{- if .root.Values.tls.enabled }}
+{{- $script := printf `import sys, grpc
+from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g
+ca = grpc.ssl_channel_credentials(open("/etc/marl-tls/ca.crt", "rb").read())
+c = grpc.secure_channel("127.0.0.1:%d", ca, options=[("grpc.ssl_target_name_override", "%s")])
+sys.exit(g.HealthStub(c).Check(h.HealthCheckRequest(), timeout=4).status != h.HealthCheckResponse.SERVING)
+` (int .port) .name }}
+exec:
+  command: ["python", "-c", {{ $script | toJson }}]
+{{- else }}
+grpc:
+  port: {{ .port }}
+{{- end }}
+periodSeconds: {{ .period | default 10 }}
+failureThreshold: {{ .failures | default 3 }}
+timeoutSeconds: 5
+{{- end }}
+
+{{/* ---- Prometheus: pods that serve /metrics (their http_port) say so. */}}
+{{- define "marl.scrapeAnnotations" -}}
+{{- if .port }}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ .port | quote }}
+prometheus.io/path: /metrics
+prometheus.io/scheme: {{ ternary "https" "http" .root.Values.tls.enabled }}
+{{- end }}
+{{- end }}
+
+{{/* Label matchers that pick this release's pods of `component` in Prometheus: the
+namespace, and the pod labels a pod scrape carries over as app_kubernetes_io_* (the
+prometheus-community chart's kubernetes-pods job, and this chart's PodMonitor). */}}
+{{- define "marl.promSelector" -}}
+namespace="{{ .root.Release.Namespace }}",app_kubernetes_io_instance="{{ .root.Release.Name }}",app_kubernetes_io_component="{{ .component }}"
 {{- end }}
