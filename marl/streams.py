@@ -7,10 +7,25 @@ within seconds, while a slow but live consumer keeps its entries however long
 it works on them. `claim_stale` (XAUTOCLAIM) is the last resort for a consumer
 that is alive but hung: entries idle longer than `claim_idle_s` move on. An
 entry whose handler failed is `release`d to a pseudo-consumer nobody heartbeats
-for, so it is retried after a short pause. An entry delivered more than
-`max_deliveries` times goes to a dead-letter stream instead of looping forever.
-Streams are never trimmed past unacknowledged entries: producers apply
-backpressure by checking lag.
+for, so it is retried after a short pause. Streams are never trimmed past
+unacknowledged entries: producers apply backpressure by checking lag.
+
+Dead-lettering counts deliveries honestly: an entry goes to a dead-letter stream for
+failing, not for outliving its consumers. A delivery counts toward `max_deliveries`
+when its handler failed (`release`) or hung (`claim_stale`); a delivery whose consumer
+died holding it (`claim_dead` from a consumer whose heartbeat lapsed) or handed it back
+on a clean stop (`hand_back`) is *excused*: Redis's own delivery counter counts it, the
+entry's delivery record (`delivery_key`) subtracts it. So worker churn (pods killed,
+scaled down, rescheduled) never dead-letters healthy work.
+
+A poison entry, one that kills every consumer it reaches (a segfault, an OOM kill), is
+still caught: each death of a consumer holding an entry counts in its record as a
+`holder death`, and an entry whose holders died `MAX_HOLDER_DEATHS` times is
+dead-lettered when the last death is noticed. The poison entry's companions (the other
+entries those consumers held) count the same deaths, so once an entry has lost a holder
+it is a *suspect*: `claim_dead` takes at most one suspect per call, which spreads
+suspects over consumers and claims, and a companion then rarely shares another death
+with the poison entry, while that one keeps killing whoever takes it.
 """
 
 from __future__ import annotations
@@ -36,6 +51,16 @@ DEAD_LETTERED = "dead-lettered"
 """How the `error` of the rollout a dead-lettered task's run gets instead begins."""
 RETRY_CONSUMER = "marl-retry"
 """Pseudo-consumer that holds released entries (whose handler failed) until one is claimed."""
+HANDBACK_CONSUMER = "marl-handback"
+"""Pseudo-consumer that holds the entries a consumer handed back on a clean stop: claimed at
+once by another, the delivery excused."""
+MAX_HOLDER_DEATHS = 5
+"""Deaths of consumers holding one entry (heartbeat lapsed while it was pending with them)
+after which the entry is dead-lettered as a poison entry: one that kills whatever runs it.
+Under churn a healthy entry loses a holder rarely twice (suspects are spread, see above)."""
+DELIVERY_RECORD_TTL_S = 7 * 24 * 3600
+"""How long an entry's delivery record outlives its last excused delivery (it is deleted
+when the entry is dead-lettered; one that finishes leaves it to expire)."""
 
 
 def alive_key(consumer: str) -> str:
@@ -80,6 +105,55 @@ class Entry:
     id: str
     data: dict[str, Any]
     deliveries: int = 1
+    """Times delivered, this delivery included (Redis's counter)."""
+    excused: int = 0
+    """Of them, deliveries whose consumer died holding the entry or handed it back."""
+    holder_deaths: int = 0
+    """Consumers that died (heartbeat lapsed) holding the entry."""
+
+    @property
+    def charged(self) -> int:
+        """Deliveries that count toward `max_deliveries`: the failed or hung ones, and this."""
+        return self.deliveries - self.excused
+
+    def why_dead(self) -> str:
+        """Why it was dead-lettered, in words: its deliveries, and its holders' deaths."""
+        why = f"after {self.deliveries} deliveries"
+        if self.holder_deaths >= MAX_HOLDER_DEATHS:
+            why += f": {self.holder_deaths} consumers died holding it (a poison entry?)"
+        return why
+
+
+def delivery_key(stream: str, entry_id: str) -> str:
+    """The hash of an entry's excused deliveries and holder deaths (see the module doc)."""
+    return f"{stream}:delivery:{entry_id}"
+
+
+async def _delivery_records(
+    r: aioredis.Redis, stream: str, entry_ids: list[str]
+) -> dict[str, tuple[int, int]]:
+    """entry id -> (excused deliveries, holder deaths) so far."""
+    if not entry_ids:
+        return {}
+    async with r.pipeline(transaction=False) as pipe:
+        for entry_id in entry_ids:
+            pipe.hmget(delivery_key(stream, entry_id), ["excused", "deaths"])
+        got = await pipe.execute()
+    return {i: (int(e or 0), int(d or 0)) for i, (e, d) in zip(entry_ids, got, strict=True)}
+
+
+async def _excuse(r: aioredis.Redis, stream: str, entry_ids: list[str], died: bool) -> None:
+    """Count a delivery of each entry as excused (and, if `died`, a holder death)."""
+    if not entry_ids:
+        return
+    async with r.pipeline(transaction=False) as pipe:
+        for entry_id in entry_ids:
+            key = delivery_key(stream, entry_id)
+            pipe.hincrby(key, "excused", 1)
+            if died:
+                pipe.hincrby(key, "deaths", 1)
+            pipe.expire(key, DELIVERY_RECORD_TTL_S)
+        await pipe.execute()
 
 
 async def ensure_group(r: aioredis.Redis, stream: str, group: str) -> bool:
@@ -178,9 +252,25 @@ async def forget(r: aioredis.Redis, consumer: str) -> None:
 
 async def release(r: aioredis.Redis, stream: str, group: str, entry_id: str) -> None:
     """Hand an entry whose handler failed to the retry pseudo-consumer (a consumer no one
-    heartbeats for), so `claim_dead` retries it anywhere after its `min_idle_ms`."""
+    heartbeats for), so `claim_dead` retries it anywhere after its `min_idle_ms`. The
+    delivery counts toward `max_deliveries`."""
     await r.xclaim(stream, group, RETRY_CONSUMER, min_idle_time=0, message_ids=[entry_id],
                    justid=True)
+
+
+async def hand_back(r: aioredis.Redis, stream: str, group: str, consumer: str) -> int:
+    """A consumer stopping cleanly hands back what it still holds: to the hand-back
+    pseudo-consumer, claimable at once and with the delivery excused. How many."""
+    pending: Any = await r.xpending_range(
+        stream, group, min="-", max="+", count=10_000, consumername=consumer
+    )
+    ids = [p["message_id"] for p in pending]
+    if not ids:
+        return 0
+    await _excuse(r, stream, ids, died=False)
+    await r.xclaim(stream, group, HANDBACK_CONSUMER, min_idle_time=0, message_ids=ids,
+                   justid=True)
+    return len(ids)
 
 
 DeadLetter = Callable[[Entry], Awaitable[None]]
@@ -191,11 +281,13 @@ async def _dead_letter(
 ) -> None:
     await r.xadd(
         dead_letter_stream(stream),
-        {"json": json.dumps(entry.data), "source_id": entry.id, "deliveries": entry.deliveries},
+        {"json": json.dumps(entry.data), "source_id": entry.id, "deliveries": entry.deliveries,
+         "excused": entry.excused, "holder_deaths": entry.holder_deaths},
     )
     if on_dead is not None:
         await on_dead(entry)
     await r.xack(stream, group, entry.id)
+    await r.delete(delivery_key(stream, entry.id))
 
 
 async def claim_dead(
@@ -212,8 +304,11 @@ async def claim_dead(
 
     `min_idle_ms` keeps two claimers from taking one entry (XCLAIM resets the idle time,
     so the second finds it too fresh) and is the pause before a released entry is
-    retried. Entries delivered more than `max_deliveries` times are dead-lettered
-    (`on_dead` runs first, e.g. to tell the producer) instead of returned.
+    retried. An entry taken from a consumer that died has that delivery excused and one
+    more holder death; at most one entry that had lost a holder before (a suspect) is
+    taken per call. Entries charged more than `max_deliveries` deliveries, or whose
+    holders died `MAX_HOLDER_DEATHS` times, are dead-lettered (`on_dead` runs first, e.g.
+    to tell the producer) instead of returned (see the module doc).
     """
     try:
         summary: Any = await r.xpending(stream, group)
@@ -226,6 +321,7 @@ async def claim_dead(
         return []
     alive = await r.mget([alive_key(o) for o in owners])
     out: list[Entry] = []
+    suspect_taken = False
     for owner, beating in zip(owners, alive, strict=True):
         if beating is not None or len(out) >= count:
             continue
@@ -236,10 +332,21 @@ async def claim_dead(
         if not pending:
             continue
         ids = [p["message_id"] for p in pending]
+        records = await _delivery_records(r, stream, ids)
+        suspects = [i for i in ids if records[i][1] > 0]
+        if suspects:  # one suspect a call, spread over consumers (see the module doc)
+            keep = set() if suspect_taken else {suspects[0]}
+            ids = [i for i in ids if records[i][1] == 0 or i in keep]
+            suspect_taken = suspect_taken or bool(keep)
+        if not ids:
+            continue
         deliveries = {p["message_id"]: int(p["times_delivered"]) + 1 for p in pending}
         claimed: Any = await r.xclaim(
             stream, group, consumer, min_idle_time=min_idle_ms, message_ids=ids
         )
+        died = owner not in (RETRY_CONSUMER, HANDBACK_CONSUMER)
+        if died:
+            await _excuse(r, stream, [i for i, f in claimed if i is not None and f], died=True)
         got = {entry_id for entry_id, fields in claimed if entry_id is not None and fields}
         if len(got) < len(claimed):  # deleted entries (Redis < 7 keeps them pending)
             for entry_id in ids:
@@ -250,9 +357,12 @@ async def claim_dead(
                 continue
             entry = _decode(stream, entry_id, fields)
             entry.deliveries = deliveries[entry_id]
-            log.info("claimed %s from dead consumer %s (delivery %d)", entry_id, owner,
-                     entry.deliveries)
-            if entry.deliveries > max_deliveries:
+            excused, deaths = records[entry_id]
+            entry.excused, entry.holder_deaths = excused + died, deaths + died
+            log.info("claimed %s from dead consumer %s (delivery %d, %d excused, %d holder "
+                     "deaths)", entry_id, owner, entry.deliveries, entry.excused,
+                     entry.holder_deaths)
+            if entry.charged > max_deliveries or entry.holder_deaths >= MAX_HOLDER_DEATHS:
                 await _dead_letter(r, stream, group, entry, on_dead)
                 continue
             out.append(entry)
@@ -346,13 +456,15 @@ async def claim_stale(
         stream, group, min=claimed[0][0], max=claimed[-1][0], count=len(claimed)
     )
     deliveries = {p["message_id"]: int(p["times_delivered"]) for p in pending}
+    records = await _delivery_records(r, stream, [i for i, f in claimed if f])
     out: list[Entry] = []
     for entry_id, fields in claimed:
         if not fields:
             continue
         entry = _decode(stream, entry_id, fields)
         entry.deliveries = deliveries.get(entry_id, 1)
-        if entry.deliveries > max_deliveries:
+        entry.excused, entry.holder_deaths = records[entry_id]
+        if entry.charged > max_deliveries:
             await _dead_letter(r, stream, group, entry, on_dead)
             continue
         out.append(entry)

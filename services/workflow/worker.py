@@ -5,10 +5,14 @@ rollout -> XACK. A worker keeps a heartbeat key alive (`heartbeat_ttl_s`); the
 tasks of a worker whose key expired (a SIGKILLed pod) are claimed by another
 within seconds, while a slow but live worker keeps its tasks until
 `claim_idle_s` (the last resort for a hung one). A task whose handling raised is
-released and retried elsewhere; one delivered more than `max_deliveries` times
-goes to the dead-letter stream, and its run gets a rollout with `error` set
+released and retried elsewhere; one that failed `max_deliveries` times goes to
+the dead-letter stream, and its run gets a rollout with `error` set
 ("dead-lettered ...") so the learner reports it and the step does not wait for
-it. Redis errors (a restart) are logged and retried with backoff. An episode that could not run (see `could_not_run`: inference
+it. A task is dead-lettered for failing, not for outliving its workers: a delivery
+to a worker that died holding the task, or that handed it back on a clean stop,
+does not count toward `max_deliveries`; a poison task that kills every worker it
+reaches is still dead-lettered, after `streams.MAX_HOLDER_DEATHS` such deaths
+(marl/streams.py says how its companions are spared). Redis errors (a restart) are logged and retried with backoff. An episode that could not run (see `could_not_run`: inference
 unreachable, no replica, the sandbox down, a prompt over its cap) returns a
 rollout with `error` set, which the learner leaves out of training, so a step
 never waits for a task that cannot succeed. Any other exception is a bug: it
@@ -410,7 +414,7 @@ def dead_rollout(entry: streams.Entry, worker_id: str) -> Rollout:
         reward=0.0,
         worker_id=worker_id,
         seconds=0.0,
-        error=f"{streams.DEAD_LETTERED} after {entry.deliveries} deliveries",
+        error=f"{streams.DEAD_LETTERED} {entry.why_dead()}",
         facts={},
     )
 
@@ -476,7 +480,7 @@ async def work_loop(
         except (ValueError, TypeError, KeyError) as err:  # not a task: nobody waits for it
             log.error("dead-lettered entry %s is no task: %s", entry.id, err)
             return
-        log.error("task %s dead-lettered after %d deliveries", rollout.task_id, entry.deliveries)
+        log.error("task %s dead-lettered %s", rollout.task_id, entry.why_dead())
         await streams.add(r, streams.rollouts_stream(rollout.run_id), rollout.to_dict())
 
     async def taken_back(entry_id: str) -> None:
@@ -567,7 +571,13 @@ async def work_loop(
         for t in list(running):
             t.cancel()
         await cancel_until_done(background)
-        try:  # a clean stop: what this worker held is claimable at once
+        try:  # a clean stop: what this worker held is claimable at once, its delivery excused
+            await asyncio.wait_for(
+                streams.hand_back(r, streams.TASKS, streams.WORKERS_GROUP, worker_id), 2.0
+            )
+        except (TimeoutError, *REDIS_DOWN):
+            pass
+        try:
             await asyncio.wait_for(streams.forget(r, worker_id), 2.0)
         except (TimeoutError, *REDIS_DOWN):
             pass
