@@ -153,6 +153,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"{run.run_id}  {run.state}  step {run.step}/{run.total_steps}  {run.out_dir}")
         if run.error:
             print(f"error: {run.error}")
+        if run.steps_done:
+            print(
+                f"failed steps: {run.failed_steps} of {run.steps_done}  failed episodes: "
+                f"{run.failed_episodes} of {run.episodes}"
+            )
         for alarm in run.alarms:
             print(f"alarm: {alarm}")
         if run.dead_lettered:

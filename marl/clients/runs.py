@@ -70,6 +70,14 @@ class RunInfo:
     duplicate_rollouts: int = 0
     """Rollouts that arrived a second time (a task re-run after its worker died) and were
     dropped."""
+    steps_done: int = 0
+    """Training steps logged so far."""
+    failed_steps: int = 0
+    """Of them, steps that lost more than `train.max_failed_fraction` of their episodes."""
+    episodes: int = 0
+    """Training episodes gathered so far, failed ones included."""
+    failed_episodes: int = 0
+    """Of them, episodes returned failed (no replica, sandbox down, dead-lettered, ...)."""
 
     @property
     def done(self) -> bool:
@@ -90,6 +98,10 @@ class RunInfo:
             alarms=tuple(run.alarms),
             dead_lettered=run.dead_lettered,
             duplicate_rollouts=run.duplicate_rollouts,
+            steps_done=run.steps_done,
+            failed_steps=run.failed_steps,
+            episodes=run.episodes,
+            failed_episodes=run.failed_episodes,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -105,6 +117,10 @@ class RunInfo:
             "alarms": list(self.alarms),
             "dead_lettered": self.dead_lettered,
             "duplicate_rollouts": self.duplicate_rollouts,
+            "steps_done": self.steps_done,
+            "failed_steps": self.failed_steps,
+            "episodes": self.episodes,
+            "failed_episodes": self.failed_episodes,
         }
 
 

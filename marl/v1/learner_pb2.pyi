@@ -25,7 +25,7 @@ class GetRunRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class Run(_message.Message):
-    __slots__ = ("run_id", "state", "step", "total_steps", "out_dir", "error", "last_metrics_json", "created_at", "spec_yaml", "dead_lettered", "duplicate_rollouts", "alarms")
+    __slots__ = ("run_id", "state", "step", "total_steps", "out_dir", "error", "last_metrics_json", "created_at", "spec_yaml", "dead_lettered", "duplicate_rollouts", "alarms", "episodes", "failed_episodes", "failed_steps", "steps_done")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,10 @@ class Run(_message.Message):
     DEAD_LETTERED_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
     ALARMS_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_FIELD_NUMBER: _ClassVar[int]
+    FAILED_EPISODES_FIELD_NUMBER: _ClassVar[int]
+    FAILED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     state: str
     step: int
@@ -50,7 +54,11 @@ class Run(_message.Message):
     dead_lettered: int
     duplicate_rollouts: int
     alarms: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., out_dir: _Optional[str] = ..., error: _Optional[str] = ..., last_metrics_json: _Optional[str] = ..., created_at: _Optional[float] = ..., spec_yaml: _Optional[str] = ..., dead_lettered: _Optional[int] = ..., duplicate_rollouts: _Optional[int] = ..., alarms: _Optional[_Iterable[str]] = ...) -> None: ...
+    episodes: int
+    failed_episodes: int
+    failed_steps: int
+    steps_done: int
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., out_dir: _Optional[str] = ..., error: _Optional[str] = ..., last_metrics_json: _Optional[str] = ..., created_at: _Optional[float] = ..., spec_yaml: _Optional[str] = ..., dead_lettered: _Optional[int] = ..., duplicate_rollouts: _Optional[int] = ..., alarms: _Optional[_Iterable[str]] = ..., episodes: _Optional[int] = ..., failed_episodes: _Optional[int] = ..., failed_steps: _Optional[int] = ..., steps_done: _Optional[int] = ...) -> None: ...
 
 class ListRunsRequest(_message.Message):
     __slots__ = ()

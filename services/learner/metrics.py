@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 
 from marl import streams
 from marl.rollout import Rollout, mean_facts
+from services.learner.outcome import Outcome
 from services.learner.runs import RunStore
 
 
@@ -57,15 +58,18 @@ class JsonlSink:
 
 
 class RunRecordSink:
-    """The run's record in Redis: its step, last metrics and every alarm and guard action
-    so far ("step N: ..."), for GetRun and `marl status`."""
+    """The run's record in Redis: its step, last metrics, every alarm and guard action
+    so far ("step N: ...") and its failed steps and episodes (`outcome`), for GetRun and
+    `marl status`."""
 
     def __init__(self, store: RunStore, run_id: str):
         self.store = store
         self.run_id = run_id
         self.alarms: list[str] = []
+        self.outcome = Outcome()
 
     def _note(self, record: dict[str, Any]) -> None:
+        self.outcome.note(record)
         step = record["step"]
         self.alarms += [f"step {step}: {a}" for a in record.get("alarms") or []]
         if record.get("guard"):
@@ -74,9 +78,17 @@ class RunRecordSink:
     async def restore(self, records: list[dict[str, Any]]) -> None:
         """A resumed run: the alarms of the records it keeps, and none of those cut back."""
         self.alarms = []
+        self.outcome = Outcome()
         for record in records:
             self._note(record)
-        await self.store.update(self.run_id, alarms_json=json.dumps(self.alarms))
+        await self.store.update(
+            self.run_id, alarms_json=json.dumps(self.alarms), **self.outcome.fields()
+        )
+
+    async def note_unlogged(self, episodes: int, failed: int, failed_step: bool) -> None:
+        """Count a step that ends the run before it is logged."""
+        self.outcome.add(episodes, failed, failed_step)
+        await self.store.update(self.run_id, **self.outcome.fields())
 
     async def write(self, step: int, record: dict[str, Any]) -> None:
         self._note(record)
@@ -85,6 +97,7 @@ class RunRecordSink:
             step=step,
             last_metrics_json=json.dumps(record),
             alarms_json=json.dumps(self.alarms),
+            **self.outcome.fields(),
         )
 
     async def close(self) -> None:

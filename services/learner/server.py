@@ -48,6 +48,10 @@ def _run_message(d: dict[str, Any]) -> learner_pb2.Run:
         created_at=float(d.get("created_at") or 0),
         spec_yaml=d.get("spec_yaml", ""),
         alarms=json.loads(d.get("alarms_json") or "[]"),
+        episodes=int(d.get("episodes") or 0),
+        failed_episodes=int(d.get("failed_episodes") or 0),
+        failed_steps=int(d.get("failed_steps") or 0),
+        steps_done=int(d.get("steps_done") or 0),
     )
 
 

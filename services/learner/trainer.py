@@ -5,7 +5,9 @@ group_size times through the workflow with adapter version t and collects the
 rollouts; the GRPO update runs (update.py, its per-role signals in
 diagnostics.py); `AdapterSync` pushes version t+1 of every adapter to every live
 inference replica; the validator and the checkpointer act when they are due;
-the record goes to every metrics sink.
+the record goes to every metrics sink. A step that lost more than
+`train.max_failed_fraction` of its episodes is a failed step, and a run that ends with
+more than `train.max_failed_steps` of its steps failed ends FAILED (outcome.py).
 
 With `train.max_staleness` >= 1 a step with no checkpoint or validation due does not
 wait for its push and its record: it snapshots the adapters' weights and the next
@@ -58,6 +60,7 @@ from services.learner.metrics import (
     StreamSink,
     rollout_metrics,
 )
+from services.learner.outcome import step_failed
 from services.learner.runs import RunStore
 from services.learner.sampler import DataSampler
 from services.learner.staleness import drop_stale
@@ -258,7 +261,8 @@ class RunExecutor:
         pushed: asyncio.Event | None = None
         """Set once that push is acked: tasks queued meanwhile name its versions."""
         failed_steps = 0
-        """Steps in a row up to this one whose every episode failed."""
+        """Steps in a row up to this one whose every episode failed (`outcome` counts the
+        steps that lost more than train.max_failed_fraction, in a row or not)."""
 
         def submit_ahead(s: int, after: asyncio.Event | None) -> None:
             """Step `s`'s tasks with the adapter versions current now, noting the data
@@ -278,8 +282,12 @@ class RunExecutor:
                 rollouts = await self.episodes.gather(this_step)
                 t1 = time.monotonic()
                 failed = [r.error for r in rollouts if r.error is not None]
+                failed_step = step_failed(
+                    len(rollouts), len(failed), spec.train.max_failed_fraction
+                )
                 failed_steps = failed_steps + 1 if len(failed) == len(rollouts) > 0 else 0
                 if failed_steps >= FAILED_STEPS_LIMIT:
+                    await self.record.note_unlogged(len(rollouts), len(failed), failed_step)
                     raise RunFailed(
                         f"every episode of steps {step + 2 - failed_steps}-{step + 1} failed, "
                         f"so they trained nothing; the last one's error: {failed[-1]}"
@@ -307,6 +315,8 @@ class RunExecutor:
                     **role_signatures(rollouts, spec.workflow),  # what the drift alarms read
                     **result.metrics,
                     **staleness,
+                    "train/episodes": len(rollouts),
+                    "train/failed_step": int(failed_step),
                     "time/rollout_s": t1 - t0,
                     "time/rollout_flight_s": t1 - released,
                     "time/update_s": t2 - t1,
@@ -364,6 +374,9 @@ class RunExecutor:
                 await self.torch.run(trim_heap, policy)
             if finishing is not None:
                 await finishing
+            failure = self.record.outcome.verdict(spec.train)
+            if failure is not None:
+                raise RunFailed(failure)
         except RunCancelled:
             if finishing is not None:
                 await finishing  # the step it trained is logged, as a synchronous run's is
