@@ -29,29 +29,35 @@ test-vllm: ## the engine contract suite and a short `marl demo engine=vllm` (bui
 	.venv-vllm/bin/python -m pytest -m vllm -q tests/integration/test_engine_contract.py tests/integration/test_openai_http.py tests/integration/test_learner_checkpoint_vllm.py tests/e2e/test_demo_vllm.py
 
 test-e2e: setup ## marl demo end to end, SP and IP: validation accuracy +20 points, any-format +10; Eval-Opt and Orch-Workers run 2 steps (~10-14 min)
-	$(BIN)/python -m pytest -q -s -m "not vllm" tests/e2e
+	$(BIN)/python -m pytest -q -s -m "e2e and not vllm" tests
 
 test-workflows: setup ## every built-in workflow x SP/IP x math/code trains 2 steps, every service a process (slow)
-	$(BIN)/python -m pytest -q -m slow tests/integration/test_workflows_training.py
+	$(BIN)/python -m pytest -q -m "slow and workflows" tests
 
 test-learner-resume: setup ## SIGKILL the learner mid-step and mid-checkpoint-write, also under `marl up` + `marl submit`: the run resumes under its id, next steps equal an uninterrupted run's (slow, ~3 min)
-	$(BIN)/python -m pytest -q -m slow tests/integration/test_learner_resume.py
+	$(BIN)/python -m pytest -q -m "slow and resume" tests
 
 .PHONY: test-chaos
 test-chaos: setup ## SIGKILL 20 workflow workers that hold tasks during one run, then Redis (AOF) mid-run; SIGTERM the sandbox under load and inference, a worker and the learner mid-run; SIGKILL the only inference replica and start it again: the runs complete, every step has its full groups, nothing counted twice, lost or failed; workers held up past their heartbeat TTL keep their tasks; 8 workers and 2 sandboxes under 200 concurrent episodes for 2 min: no error, flat memory (~11 min)
-	$(BIN)/python -m pytest -q -s -m slow tests/integration/test_worker_kills.py tests/integration/test_redis_restart.py tests/integration/test_sigterm_drain.py tests/integration/test_slow_worker.py tests/integration/test_load.py tests/integration/test_replica_loss.py
+	$(BIN)/python -m pytest -q -s -m "slow and chaos" tests
 
 .PHONY: test-drift
 test-drift: setup ## planted role drift: sp_role_capture on a Voting-SP run paid for the generators' long form; gradient_amplification on a Voting-IP generator at 10x lr; the plain run fires nothing (~3-6 min)
-	$(BIN)/python -m pytest -q -m slow tests/integration/test_drift_planted.py
+	$(BIN)/python -m pytest -q -m "slow and drift" tests
 
 .PHONY: test-matrix
 test-matrix: setup ## marl matrix on the demo (2 workflows x SP/IP + base and SA-RL controls) killed mid-way and resumed; Table 1 vs metrics.jsonl; marl eval and marl attribute reproduce the runs' accuracies (~4 min)
-	$(BIN)/python -m pytest -q -s -m slow tests/integration/test_matrix_experiment.py
+	$(BIN)/python -m pytest -q -s -m "slow and matrix" tests
+
+SUITES := e2e or workflows or resume or drift or matrix or fuzz or chaos or images or vllm
+
+.PHONY: test-slow-other
+test-slow-other: setup ## every slow test no suite above claims (SmolLM2 if its extra is installed, Redis over TLS, the split policy, GGUF import): no slow test runs in no target
+	$(BIN)/python -m pytest -q -m "slow and not ($(SUITES))" tests
 
 .PHONY: test-fuzz
 test-fuzz: setup ## Hypothesis fuzzes every public RPC (>= 500 requests each) and the RunSpec against real services: only clear errors, no server dies, RSS flat (slow)
-	$(BIN)/python -m pytest -q -m slow tests/integration/test_fuzz_rpcs.py
+	$(BIN)/python -m pytest -q -m "slow and fuzz" tests
 
 check: setup ## ruff and mypy
 	$(BIN)/ruff check marl services tests bench scripts
@@ -74,4 +80,4 @@ images: setup ## build the CPU images with podman (ENGINE=docker for Docker); pr
 	bash scripts/build_images.sh
 
 test-images: images ## run the images: sandbox Execute from the host, a 2-step run on all CPU images + Redis (~5 min)
-	$(BIN)/python -m pytest -q -m slow tests/deploy/test_images.py
+	$(BIN)/python -m pytest -q -m "slow and images" tests

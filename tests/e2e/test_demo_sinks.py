@@ -13,6 +13,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 
 @pytest.mark.slow
+
+
+@pytest.mark.e2e
 def test_demo_run_writes_tensorboard_and_reports(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     cmd = [sys.executable, "-m", "marl.cli", "demo", "--out", str(out), "--steps", "3"]

@@ -18,6 +18,9 @@ ROLES = {
 
 
 @pytest.mark.slow
+
+
+@pytest.mark.e2e
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("policy", ["shared", "isolated"])
 @pytest.mark.parametrize("workflow", ["eval_opt", "orch_workers"])

@@ -19,6 +19,9 @@ from marl.demo import DEMO_SPEC
 
 
 @pytest.mark.slow
+
+
+@pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_rollback_guard_in_a_demo_run(tmp_path: Path) -> None:
     out = tmp_path / "demo"

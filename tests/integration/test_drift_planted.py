@@ -41,7 +41,7 @@ from marl.diagnostics.rundir import load_run
 from marl.launcher import Cluster
 from marl.v1 import learner_pb2, learner_pb2_grpc
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.slow, pytest.mark.drift, pytest.mark.timeout(1500)]
 
 PLANTED = "tests.integration.drift_workflows:LONG_AGGREGATOR"
 STEPS = 10

@@ -49,7 +49,7 @@ from marl.v1 import (
     workflow_pb2,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.slow, pytest.mark.fuzz, pytest.mark.timeout(1800)]
 
 EXAMPLES = int(os.environ.get("MARL_FUZZ_EXAMPLES", "500"))
 WARMUP = min(100, EXAMPLES // 5)

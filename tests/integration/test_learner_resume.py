@@ -26,7 +26,7 @@ from learner_runs import demo_model_dir, rows, submit, wait_end
 
 from marl.launcher import Cluster, Process
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.resume, pytest.mark.timeout(900)]
 
 
 def resume_spec(model_dir: Path, out_dir: Path) -> dict:

@@ -22,7 +22,7 @@ from parity_workflow import PARITY_REF, write_problems
 from marl.launcher import Cluster
 from marl.v1 import learner_pb2, learner_pb2_grpc
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(900)]
 
 PROBLEMS, GROUP = 50, 4
 LOAD_S = 130.0

@@ -25,7 +25,7 @@ from marl.launcher import Cluster
 from marl.redis_server import PrivateRedis
 from marl.v1 import learner_pb2, learner_pb2_grpc
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(600)]
 
 GROUP = 4
 PROBLEMS = 4

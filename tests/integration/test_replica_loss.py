@@ -81,6 +81,9 @@ def test_run_survives_the_loss_of_one_inference_replica(
 
 
 @pytest.mark.slow  # make test-chaos
+
+
+@pytest.mark.chaos
 def test_run_rides_out_the_restart_of_its_only_inference_replica(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

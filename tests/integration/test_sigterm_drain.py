@@ -32,7 +32,7 @@ from learner_runs import (
 from marl.clients.sandbox import AsyncSandboxClient
 from marl.launcher import Cluster, Process
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(900)]
 
 JOB = "import time\ntime.sleep(0.3)\nprint(int(input()) * 2)\n"
 

@@ -25,7 +25,7 @@ from learner_runs import (
 
 from marl.launcher import Cluster, Process
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(600)]
 
 HEARTBEAT_TTL_S = 5.0  # the workers' default
 PAUSE_S = 2 * HEARTBEAT_TTL_S

@@ -29,7 +29,7 @@ from marl import streams
 from marl.launcher import Cluster, Process
 from marl.v1 import learner_pb2
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(900)]
 
 KILLS = 20
 GROUP = 4

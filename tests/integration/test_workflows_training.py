@@ -140,7 +140,7 @@ def check_run(run: learner_pb2.Run, out: Path, workflow: str, policy: str) -> No
 
 FAST = {("eval_opt", "isolated", "math"), ("orch_workers", "isolated", "code")}
 MATRIX = [
-    pytest.param(w, p, t, marks=() if (w, p, t) in FAST else pytest.mark.slow,
+    pytest.param(w, p, t, marks=() if (w, p, t) in FAST else (pytest.mark.slow, pytest.mark.workflows),
                  id=f"{w}-{p}-{t}")
     for w in ("single", "voting", "eval_opt", "orch_workers")
     for p in ("shared", "isolated")
