@@ -40,3 +40,30 @@ def test_the_rollout_log_keeps_a_failed_episode_when_the_sample_has_none(
     log.write(5, [rollout(k, "x" if k == 4 else None) for k in range(16)])  # picked already
     lines = (tmp_path / "step_000005.jsonl").read_text().splitlines()
     assert [json.loads(line)["task_id"] for line in lines] == ["t0", "t4", "t8", "t12"]
+
+
+def test_follow_run_prints_each_step_and_returns_the_final_state() -> None:
+    import io
+    import json
+    from types import SimpleNamespace
+
+    from marl.progress import follow_run
+
+    def event(state: str, metrics: dict[str, object] | None) -> SimpleNamespace:
+        run = SimpleNamespace(state=state, total_steps=2)
+        return SimpleNamespace(run=run, metrics_json=json.dumps(metrics) if metrics else "")
+
+    events = [
+        event("RUNNING", {"step": 1, "val/accuracy": 0.25}),
+        event("RUNNING", {"note": "no step"}),
+        event("RUNNING", {"step": 2, "val/accuracy": 0.5}),
+        event("FAILED", None),
+    ]
+    stub = SimpleNamespace(WatchRun=lambda req: iter(events))
+    out = io.StringIO()
+    assert follow_run(stub, "r-1", out=out) == "FAILED"
+    assert out.getvalue().splitlines() == [
+        "step    1/2  VAL ACC 0.250",
+        "step    2/2  VAL ACC 0.500",
+        "run r-1 FAILED",
+    ]
