@@ -302,8 +302,8 @@ async def evaluate(
         class Recorded(Episodes):
             rollouts: list[Any] = []
 
-            async def run(self, problems: list[Any], step: int, kind: str) -> list[Any]:
-                self.rollouts = await super().run(problems, step, kind)
+            async def run(self, problems: list[Any], step: int, kind: str, *more: Any) -> list[Any]:
+                self.rollouts = await super().run(problems, step, kind, *more)
                 return self.rollouts
 
         episodes = Recorded(eval_id, spec, r, "eval", lambda: refs, never_cancelled)
