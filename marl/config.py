@@ -160,6 +160,64 @@ class GRPOSpec(_Spec):
     importance_cap: float = Field(2.0, ge=1)
     """Off-policy steps only (`train.max_staleness` >= 1): each token's behaviour
     correction π_old/π_sampler is truncated at this (services/learner/update.py)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """β of a KL penalty in the loss, + β · Σ_t w_t · KL_t with the loss's token weights w_t:
+    the reference is the base model with every adapter switched off (no second model in
+    memory; one no-grad forward per micro-batch). 0 = the paper's "no explicit KL" (Table 7).
+    Source: the PPO-ptx / GRPO KL term (Shao et al. 2024, DeepSeekMath eq. 3), verl's
+    `use_kl_loss` / `kl_loss_coef`."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """The per-token KL estimate at the sampled token, with log r = log π_ref - log π:
+    k1 = -log r; k2 = (log r)² / 2; k3 = r - 1 - log r (unbiased and never negative; GRPO's,
+    verl's `low_var_kl`). Source: J. Schulman, "Approximating KL Divergence" (2020)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """c of an entropy bonus, - c · Σ_t w_t · H(π(·|s_t)) over the full next-token
+    distribution at every completion token; 0 = the paper's (none). Source: verl's
+    `entropy_coeff`, PPO's c2 (Schulman et al. 2017, eq. 9)."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """`token`: PPO's per-token ratio π/π_old, clipped per token (the paper's). `sequence`:
+    GSPO's s_i = exp(mean_t log(π/π_old)) over sequence i's tokens, clipped once per sequence
+    with the sequence's advantage (Zheng et al. 2025, "Group Sequence Policy Optimization",
+    eq. 5-7); GSPO's paper clips at 3e-4 / 4e-4, so set clip_low / clip_high with it."""
+    baseline: Literal["group", "leave_one_out"] = "group"
+    """`group`: A_i = r_i - mean of its group (GRPO). `leave_one_out`: A_i = r_i - mean of the
+    others, = G/(G-1) · (r_i - mean) (RLOO: Ahmadian et al. 2024, "Back to Basics"; Kool et
+    al. 2019). Either is then divided by the group's std when `normalize_std` is on (RLOO
+    proper: `normalize_std: false`)."""
+    advantage_norm: Literal["workflow", "role"] = "workflow"
+    """`workflow`: one advantage per rollout from its group's rewards, spread over every
+    role's turns (the paper's §A.7). `role`: each role's turns normalised over that role's own
+    turns in the group, A = (r - mean_role) / std_role, every turn carrying its rollout's
+    reward (Dr. MAS: agent-wise advantage normalisation, Feng et al. 2026,
+    arXiv:2602.08847)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (Yu et al. 2025, §3.2): groups whose rewards are all equal
+    (no signal) are dropped and the step is topped up from the next problems until it holds
+    `train.problems_per_step` groups with signal, at most `dynamic_sampling_rounds` top-ups;
+    `train/dynamic_sampling_dropped` logs the share of groups dropped. Off: the paper's."""
+    dynamic_sampling_rounds: int = Field(3, ge=1, le=64)
+    """Top-up rounds at most per step (DAPO's `max_num_gen_batches`); after them the step
+    trains on the groups with signal it has."""
+    overlong: int = Field(0, ge=0)
+    """DAPO's soft overlong punishment band L_cache in tokens (Yu et al. 2025, eq. 13): a turn
+    of length |y| > L_max - L_cache adds -overlong_penalty · (|y| - (L_max - L_cache)) /
+    L_cache to its rollout's reward (the longest turn counts; -overlong_penalty at the cap),
+    L_max being the response cap. 0: off (the paper's)."""
+    overlong_penalty: float = Field(1.0, gt=0)
+    """The overlong band's penalty at the response cap (verl's `penalty_factor`)."""
+    parallel_slots: Literal["each", "pool", "scale"] = "each"
+    """Against `gradient_amplification` (§5.1: N same-role slots of an episode on one
+    adapter): `each` counts every slot's turn as a sample (the paper's); `pool` counts a
+    role's parallel turns of one episode as one sample for the mini-batches, so they add no
+    optimizer steps; `scale` multiplies their loss weights by 1/N. marl's mitigation."""
+    role_balance: Literal["none", "equal", "weights"] = "none"
+    """Against `sp_role_capture` (§5.2): before each optimizer step of an adapter serving
+    several roles, each role's part of the gradient g_r is rescaled to
+    g_r · (w_r / Σw) · (Σ_q ‖g_q‖) / ‖g_r‖, so every role's share of the gradient mass
+    is its weight's (`equal`: w = 1; `weights`: `role_weights`) and the total is unchanged.
+    `none`: the paper's. marl's mitigation."""
+    role_weights: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
+    """With `role_balance: weights`: role -> weight (a role not named weighs 1)."""
 
     @property
     def sequences_per_mini_batch(self) -> int:
@@ -182,6 +240,19 @@ class GRPOSpec(_Spec):
             )
         return data
 
+    @model_validator(mode="after")
+    def _weights_need_balance(self) -> GRPOSpec:
+        if self.role_weights and self.role_balance != "weights":
+            raise ValueError(
+                "grpo.role_weights is read only with grpo.role_balance: weights; set that, "
+                "or remove role_weights"
+            )
+        if self.role_balance == "weights" and not self.role_weights:
+            raise ValueError(
+                "grpo.role_balance: weights needs grpo.role_weights (role -> weight)"
+            )
+        return self
+
 
 class TrainSpec(_Spec):
     steps: int = Field(500, ge=1)
@@ -192,6 +263,12 @@ class TrainSpec(_Spec):
     """Validate every this many steps (and at step 0 and at the end)."""
     val_problems: int = Field(2048, ge=1)
     """Validation problems per evaluation (capped by the validation set's size)."""
+    val_pass_at: list[Annotated[int, Field(ge=1, le=1024)]] = Field(default_factory=list)
+    """Validation also reports `val/pass@k` for each k: every problem is sampled max(k)
+    times at `sampling.val_temperature` (> 0) and pass@k is the unbiased estimate
+    1 - C(n-c, k) / C(n, k) averaged over problems, c of the n samples fully correct (Chen et
+    al. 2021, "Evaluating Large Language Models Trained on Code", eq. 1). Empty: one sample
+    a problem (the paper's)."""
     checkpoint_interval: int = Field(5, ge=1)
     """Checkpoint every this many steps."""
     checkpoints_kept: int = Field(3, ge=1)
@@ -305,7 +382,7 @@ AlarmKind = Literal[
     "accuracy_cliff",
     "sampler_mismatch",
 ]
-GuardAction = Literal["warn", "stop", "rollback"]
+GuardAction = Literal["warn", "stop", "rollback", "split"]
 
 
 class AlarmSpec(_Spec):
@@ -374,12 +451,26 @@ class GuardSpec(_Spec):
     on_alarm: dict[AlarmKind, GuardAction] = Field(default_factory=dict)
     """Alarm kind -> warn (logged in metrics.jsonl `alarms`) | stop (the run ends FAILED,
     its error naming the alarm) | rollback (every adapter goes back to the best checkpoint,
-    `checkpoints/best`, and trains on with its learning rate times `rollback_lr_factor`);
-    kinds not named warn."""
+    `checkpoints/best`, and trains on with its learning rate times `rollback_lr_factor`) |
+    split (`sp_role_capture` only, adaptive policy sharing: the captured role gets an
+    adapter of its own, a copy of the shared one at that step with its AdamW and schedule
+    state, and the run trains on with that routing; services/learner/guard.py); kinds not
+    named warn."""
     rollback_lr_factor: float = Field(0.5, gt=0, lt=1)
     """A rollback multiplies every adapter's learning rate by this."""
     max_rollbacks: int = Field(2, ge=1)
     """A rollback alarm after this many rollbacks stops the run instead."""
+
+    @field_validator("on_alarm")
+    @classmethod
+    def _split_is_for_capture(cls, value: dict[str, str]) -> dict[str, str]:
+        for kind, action in value.items():
+            if action == "split" and kind != "sp_role_capture":
+                raise ValueError(
+                    f"{kind}: split gives a captured role its own adapter, so it answers "
+                    "sp_role_capture only; use warn, stop or rollback"
+                )
+        return value
 
 
 class WandbSpec(_Spec):

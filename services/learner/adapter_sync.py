@@ -120,6 +120,13 @@ class AdapterSync:
             for role, p in self.roles.items()
         }
 
+    def reroute(self) -> None:
+        """`roles` changed (a split, guard.py, or a resumed run's routing): the adapters are
+        those it names now, each at the current version (pushed by the next `push`)."""
+        version = max(self.versions.values())
+        self.policy_names = sorted(set(self.roles.values()))
+        self.versions = dict.fromkeys(self.policy_names, version)
+
     def set_step(self, step: int) -> None:
         """Adapters after `step` updates are version version_base + step."""
         self.versions = dict.fromkeys(self.policy_names, self.version_base + step)

@@ -4,7 +4,9 @@
 `adapters/<policy>/{adapter_config.json, adapter_model.safetensors}`
 (`PeftModel.from_pretrained(base, dir)`, vLLM `LoRARequest(name, id, dir)`), its
 optimizer and LR-scheduler states, the RNG states, and `state.json` (step, data
-position, adapter versions). Each is written to a temporary directory and renamed
+position, adapter versions; with `routing`, role -> adapter, only the adapters it names are
+saved, and `adapters` lists them: a run that split a role off (guard.py) resumes with its
+routing, and its untrained spare adapters are not saved). Each is written to a temporary directory and renamed
 into place, then `latest` is replaced atomically: a learner killed at any point
 leaves the previous checkpoint whole. `best` is a copy of the checkpoint with the
 best validation accuracy; only the newest `train.checkpoints_kept` step
@@ -45,20 +47,22 @@ class Snapshot:
     rng: dict[str, Any]
 
 
-def snapshot(policy: MultiAdapterPolicy) -> Snapshot:
-    """Collective over the policy's ranks: call it through `PolicyHandle.call`."""
+def snapshot(policy: MultiAdapterPolicy, names: list[str] | None = None) -> Snapshot:
+    """Collective over the policy's ranks: call it through `PolicyHandle.call`. `names`:
+    the adapters to take (default: every one)."""
+    names = policy.policies if names is None else names
     return Snapshot(
-        {p: policy.state_dict(p) for p in policy.policies},
-        {p: policy.model.peft_config[p] for p in policy.policies},
-        {p: policy.optimizer_state(p) for p in policy.policies},
-        {p: policy.schedulers[p].state_dict() for p in policy.policies},
+        {p: policy.state_dict(p) for p in names},
+        {p: policy.model.peft_config[p] for p in names},
+        {p: policy.optimizer_state(p) for p in names},
+        {p: policy.schedulers[p].state_dict() for p in names},
         policy.updates,
         {"torch": torch.get_rng_state(), "python": random.getstate()},
     )
 
 
 def restore_snapshot(policy: MultiAdapterPolicy, snap: Snapshot) -> None:
-    for p in policy.policies:
+    for p in snap.adapters:
         policy.load_state_dict(p, snap.adapters[p])
         policy.load_optimizer_state(p, snap.optimizers[p])
         policy.schedulers[p].load_state_dict(snap.schedulers[p])
@@ -68,7 +72,9 @@ def restore_snapshot(policy: MultiAdapterPolicy, snap: Snapshot) -> None:
 
 
 def save(out_dir: Path, step: int, policy: PolicyHandle, state: dict[str, Any]) -> Path:
-    snap = policy.call(snapshot)
+    routing = state.get("routing")
+    names = sorted(set(routing.values())) if routing else None
+    snap = policy.call(snapshot, names)
     root = out_dir / "checkpoints"
     final = root / f"step_{step:06d}"
     tmp = root / f".step_{step:06d}.tmp"
@@ -84,7 +90,9 @@ def save(out_dir: Path, step: int, policy: PolicyHandle, state: dict[str, Any]) 
             tmp / f"optimizer_{p}.pt",
         )
     torch.save(snap.rng, tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps({**state, "step": step, "updates": snap.updates}))
+    (tmp / "state.json").write_text(
+        json.dumps({**state, "step": step, "updates": snap.updates, "adapters": list(snap.adapters)})
+    )
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     _point(root, "latest", final.name)
@@ -100,7 +108,7 @@ def _point(root: Path, name: str, target: str) -> None:
 def load(ckpt: Path, policy: PolicyHandle) -> dict[str, Any]:
     state: dict[str, Any] = json.loads((ckpt / "state.json").read_text())
     adapters, optimizers, schedulers = {}, {}, {}
-    for p in policy.policies:
+    for p in state.get("adapters", policy.policies):
         adapters[p] = load_file(str(adapter_dir(ckpt, p) / "adapter_model.safetensors"))
         states = torch.load(ckpt / f"optimizer_{p}.pt", weights_only=False)
         optimizers[p], schedulers[p] = states["optimizer"], states["scheduler"]

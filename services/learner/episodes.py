@@ -123,12 +123,17 @@ class Episodes:
         )
 
     def submit(
-        self, problems: list[Problem], step: int, kind: str, after: asyncio.Event | None = None
+        self,
+        problems: list[Problem],
+        step: int,
+        kind: str,
+        after: asyncio.Event | None = None,
+        samples: int | None = None,
     ) -> Pending:
-        """Queue every problem group_size times (train) or once (val) with the adapter
-        versions current now; the tasks reach the stream as it has room (and once `after`
-        is set), while any earlier submission is gathered."""
-        n = self.spec.grpo.group_size if kind == "train" else 1
+        """Queue every problem group_size times (train) or once (val; `samples` times when
+        given: pass@k) with the adapter versions current now; the tasks reach the stream as
+        it has room (and once `after` is set), while any earlier submission is gathered."""
+        n = samples or (self.spec.grpo.group_size if kind == "train" else 1)
         pending = Pending(
             [self.make_task(p, step, kind, s) for p in problems for s in range(n)], after=after
         )
@@ -165,9 +170,11 @@ class Episodes:
             except (RedisConnectionError, RedisTimeoutError) as err:
                 log.warning("could not take back %d queued tasks: %s", len(pending.ids), err)
 
-    async def run(self, problems: list[Problem], step: int, kind: str) -> list[Rollout]:
+    async def run(
+        self, problems: list[Problem], step: int, kind: str, samples: int | None = None
+    ) -> list[Rollout]:
         """Submit and gather at once: the rollouts in task order."""
-        return await self.gather(self.submit(problems, step, kind))
+        return await self.gather(self.submit(problems, step, kind, samples=samples))
 
     async def add_tasks(self) -> None:
         """Move queued tasks whose adapter versions are out to the tasks stream, in order,

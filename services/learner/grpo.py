@@ -6,6 +6,11 @@ rollout carries it (paper §A.7). A failed episode (no replica, sandbox down) is
 no score: it is left out of its group, and a group left with fewer than two
 good rollouts carries no comparison and is dropped. Each adapter's loss is
 aggregated over its own mini-batch as `grpo.loss_agg` says; no KL term.
+
+Beyond the paper, each off by default (the formulas and sources are in GRPOSpec's
+docstrings): a leave-one-out baseline (RLOO), per-role normalisation (Dr. MAS), GSPO's
+sequence-level ratio, a KL penalty to the base model (k1, k2, k3), an entropy bonus,
+DAPO's soft overlong band and its dynamic sampling's signal test; pass@k for validation.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ def group_advantages(
     groups: Sequence[Hashable],
     normalize_std: bool = True,
     eps: float = 1e-6,
+    baseline: str = "group",
 ) -> list[float]:
     """(r - mean of its group) / (std of its group + eps); std is the unbiased estimate.
+    `baseline` leave_one_out: r - mean of the group's others, = G/(G-1) (r - mean) (RLOO).
 
     A group whose rewards are all equal carries no signal: advantage 0.
     """
@@ -35,12 +42,47 @@ def group_advantages(
     for idx in members.values():
         r = torch.tensor([float(rewards[i]) for i in idx], dtype=torch.float64)
         centered = r - r.mean()
+        if baseline == "leave_one_out":
+            centered = centered * (len(idx) / (len(idx) - 1)) if len(idx) > 1 else centered * 0
+        else:
+            assert baseline == "group", baseline
         if normalize_std:
             std = float(r.std(unbiased=True)) if len(idx) > 1 else 0.0
             centered = centered / (std + eps) if std > 0 else torch.zeros_like(centered)
         for j, i in enumerate(idx):
             out[i] = float(centered[j])
     return out
+
+
+def signal_groups(rewards: Sequence[float], groups: Sequence[Hashable]) -> set[Hashable]:
+    """The groups whose rewards are not all equal: those that carry a comparison (DAPO's
+    dynamic sampling keeps only these)."""
+    values: dict[Hashable, set[float]] = defaultdict(set)
+    for r, g in zip(rewards, groups, strict=True):
+        values[g].add(float(r))
+    return {g for g, v in values.items() if len(v) > 1}
+
+
+def overlong_penalty(length: int, cap: int, band: int, penalty: float) -> float:
+    """DAPO's soft overlong punishment of one response of `length` tokens under a cap
+    of `cap`: 0 up to cap - band, then falling linearly to -penalty at the cap (and held
+    there beyond it)."""
+    if band <= 0:
+        return 0.0
+    over = length - (cap - band)
+    return -penalty * min(max(over, 0) / band, 1.0)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of one problem from n samples of which c are correct:
+    1 - C(n-c, k) / C(n, k) (Chen et al. 2021, eq. 1, in its stable product form)."""
+    assert 0 <= c <= n and 1 <= k <= n, (n, c, k)
+    if n - c < k:
+        return 1.0
+    miss = 1.0
+    for i in range(n - c + 1, n + 1):
+        miss *= 1.0 - k / i
+    return 1.0 - miss
 
 
 def good_rollouts(errors: Sequence[bool], groups: Sequence[Hashable]) -> tuple[list[int], int]:
@@ -91,6 +133,26 @@ class LossStats:
         return (self.clipped_low + self.clipped_high) / max(self.tokens, 1)
 
 
+def sequence_log_ratio(log_ratio: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """GSPO: each token's log-ratio replaced by its sequence's mean log-ratio, so that
+    exp() of it is s_i = (π(y_i)/π_old(y_i))^(1/|y_i|) on every token of sequence i; the
+    gradient flows through the mean. `log_ratio` is flat, the sequences' tokens in order."""
+    parts = [part.mean().expand(len(part)) for part in log_ratio.split(list(lengths))]
+    return torch.cat(parts) if parts else log_ratio
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(π || π_ref) at the sampled token, log r = log π_ref - log π:
+    k1 = -log r, k2 = (log r)² / 2, k3 = exp(log r) - 1 - log r (Schulman 2020)."""
+    log_r = ref_logp - logp
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k2":
+        return 0.5 * log_r**2
+    assert estimator == "k3", estimator
+    return torch.exp(log_r) - 1.0 - log_r
+
+
 def clipped_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -99,16 +161,21 @@ def clipped_loss(
     clip_low: float,
     clip_high: float,
     weights: torch.Tensor | None = None,
+    seq_lengths: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """PPO-clip surrogate: sum over masked tokens of per-token loss x `weights`.
 
     All tensors are [batch, length]; `advantages` and `weights` are already spread
-    over tokens. `weights` defaults to a token-mean over this batch's mask.
+    over tokens. `weights` defaults to a token-mean over this batch's mask. With
+    `seq_lengths` (flat tensors, GSPO) the ratio is each sequence's s_i, clipped per sequence.
     """
     mask = mask.to(logp.dtype)
     if weights is None:
         weights = torch.full_like(logp, 1.0 / max(float(mask.sum()), 1.0))
-    ratio = torch.exp(logp - old_logp)
+    if seq_lengths is None:
+        ratio = torch.exp(logp - old_logp)
+    else:
+        ratio = torch.exp(sequence_log_ratio(logp - old_logp, seq_lengths))
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)

@@ -45,11 +45,14 @@ def _chunk_logprobs(
     y: torch.Tensor,
     t: float,
     entropy: bool,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     logp = torch.log_softmax(head(h).float() / t, dim=-1)
     lp = logp.gather(-1, y[:, None]).squeeze(-1)
     if not entropy:
         return lp, None
+    if entropy_grad:  # an entropy bonus in the loss (grpo.entropy_coef)
+        return lp, -(logp.exp() * logp).sum(-1)
     with torch.no_grad():
         return lp, -(logp.exp() * logp).sum(-1)
 
@@ -273,9 +276,10 @@ class MultiAdapterPolicy:
         targets: torch.Tensor,
         temperature: float,
         entropy: bool = False,
+        entropy_grad: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """log π(target) (and, if asked, the entropy, without gradient) at N selected
-        positions: `features` [N, D], `targets` [N]. Logits are made in fp32 a chunk of
+        """log π(target) (and, if asked, the entropy, without gradient unless
+        `entropy_grad`) at N selected positions: `features` [N, D], `targets` [N]. Logits are made in fp32 a chunk of
         positions at a time; under autograd each chunk is recomputed in the backward pass
         (activation checkpointing), so no more than one chunk's vocabulary-wide tensors is
         ever alive, whatever N is. The same math as log_softmax(logits / T) over all N."""
@@ -288,7 +292,8 @@ class MultiAdapterPolicy:
             h, y = features[start : start + step], targets[start : start + step]
             if grad:
                 lp, ent = checkpoint(
-                    _chunk_logprobs, self.head, h, y, t, entropy, use_reentrant=False
+                    _chunk_logprobs, self.head, h, y, t, entropy, entropy_grad,
+                    use_reentrant=False,
                 )
             else:
                 lp, ent = _chunk_logprobs(self.head, h, y, t, entropy)
@@ -338,6 +343,15 @@ class MultiAdapterPolicy:
             for sched in self.schedulers.values():
                 sched.step()
         self.updates += 1
+
+    def copy_adapter(self, source: str, target: str) -> None:
+        """Adaptive policy sharing's split (guard.py): adapter `target` (built beside the
+        others, untrained) becomes a copy of `source` now, weights, AdamW state (moments and
+        step count, learning rate) and schedule alike. Collective: call it through
+        `PolicyHandle.call`."""
+        self.load_state_dict(target, self.state_dict(source))
+        self.load_optimizer_state(target, self.optimizer_state(source))
+        self.schedulers[target].load_state_dict(self.schedulers[source].state_dict())
 
     def step(self, policy: str) -> float:
         """Clip this adapter's gradient, apply AdamW, zero it; returns the pre-clip norm."""

@@ -57,8 +57,10 @@ def _run_message(d: dict[str, Any]) -> learner_pb2.Run:
 
 def validate_spec(spec_yaml: str) -> RunSpec:
     """Everything a user can get wrong, checked before the run is accepted."""
+    from services.learner.update import spec_problems
+
     spec = load_spec_text(spec_yaml)
-    policy_of_role(spec)
+    spec_problems(spec, policy_of_role(spec))
     try:
         base_model_id(spec.model.path)
     except ValueError as err:

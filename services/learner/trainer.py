@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +52,7 @@ from services.learner.adapter_sync import AdapterSync, Published
 from services.learner.checkpoint import Checkpointer
 from services.learner.episodes import Episodes, Pending
 from services.learner.errors import ReplicaUnreachable, RunCancelled, RunFailed
-from services.learner.guard import Action, Guard, GuardStopped
+from services.learner.guard import Action, Guard, GuardStopped, spare_adapters
 from services.learner.metrics import (
     JsonlSink,
     MetricsSink,
@@ -180,7 +181,11 @@ class RunExecutor:
             spec.alarms, len(set(adapters)) < len(adapters), parallel_roles(spec.workflow)
         )
         """Role drift alarms over every logged record (a resumed run replays those kept)."""
-        self.guard = Guard(spec)
+        self.spares = spare_adapters(spec, self.roles)
+        """Role -> the adapter a split would give it (guard.py); built with the others."""
+        self.guard = Guard(spec, spares=self.spares)
+        self.data_position = 0
+        """The data position a checkpoint of the step just trained resumes from."""
         self.burst_threads = burst_threads
         self.burst: ThreadBurst | None = None
 
@@ -217,9 +222,9 @@ class RunExecutor:
         # a synchronous run's update has every core anyway; the ranks' threads are theirs
         if spec.train.max_staleness > 0 and spec.learner.world_size == 1:
             self.burst = ThreadBurst.of_this_process(self.burst_threads)
-        policy = await self.torch.run(
-            open_policy, spec, sorted(set(self.roles.values())), self.burst
-        )
+        # the spares after the routed adapters: those initialise as in a run without them
+        adapters = sorted(set(self.roles.values())) + sorted(set(self.spares.values()))
+        policy = await self.torch.run(open_policy, spec, adapters, self.burst)
         try:
             await self.train_with(policy, train, val)
         finally:
@@ -228,7 +233,7 @@ class RunExecutor:
     async def train_with(
         self, policy: PolicyHandle, train: list[Problem], val: list[Problem]
     ) -> None:
-        from services.learner.update import grpo_step
+        from services.learner.update import dynamic_sampling, grpo_step
 
         spec = self.spec
         sampler = DataSampler(train, spec.seed)
@@ -250,6 +255,8 @@ class RunExecutor:
             await self.replay(self.jsonl.records())
         if restored is not None:
             self.guard.rollbacks = int(restored.get("rollbacks", 0))
+            self.roles.update(restored.get("routing") or {})  # a split survives resume
+            self.adapters.reroute()
         self.adapters.set_step(start)
         await self.adapters.push(policy)
         if start == 0:
@@ -293,8 +300,16 @@ class RunExecutor:
                         f"so they trained nothing; the last one's error: {failed[-1]}"
                     )
                 released = t0 if this_step.released is None else this_step.released
+                topped: dict[str, float] = {}
+                signal = rollouts
+                if spec.grpo.dynamic_sampling:  # DAPO: groups with no signal make way
+                    rollouts, signal, topped = await dynamic_sampling(
+                        rollouts,
+                        partial(self.top_up, sampler, step, {r.problem_id for r in rollouts}),
+                        spec,
+                    )
                 current = {ref.name: ref.version for ref in self.adapters.refs().values()}
-                trained, staleness = drop_stale(rollouts, current, spec.train.max_staleness)
+                trained, staleness = drop_stale(signal, current, spec.train.max_staleness)
                 result, burst_s = await self.update(
                     policy,
                     {t.id for pending, _ in ahead.values() for t in pending.tasks},
@@ -315,6 +330,7 @@ class RunExecutor:
                     **role_signatures(rollouts, spec.workflow),  # what the drift alarms read
                     **result.metrics,
                     **staleness,
+                    **topped,
                     "train/episodes": len(rollouts),
                     "train/failed_step": int(failed_step),
                     "time/rollout_s": t1 - t0,
@@ -356,13 +372,10 @@ class RunExecutor:
                 if validator.due(done):
                     record.update(await validator.run(done))
                 accuracy = record.get("val/accuracy")
+                # the steps submitted ahead are drawn again on resume
+                self.data_position = ahead[done][1] if done in ahead else sampler.position
                 if checkpointer.due(done, accuracy):
-                    state = {
-                        # the steps submitted ahead are drawn again on resume
-                        "data_position": ahead[done][1] if done in ahead else sampler.position,
-                        "versions": self.adapters.versions,
-                        "rollbacks": self.guard.rollbacks,
-                    }
+                    state = self.checkpoint_state()
                     await self.torch.run(checkpointer.save, done, policy, state, accuracy)
                 record["time/push_s"] = t3 - t2
                 record["time/step_s"] = time.monotonic() - t0
@@ -387,6 +400,28 @@ class RunExecutor:
                 await asyncio.gather(finishing, return_exceptions=True)
             for pending, _ in ahead.values():  # the run ended with steps queued ahead
                 await self.episodes.withdraw(pending)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a checkpoint records besides the weights: where the data order resumes, the
+        adapters' versions, the rollbacks so far and the routing (role -> adapter)."""
+        return {
+            "data_position": self.data_position,
+            "versions": self.adapters.versions,
+            "rollbacks": self.guard.rollbacks,
+            "routing": dict(self.roles),
+        }
+
+    async def top_up(
+        self, sampler: DataSampler, step: int, held: set[str], n: int
+    ) -> list[Rollout]:
+        """Dynamic sampling's top-up: the rollouts of the next `n` problems of the data order
+        that step `step` does not hold yet (`held`, their ids, grows with them), run as
+        step `step`'s (task ids stay distinct: one problem once a step)."""
+        problems: list[Problem] = []
+        while len(problems) < n and len(held) < len(sampler.problems):
+            problems += [p for p in sampler.next(n - len(problems)) if p.id not in held]
+            held |= {p.id for p in problems}
+        return await self.episodes.run(problems, step, "train")
 
     def next_step_ahead(self, done: int, validator: Validator) -> bool:
         """Whether a synchronous run queues step `done`'s tasks as soon as the adapters that
@@ -476,6 +511,19 @@ class RunExecutor:
         full.update(record)
         if action is not None and action.kind == "stop":
             full["guard"] = f"stop: {action.alarm}"
+        elif action is not None and action.kind == "split":
+            assert policy is not None and checkpointer is not None
+            split = await self.torch.run(self.guard.split, policy, self.roles, action.alarm.role)
+            if split is None:
+                full["guard"] = f"warn: {action.alarm} (split: the role has its own adapter)"
+            else:
+                full["guard"] = f"split: {action.alarm} -> {split}"
+                full["routing"] = ",".join(f"{r}={a}" for r, a in sorted(self.roles.items()))
+                self.adapters.reroute()
+                self.adapters.set_step(step)
+                await self.adapters.push(policy)
+                # before the record: a run resumed from here trains on with the new routing
+                await self.torch.run(checkpointer.save, step, policy, self.checkpoint_state(), None)
         elif action is not None and policy is not None and checkpointer is not None:
             done = await self.torch.run(self.guard.roll_back, policy, checkpointer)
             if done is None:

@@ -1,4 +1,9 @@
-"""Validation through the same workflow path as training: when it is due, and what it logs."""
+"""Validation through the same workflow path as training: when it is due, and what it logs.
+
+With `train.val_pass_at` every problem is sampled max(k) times and `val/pass@k` is the
+unbiased pass@k (grpo.pass_at_k), a sample passing when its reward is 1 (fully correct);
+`val/accuracy` is then the mean reward over every sample.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +11,9 @@ from typing import Any
 
 from marl.data.problem import Problem
 from marl.diagnostics.signatures import role_signatures
-from marl.rollout import mean_facts
+from marl.rollout import Rollout, mean_facts
 from services.learner.episodes import Episodes
+from services.learner.grpo import pass_at_k
 
 
 class Validator:
@@ -25,11 +31,13 @@ class Validator:
         return step == 0 or step % self.interval == 0 or step == self.total_steps
 
     async def run(self, step: int) -> dict[str, Any]:
-        rollouts = await self.episodes.run(self.problems, step, "val")
+        ks = self.episodes.spec.train.val_pass_at
+        rollouts = await self.episodes.run(self.problems, step, "val", max(ks, default=1))
         rewards = [min(max(r.reward, 0.0), 1.0) for r in rollouts]
         return {
+            **pass_at(rollouts, ks),
             "val/accuracy": sum(rewards) / max(len(rewards), 1),
-            "val/problems": len(rollouts),
+            "val/problems": len({r.problem_id for r in rollouts}),
             "val/episode_errors": sum(r.error is not None for r in rollouts),
             **mean_facts(rollouts, "val"),
             # the paper reads role drift on each checkpoint's validation transcripts (§A.3-A.4)
@@ -38,3 +46,17 @@ class Validator:
                 for k, v in role_signatures(rollouts, self.episodes.spec.workflow).items()
             },
         }
+
+
+def pass_at(rollouts: list[Rollout], ks: list[int]) -> dict[str, float]:
+    """`val/pass@k` for each k: the mean over problems of the unbiased pass@k of their
+    samples (failed episodes left out; a problem left with fewer than k is too)."""
+    passed: dict[str, list[bool]] = {}
+    for r in rollouts:
+        if r.error is None:
+            passed.setdefault(r.problem_id, []).append(r.reward >= 1.0)
+    out = {}
+    for k in ks:
+        scores = [pass_at_k(len(p), sum(p), k) for p in passed.values() if len(p) >= k]
+        out[f"val/pass@{k}"] = sum(scores) / max(len(scores), 1)
+    return out
