@@ -104,6 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             http_port=cfg.http_port,
             max_queued_tasks=cfg.max_queued_tasks,
             burst_threads=cfg.burst_threads,
+            retention_s=cfg.retention_s,
         )
     else:
         from services.reward_sandbox import server as sandbox

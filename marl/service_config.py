@@ -151,6 +151,10 @@ class LearnerConfig(_RedisConfig):
     leave it so where the learner has cores of its own (a pod with a CPU limit)."""
     http_port: int | None = Field(default=None, ge=0, le=65535)
     """Port of the HTTP server (Prometheus /metrics); none when unset."""
+    retention_s: float = Field(default=7 * 24 * 3600, ge=0, allow_inf_nan=False)
+    """A finished run's Redis state (its record, metrics stream, rollouts stream) expires
+    this long after the run ends, and the run leaves `marl runs`; its directory on disk
+    stays. 0: kept for good (Redis memory then grows with every run)."""
 
 
 class SandboxConfig(_ServiceConfig):

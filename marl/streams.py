@@ -58,6 +58,9 @@ MAX_HOLDER_DEATHS = 5
 """Deaths of consumers holding one entry (heartbeat lapsed while it was pending with them)
 after which the entry is dead-lettered as a poison entry: one that kills whatever runs it.
 Under churn a healthy entry loses a holder rarely twice (suspects are spread, see above)."""
+DEAD_LETTER_KEPT = 10_000
+"""Entries a dead-letter stream keeps (about: trimmed as Redis finds cheapest), the newest;
+nobody consumes it, so without a cap it would grow with every poison task for good."""
 DELIVERY_RECORD_TTL_S = 7 * 24 * 3600
 """How long an entry's delivery record outlives its last excused delivery (it is deleted
 when the entry is dead-lettered; one that finishes leaves it to expire)."""
@@ -283,6 +286,7 @@ async def _dead_letter(
         dead_letter_stream(stream),
         {"json": json.dumps(entry.data), "source_id": entry.id, "deliveries": entry.deliveries,
          "excused": entry.excused, "holder_deaths": entry.holder_deaths},
+        maxlen=DEAD_LETTER_KEPT, approximate=True,
     )
     if on_dead is not None:
         await on_dead(entry)

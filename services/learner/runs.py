@@ -3,6 +3,12 @@
 A learner training a run holds its lease (a Redis key with a time to live) and
 renews it while it lives; a RUNNING run whose lease lapsed lost its learner and
 is taken over, under the same run id, by the next learner that looks.
+
+A finished run's Redis state (its record, acknowledgements, metrics stream and rollouts
+stream: `run_keys`) expires `retention_s` after it ends (the learner config's
+`retention_s`, a week by default; 0 keeps it), and `sweep` then drops the run from the
+index and deletes any of its keys a late write recreated: Redis memory stays bounded
+however many runs a deployment trains. The run directory on disk is not touched.
 """
 
 from __future__ import annotations
@@ -15,8 +21,12 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from marl import streams
+
 QUEUE = "marl:runs:queue"
 INDEX = "marl:runs"
+EXPIRY = "marl:runs:expiry"
+"""Finished runs -> the time their Redis state expires (`RunStore.finish`)."""
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 LEASE_S = 10.0
 """A learner that has not renewed its lease for this long is taken for dead."""
@@ -38,6 +48,17 @@ def acks_key(run_id: str) -> str:
     """The hash of a run's acknowledged adapter pushes (services/learner/adapter_sync.py):
     `replica/policy@version` -> the time the replica took it."""
     return f"{run_key(run_id)}:acks"
+
+
+def run_keys(run_id: str) -> list[str]:
+    """Every Redis key that holds a run's state."""
+    return [
+        run_key(run_id),
+        _lease(run_id),
+        acks_key(run_id),
+        streams.metrics_stream(run_id),
+        streams.rollouts_stream(run_id),
+    ]
 
 
 def new_run_id(name: str) -> str:
@@ -80,6 +101,41 @@ class RunStore:
     async def update(self, run_id: str, **fields: Any) -> None:
         clean: Any = {k: json.dumps(v) if isinstance(v, dict) else v for k, v in fields.items()}
         await self.r.hset(_key(run_id), mapping=clean)
+
+    async def finish(self, run_id: str, state: str, retention_s: float, **fields: Any) -> None:
+        """The run ends in `state` (one of TERMINAL); its Redis state expires after
+        `retention_s` seconds (0: it is kept)."""
+        assert state in TERMINAL
+        now = time.time()
+        await self.update(run_id, state=state, ended_at=now, **fields)
+        if retention_s <= 0:
+            return
+        ttl_ms = max(1, int(retention_s * 1000))
+        keys = run_keys(run_id)
+        async with self.r.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.pttl(key)
+            ttls = await pipe.execute()
+        async with self.r.pipeline(transaction=False) as pipe:
+            for key, ttl in zip(keys, ttls, strict=True):
+                if ttl == -1 or ttl > ttl_ms:  # a shorter life of its own (acks) is kept
+                    pipe.pexpire(key, ttl_ms)
+            pipe.zadd(EXPIRY, {run_id: now + retention_s})
+            await pipe.execute()
+
+    async def sweep(self, now: float | None = None) -> int:
+        """Forget the finished runs whose retention has passed: their index entries, and
+        their keys (expired already, unless a late write recreated one). How many."""
+        due: Any = await self.r.zrangebyscore(EXPIRY, "-inf", time.time() if now is None else now)
+        if not due:
+            return 0
+        async with self.r.pipeline(transaction=False) as pipe:
+            for run_id in due:
+                pipe.delete(*run_keys(run_id))
+            pipe.zrem(INDEX, *due)
+            pipe.zrem(EXPIRY, *due)
+            await pipe.execute()
+        return len(due)
 
     async def take_next(self, timeout_s: float = 1.0) -> str | None:
         item = await self.r.brpop([QUEUE], timeout=timeout_s)

@@ -33,6 +33,11 @@ from services.learner.trainer import RunCancelled, RunExecutor, RunFailed
 
 log = logging.getLogger(__name__)
 
+DEFAULT_RETENTION_S = 7 * 24 * 3600.0
+"""How long a finished run's Redis state is kept (the learner config's `retention_s`)."""
+SWEEP_PERIOD_S = 60.0
+"""How often a learner forgets the finished runs past their retention."""
+
 
 def _run_message(d: dict[str, Any]) -> learner_pb2.Run:
     return learner_pb2.Run(
@@ -146,10 +151,14 @@ def missing_lora_targets(model_path: str, targets: list[str] | str) -> list[str]
 
 
 class LearnerService(learner_pb2_grpc.LearnerServicer):
-    def __init__(self, r: aioredis.Redis, store: RunStore, runs_dir: Path):
+    def __init__(
+        self, r: aioredis.Redis, store: RunStore, runs_dir: Path,
+        retention_s: float = DEFAULT_RETENTION_S,
+    ):
         self.r = r
         self.store = store
         self.runs_dir = runs_dir
+        self.retention_s = retention_s
 
     async def SubmitRun(
         self, request: learner_pb2.SubmitRunRequest, context: grpc.aio.ServicerContext
@@ -205,7 +214,7 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         await self.store.request_cancel(request.run_id)
         if run["state"] == "QUEUED":
             await self.store.r.lrem("marl:runs:queue", 0, request.run_id)
-            await self.store.update(request.run_id, state="CANCELLED")
+            await self.store.finish(request.run_id, "CANCELLED", self.retention_s)
         return _run_message(await self._get(request.run_id, context))
 
     async def WatchRun(
@@ -271,8 +280,10 @@ async def run_loop(
     learner_id: str,
     max_queued_tasks: int = 4096,
     burst_threads: int = 0,
+    retention_s: float = DEFAULT_RETENTION_S,
 ) -> None:
-    """Take queued runs, and runs whose learner died, one at a time and train them."""
+    """Take queued runs, and runs whose learner died, one at a time and train them; a run
+    that ends has its Redis state expire after `retention_s` (0: kept)."""
     torch_thread = TorchThread("learner")
     while True:
         taken = await _next_run(store, learner_id)
@@ -303,19 +314,37 @@ async def run_loop(
             )
             await executor.execute()
         except RunCancelled:
-            await store.update(run_id, state="CANCELLED")
+            await store.finish(run_id, "CANCELLED", retention_s)
         except (RunFailed, SpecError) as err:
-            await store.update(run_id, state="FAILED", error=str(err))
+            await store.finish(run_id, "FAILED", retention_s, error=str(err))
         except Exception as err:
             log.exception("run %s crashed", run_id)
-            await store.update(run_id, state="FAILED", error=f"{type(err).__name__}: {err}")
+            await store.finish(
+                run_id, "FAILED", retention_s, error=f"{type(err).__name__}: {err}"
+            )
         else:
-            await store.update(run_id, state="SUCCEEDED")
+            await store.finish(run_id, "SUCCEEDED", retention_s)
         finally:
             await cancel_until_done([lease])
             await store.release(run_id, learner_id)
         final = await store.get(run_id)
         log.info("run %s ended: %s", run_id, final and final["state"])
+
+
+async def sweep_loop(store: RunStore, period_s: float = SWEEP_PERIOD_S) -> None:
+    """Forget finished runs whose retention passed (`RunStore.sweep`), every `period_s`;
+    a Redis outage is waited out."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    while True:
+        try:
+            if swept := await store.sweep():
+                log.info("forgot %d finished runs past their retention", swept)
+        except (RedisConnectionError, RedisTimeoutError) as err:
+            raise_if_cancelled()
+            log.warning("could not sweep finished runs: %s; retrying", err)
+        await asyncio.sleep(period_s)
 
 
 async def _serve(
@@ -326,6 +355,7 @@ async def _serve(
     http_port: int | None = None,
     max_queued_tasks: int = 4096,
     burst_threads: int = 0,
+    retention_s: float = DEFAULT_RETENTION_S,
 ) -> None:
     name = learner_pb2.DESCRIPTOR.services_by_name["Learner"].full_name
     server = ServiceHost([name], host, port)
@@ -336,7 +366,7 @@ async def _serve(
     r = streams.connect(redis_url)
     store = RunStore(r)
     learner_pb2_grpc.add_LearnerServicer_to_server(
-        LearnerService(r, store, runs_dir), server.server
+        LearnerService(r, store, runs_dir, retention_s), server.server
     )
     learner_id = f"learner-{uuid.uuid4().hex[:8]}"
 
@@ -344,14 +374,17 @@ async def _serve(
         await r.ping()
 
     async def loop() -> None:
-        await run_loop(r, store, learner_id, max_queued_tasks, burst_threads)
+        await run_loop(r, store, learner_id, max_queued_tasks, burst_threads, retention_s)
+
+    async def sweep() -> None:
+        await sweep_loop(store)
 
     async def on_stop() -> None:
         if http is not None:
             await http.stop()
         await r.aclose()
 
-    await serve_until_stopped(server, ready=ready, background=[loop], on_stop=on_stop)
+    await serve_until_stopped(server, ready=ready, background=[loop, sweep], on_stop=on_stop)
 
 
 def run(
@@ -362,6 +395,7 @@ def run(
     http_port: int | None = None,
     max_queued_tasks: int = 4096,
     burst_threads: int = 0,
+    retention_s: float = DEFAULT_RETENTION_S,
 ) -> None:
     configure_logging("learner")
     keep_freed_heap_until_trimmed(LEARNER_MMAP_THRESHOLD)  # reused within a step, trimmed after
@@ -374,5 +408,6 @@ def run(
             http_port,
             max_queued_tasks,
             burst_threads,
+            retention_s,
         )
     )
