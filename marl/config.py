@@ -356,16 +356,37 @@ class DataSpec(_Spec):
     val: Literal["dapo_math", "deepcoder", "arithmetic", "champ", "humaneval"] = "dapo_math"
     """Validation set, as `train`; naming the same set as `train` splits it (see `val_fraction`)."""
     train_path: str | None = None
-    """Local parquet/jsonl file (or a folder of them) in the set's published schema."""
+    """Local parquet, jsonl or json file, a folder of them, or a `datasets` folder
+    (`save_to_disk`; of a DatasetDict its `train` split): the named set's schema, verl's,
+    or any columns (`format`, `prompt_key`)."""
     val_path: str | None = None
-    """As `train_path`, for `val`; unset while val == train means: split train_path."""
+    """As `train_path`, for `val` (of a DatasetDict folder its validation/test split);
+    unset while val == train means: split train_path."""
     val_fraction: float = Field(default=0.1, gt=0, lt=1)
     """When train and val name the same set, the share held out for validation."""
     on_bad_row: Literal["skip", "refuse"] = "skip"
-    """A malformed row is skipped with a warning, or refuses the run."""
+    """A malformed row is skipped with a warning, or refuses the run; either way it is
+    reported with its file, row and column."""
     max_tests: int | None = Field(default=None, ge=1)
     """Tests kept per code problem: None (the paper's §A.7, the problem's hidden test suite)
     keeps all; N keeps the N with the longest inputs, as DeepCoder's own reward does."""
+    format: Literal["auto", "verl"] = "auto"
+    """How `train_path`/`val_path` rows map to problems. `auto`: from the file: the named
+    set's published schema when its columns are there, else verl's schema when the file
+    has `prompt` and `reward_model`, else plain columns (`prompt_key`, `answer_key`,
+    `tests_key`). `verl`: verl's preprocessed schema, unchanged (`prompt` chat messages,
+    `data_source`, `reward_model.ground_truth`, `extra_info`), whatever `train` names."""
+    prompt_key: str | None = Field(default=None, min_length=1)
+    """Column of the prompt: a string, or chat messages (the last user message is the
+    problem; the whole list reaches workflows as `problem.messages`). Dotted for a nested
+    field (`question.text`). Set, it reads the file as plain columns. None: `prompt`,
+    `question` or `problem`, the first the file has."""
+    answer_key: str | None = Field(default=None, min_length=1)
+    """Column of the ground-truth answer (math), e.g. `reward_model.ground_truth`. None:
+    `answer` or `ground_truth`."""
+    tests_key: str | None = Field(default=None, min_length=1)
+    """Column of a code problem's tests (a list, or a JSON string, in any DeepCoder layout
+    or marl's `{stdin, expected_stdout}` / `{fn_name, args, expected}`). None: `tests`."""
 
 
 class RewardSpec(_Spec):

@@ -17,12 +17,13 @@ dropped as duplicates.
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any
 
 from marl.data.problem import Problem
 from marl.data.rows import RowError
 
-COLUMNS = ("prompt", "reward_model", "extra_info")
+COLUMNS = ("prompt", "reward_model", "extra_info", "data_source")
 INSTRUCTION_HEAD = (
     "Solve the following math problem step by step. The last line of your response should be "
     "of the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
@@ -64,4 +65,8 @@ def to_problem(row: dict[str, Any]) -> Problem:
     index = extra.get("index") if isinstance(extra, dict) else None
     if index is None or str(index) == "":
         index = hashlib.sha1(text.encode()).hexdigest()[:16]
-    return Problem(id=f"dapo-{index}", prompt=text, answer=truth.strip(), task="math")
+    source = row.get("data_source")
+    return Problem(id=f"dapo-{index}", prompt=text, answer=truth.strip(), task="math",
+                   data_source=source if isinstance(source, str) else "",
+                   extra_info=json.loads(json.dumps(extra, default=str))
+                   if isinstance(extra, dict) else {})

@@ -47,6 +47,13 @@ def _sample(problem: Problem, out: TextIO) -> None:
         problem.prompt[:PROMPT_CHARS] + " [...]")
     out.write(f"  sample {problem.id}:\n")
     out.write(textwrap.indent(prompt, "    | ", lambda _: True) + "\n")
+    if problem.messages is not None:
+        out.write(f"    chat prompt: {len(problem.messages)} messages ("
+                  f"{', '.join(m['role'] for m in problem.messages)})\n")
+    if problem.data_source:
+        out.write(f"    data_source: {problem.data_source}\n")
+    if problem.extra_info:
+        out.write(f"    extra_info: {textwrap.shorten(str(problem.extra_info), 200)}\n")
     if problem.task == "math":
         out.write(f"    answer: {problem.answer}\n")
     else:
@@ -58,7 +65,10 @@ def _sample(problem: Problem, out: TextIO) -> None:
 def _report(which: str, data: SplitData, spec: RunSpec, out: TextIO, show_source: bool) -> None:
     problems = data.problems
     task = task_of_dataset(data.name)
-    out.write(f"{which}: {data.name} ({task}), {len(problems)} problems\n")
+    if problems and data.source.read_as and not data.source.read_as.startswith("the published"):
+        task = Counter(p.task for p in problems).most_common(1)[0][0]  # a file's own rows
+    name = data.name if not data.source.read_as.startswith(("verl", "columns")) else "file"
+    out.write(f"{which}: {name} ({task}), {len(problems)} problems\n")
     if show_source:
         _source(data, spec, out)
     if problems:
@@ -74,6 +84,8 @@ def _report(which: str, data: SplitData, spec: RunSpec, out: TextIO, show_source
 def _source(data: SplitData, spec: RunSpec, out: TextIO) -> None:
     source = data.source
     out.write(f"  from: {', '.join(source.files)}\n")
+    if source.read_as:
+        out.write(f"  read as: {source.read_as}\n")
     out.write(f"  rows read {source.rows}, malformed {len(source.bad_rows)} "
               f"({spec.data.on_bad_row}), repeats dropped {source.duplicates}, "
               f"problems in the set {len(source.problems)}\n")

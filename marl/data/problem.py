@@ -19,6 +19,13 @@ class Problem:
     task: TaskKind = "math"
     tests: list[dict[str, Any]] = field(default_factory=list)
     """Code tests in `SandboxClient` form (stdin/expected_stdout, fn_name/args/expected, ...)."""
+    messages: list[dict[str, str]] | None = None
+    """The prompt as the data file gave it when that was chat messages (verl's `prompt`):
+    a workflow that sends it unchanged keeps the data's own instructions."""
+    data_source: str = ""
+    """verl's `data_source` (passed to a verl-signature reward function)."""
+    extra_info: dict[str, Any] = field(default_factory=dict)
+    """verl's `extra_info`, or the row's other columns (passed to reward functions)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
