@@ -46,7 +46,7 @@ test-drift: setup ## planted role drift: sp_role_capture on a Voting-SP run paid
 	$(BIN)/python -m pytest -q -m "slow and drift" tests
 
 .PHONY: test-matrix
-test-matrix: setup ## marl matrix on the demo (2 workflows x SP/IP + base and SA-RL controls) killed mid-way and resumed; Table 1 vs metrics.jsonl; marl eval and marl attribute reproduce the runs' accuracies (~4 min)
+test-matrix: setup ## marl matrix on the demo (every workflow x SP/IP + base and SA-RL controls, Table 3 transfers) killed mid-way and resumed; the report's Tables 1-6 and Figs. 2-6; Tables 1 and 2 recomputed from metrics.jsonl; marl eval and marl attribute reproduce the runs' accuracies (~6 min)
 	$(BIN)/python -m pytest -q -s -m "slow and matrix" tests
 
 SUITES := e2e or workflows or resume or drift or matrix or fuzz or chaos or images or vllm
@@ -59,9 +59,10 @@ test-slow-other: setup ## every slow test no suite above claims (SmolLM2 if its 
 test-fuzz: setup ## Hypothesis fuzzes every public RPC (>= 500 requests each) and the RunSpec against real services: only clear errors, no server dies, RSS flat (slow)
 	$(BIN)/python -m pytest -q -m "slow and fuzz" tests
 
-check: setup ## ruff and mypy
+check: setup ## ruff, mypy and the import layers (lint-imports, pyproject's [tool.importlinter])
 	$(BIN)/ruff check marl services tests bench scripts
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 .PHONY: docs
 docs: setup ## the docs site into site/ (mkdocs build --strict; the config and CLI references are generated from the code)

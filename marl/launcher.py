@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from marl.redis_server import PrivateRedis, die_with_parent, free_port
+from marl.processes import die_with_parent, free_port, how_it_ended
+from marl.redis_server import PrivateRedis
 from marl.serving import wait_healthy
 
 HTTP_SERVICES = ("inference", "sandbox", "workflow", "learner")
@@ -55,20 +56,6 @@ def service_threads(cores: int, overlapped: bool) -> dict[str, int]:
         inference, learner = max(1, cores - 1), max(1, cores)
     return {"inference": inference, "learner": learner, "learner_burst": max(1, cores),
             "workflow": 1, "sandbox": 1}
-
-
-def how_it_ended(code: int | None) -> str:
-    """A process's exit status in words: its code, or the signal that killed it."""
-    if code is None or code >= 0:
-        return f"exited with code {code}"
-    try:
-        name = signal.Signals(-code).name
-    except ValueError:
-        name = f"signal {-code}"
-    how = f"was killed by {name}"
-    if -code == signal.SIGKILL:
-        how += " (the kernel's OOM killer does this when memory runs out: see dmesg)"
-    return how
 
 
 @dataclass
@@ -147,6 +134,8 @@ class Cluster:
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
             PYTHONUNBUFFERED="1",
+            # the service stops once this process is gone (marl.serving.StopWatchdog)
+            MARL_PARENT_PID=str(os.getpid()),
         )
         if kind == "learner" and "learner_burst" in self.threads:
             env["MARL_LEARNER_BURST_THREADS"] = str(self.threads["learner_burst"])

@@ -30,8 +30,7 @@ import torch
 from marl import heap
 from marl.config import LoraSpec, OptimSpec, RunSpec
 from marl.devices import resolve_device
-from marl.launcher import how_it_ended
-from marl.redis_server import free_port
+from marl.processes import free_port, how_it_ended
 from services.learner.errors import RunFailed
 from services.learner.threads import ThreadBurst
 

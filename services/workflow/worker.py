@@ -151,7 +151,7 @@ class EpisodeRunner:
     def context(self, model_path: str) -> int | None:
         """The model's context window, from its config.json (None if it has none to read)."""
         if model_path not in self._contexts:
-            from services.inference.engine import model_limits
+            from marl.model_limits import model_limits
 
             try:
                 self._contexts[model_path] = model_limits(model_path).context
