@@ -88,9 +88,28 @@ def _mark_alarms(ax: Any, alarms: list[Alarm]) -> None:
 
 
 
+def _mark_splits(ax: Any, records: list[dict[str, Any]]) -> None:
+    """A solid line where the guard split a role off its shared adapter (guard.py)."""
+    for r in records:
+        guard = str(r.get("guard", ""))
+        if guard.startswith("split"):
+            ax.axvline(int(r["step"]), color="darkgreen", linewidth=1.2, alpha=0.8)
+            ax.annotate(
+                f"split\n{r.get('routing', '')}",
+                (int(r["step"]), 0.02),
+                xycoords=("data", "axes fraction"),
+                fontsize=6,
+                color="darkgreen",
+                va="bottom",
+                ha="left",
+            )
+
+
 def _step_axes(ax: Any, run: RunData, legend: bool = True) -> None:
-    """What every per-step plot shares: alarms marked, a step axis, a legend, a grid."""
+    """What every per-step plot shares: alarms and splits marked, a step axis, a legend, a
+    grid."""
     _mark_alarms(ax, run.alarms)
+    _mark_splits(ax, run.records)
     ax.set_xlabel("step")
     if legend:
         ax.legend(fontsize=7)

@@ -303,3 +303,23 @@ def test_options_that_fit_pass() -> None:
         "sampling.val_temperature=0.7",
     ))
     validate_spec(spec_yaml("policy=isolated", "grpo.parallel_slots=scale"))
+
+
+def test_report_marks_the_split_on_its_plots() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from marl.report import _mark_splits
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1, 2, 3], [0.1, 0.2, 0.3, 0.2])
+    _mark_splits(ax, [
+        {"step": 1, "guard": "rollback: x"},
+        {"step": 2, "guard": "split: sp_role_capture[aggregator]@2: terse rate -> ...",
+         "routing": "aggregator=aggregator,generator=shared"},
+    ])
+    assert [line.get_xdata()[0] for line in ax.lines[1:]] == [2]
+    assert [t.get_text() for t in ax.texts] == ["split\naggregator=aggregator,generator=shared"]
+    plt.close(fig)
