@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from marl import model_names
 from marl.config import apply_overrides, dump_spec, parse_spec
 
 DEMO_SPEC: dict[str, Any] = {
@@ -51,7 +52,9 @@ def run_demo(
     from marl.v1 import learner_pb2, learner_pb2_grpc
     from marl.workflows.routing import adapter_versions_in_flight
 
-    data = apply_overrides(DEMO_SPEC, overrides)
+    # a named model's own demo settings (`model.path=smollm2`: longer turns, smaller
+    # steps), then the user's overrides over them
+    data = apply_overrides(DEMO_SPEC, [*model_names.demo_overrides(overrides), *overrides])
     if steps is not None:
         data["train"]["steps"] = steps
     spec = parse_spec(data)
@@ -72,6 +75,10 @@ def run_demo(
         )
     if "model.path" not in " ".join(overrides):
         spec.model.path = str(demo_model())
+    try:
+        spec.model.path = model_names.resolve(spec.model.path)
+    except ValueError as err:
+        raise UserError(str(err)) from None
     spec.out_dir = str(out_dir)
     print(
         f"marl demo: {spec.workflow} workflow, {spec.policy} policy, {engine} engine, "
@@ -213,7 +220,10 @@ def run_up(
         raise UserError(f"--cores: must be at least 1, got {cores}")
 
     workdir = workdir.resolve()
-    model_path = model or str(demo_model())
+    try:
+        model_path = model_names.resolve(model) if model else str(demo_model())
+    except ValueError as err:
+        raise UserError(str(err).replace("field `model.path`", "--model")) from None
     if engine == "auto":
         from services.inference.factory import vllm_available
 
