@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from marl.clients.runs import LearnerUnavailable, RunNotFound, RunRefused, RunsClient
-from marl.config import SpecError
+from marl.config import ENGINE_NAMES, SpecError
 
 DEFAULT_LEARNER = "127.0.0.1:50051"
 
@@ -319,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="start every service locally until Ctrl-C")
     p.add_argument("--dir", default="marl-up", help="where endpoints.json, logs and runs go")
     p.add_argument("--model", default=None, help="base model dir (default: the demo model)")
-    p.add_argument("--engine", default="auto", choices=["auto", "vllm", "transformers"])
+    p.add_argument("--engine", default="auto", choices=ENGINE_NAMES)
     p.add_argument(
         "--cores", type=int, default=None, help="CPU cores the services' torch threads share (2)"
     )
@@ -350,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", default=None, help="YAML of the service's settings (marl.service_config)"
     )
     p.add_argument("--model", default=None, help="inference: base model directory")
-    p.add_argument("--engine", default=None, choices=["auto", "vllm", "transformers"])
+    p.add_argument("--engine", default=None, choices=ENGINE_NAMES)
     p.add_argument(
         "--max-lora-rank", type=int, default=None, help="inference: largest adapter rank served"
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -25,6 +25,8 @@ BUILTIN_WORKFLOWS = ("single", "voting", "eval_opt", "orch_workers")
 """The workflows marl ships (`marl/workflows/`); a spec may instead name `module:VALUE`."""
 _USER_WORKFLOW = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_]\w*$")
 EngineName = Literal["auto", "vllm", "transformers"]
+ENGINE_NAMES: tuple[str, ...] = get_args(EngineName)
+"""The inference engines a spec, a service setting or a flag may name."""
 
 
 class SpecError(ValueError):
@@ -389,11 +391,53 @@ class DataSpec(_Spec):
     or marl's `{stdin, expected_stdout}` / `{fn_name, args, expected}`). None: `tests`."""
 
 
+class JudgeSpec(_Spec):
+    """An LLM judge that scores the final answer (marl/rewards/judge.py)."""
+
+    role: str = Field("judge", pattern=r"^[a-z][a-z0-9_]{0,31}$")
+    """The judge's role name. Its turns are recorded in every rollout and trained only
+    when `policy_groups` names this role (then its adapter serves it)."""
+    model: str = "base"
+    """Who judges: `base` (the run's frozen base model, on the run's own inference
+    replicas), or a loaded adapter `run/policy@version` on them; with `endpoint`, the
+    model name that endpoint serves."""
+    endpoint: str | None = None
+    """An OpenAI-compatible base URL (`http://host:port/v1`, e.g. another marl replica's)
+    instead of the run's own inference."""
+    api_key_env: str | None = None
+    """Environment variable on the workers that holds the endpoint's API key."""
+    prompt: str = (
+        "Problem:\n{problem}\n\nReference answer:\n{reference}\n\nResponse:\n{answer}\n\n"
+        "Is the response correct and helpful? Give a score from 0 to 10 as \\boxed{{N}}."
+    )
+    """The judge's user message; `{problem}`, `{answer}` and `{reference}` are filled in."""
+    max_score: float = Field(10.0, gt=0)
+    """The verdict's scale: the last `\\boxed{N}` (or last number) over this is the reward."""
+    max_tokens: int = Field(256, ge=1)
+    """The judge's response cap."""
+    temperature: float = Field(0.0, ge=0)
+    """The judge's sampling temperature (0: greedy)."""
+    timeout_s: float = Field(120.0, gt=0)
+    """Time limit for one verdict; past it the rollout fails."""
+
+
 class RewardSpec(_Spec):
     format_penalty: float = Field(default=-0.1, le=0)
     """Math reward when no boxed answer parses."""
     math_timeout_s: float = Field(default=5.0, gt=0)
     """Time limit for one equivalence check."""
+    function: str | None = Field(
+        default=None, pattern=r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_]\w*$")
+    """`package.module:function` scoring each episode, sync or async (marl/rewards/
+    functions.py): marl's `fn(problem, answer, episode)` or verl's `compute_score(
+    data_source, solution_str, ground_truth, extra_info)`, returning a number or
+    `{score, ...components}`. None: the built-in math or code reward by the problem's
+    task (`marl.rewards.builtin:math_reward` / `code_reward`); with `judge`, the judge's."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for `function` (verl's `reward_kwargs`)."""
+    judge: JudgeSpec | None = None
+    """An LLM judge (`episode.judge(...)` in a reward function; the default function
+    when `function` is unset)."""
 
 
 AlarmKind = Literal[
@@ -545,6 +589,9 @@ class RunSpec(_Spec):
     alarms: AlarmSpec = AlarmSpec()
     guard: GuardSpec = GuardSpec()
     logging: LoggingSpec = LoggingSpec()
+    workflow_args: dict[str, Any] = Field(default_factory=dict)
+    """Arguments of the workflow (caps, tool sets, judge choice), validated by its own
+    typed model (`Workflow.args`); a bad value is refused naming `workflow_args.<field>`."""
 
     @field_validator("workflow")
     @classmethod

@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from marl.config import EngineName
+
 MiB = 1 << 20
 
 ServiceName = Literal["inference", "workflow", "learner", "sandbox"]
@@ -52,7 +54,7 @@ class InferenceConfig(_RedisConfig):
 
     model: str | None = None
     """Local directory of the base model (weights + tokenizer); nothing is downloaded."""
-    engine: Literal["auto", "vllm", "transformers"] = "auto"
+    engine: EngineName = "auto"
     """Generation engine; `auto` takes vLLM when it is installed."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype the engine loads the base model in."""

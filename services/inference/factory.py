@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
+from marl.config import EngineName
 from services.inference.engine import Engine
-
-EngineName = Literal["auto", "vllm", "transformers"]
 
 
 def vllm_available() -> bool:
