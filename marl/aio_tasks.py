@@ -3,8 +3,9 @@
 A `task.cancel()` can vanish below our code: Python 3.11's `wait_for` (which
 redis-py uses for its socket timeouts) returns a result that is ready when the
 cancel arrives instead of raising, and redis-py's retries can turn a cancelled
-read into a retried command. Measured with redis-py 8.1 and a private Redis: of
-300 loops of SET/GET cancelled at a random moment, 196 went on running. A loop
+read into a retried command. With redis-py 8.1 and a private Redis, loops of SET/GET
+cancelled at a random moment often went on running
+(`tests/integration/test_lost_cancel.py` cancels such loops). A loop
 that then runs forever (`while True: renew a lease`) kept a finished run from
 ever being reported, and a SIGTERMed learner training on. So every loop that is
 stopped by cancellation checks `raise_if_cancelled()` each round (the task's

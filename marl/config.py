@@ -80,7 +80,8 @@ class ModelSpec(_Spec):
     """Local directory of a Hugging Face causal LM (weights + tokenizer); nothing is downloaded."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype of the frozen base model in learner and inference. bfloat16 is for
-    GPUs and CPUs with native bf16: on an AVX2-only CPU its matmuls run ~58x slower."""
+    GPUs and CPUs with native bf16: on an AVX2-only CPU its matmuls run far slower
+    (docs/benchmarks.md)."""
     chat_template: bool = True
     """Render role prompts with the tokenizer's chat template (plain text if it has none)."""
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -155,8 +156,8 @@ class GRPOSpec(_Spec):
     math beyond float rounding."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping
-    them: far less memory per token of the budget (Qwen3-0.6B shapes, 5120-token
-    responses: 17.9 -> 5.0 GiB peak) for some recompute (2 % more step time there)."""
+    them: far less memory per token of the budget for a little recompute
+    (`bench/learner.py --activation-checkpointing` measures both)."""
     normalize_std: bool = True
     """Divide group-relative advantages by the group's std (GRPO); False = Dr. GRPO."""
     importance_cap: float = Field(2.0, ge=1)
@@ -321,8 +322,8 @@ class LearnerSpec(_Spec):
     step ahead, the server reads rollouts from Redis, queues tasks, pushes adapters and
     logs records while the update runs; in one process that Python work and the update's
     operator dispatch take turns at the interpreter lock. On the demo model on 2 CPU
-    cores that costs nothing measurable (`bench/policy_process.py`: `own` at 0.98-1.09x
-    the steps/s of `server`); where each operator is a short GPU kernel launch it may."""
+    cores that costs nothing measurable (`bench/policy_process.py` compares the two);
+    where each operator is a short GPU kernel launch it may."""
 
 
 class SamplingSpec(_Spec):
@@ -492,7 +493,8 @@ class AlarmSpec(_Spec):
     """sp_role_capture: the evaluator's python-code-fence rate rises this far above its first value."""
     entropy_drop: float = Field(0.7, gt=0, lt=1)
     """entropy_collapse: a role's token entropy falls below (1 - this) times its first
-    values (a plain Voting-SP demo run's terse aggregator sharpens to 0.40x)."""
+    values (a plain Voting-SP demo run's terse aggregator, not collapsing, sharpens nearly
+    that far: docs/benchmarks.md)."""
     cliff_drop: float = Field(0.1, gt=0, le=1)
     """accuracy_cliff: validation accuracy falls this far (absolute) below its best so far."""
     logprob_gap_max: float = Field(0.1, gt=0)

@@ -2,13 +2,14 @@
 
 A full (generation 2) collection walks every container object the process holds. Most of
 a service's are its imports and what it loaded at start (torch, transformers and their
-modules, functions and dicts: ~410,000 objects in the learner, ~260,000 in a workflow
-worker once it has imported its tokenizer classes), alive until the process exits, and a
-walk over them takes 140-430 ms on the demo's 2 cores, during which the process does
-nothing else. CPython starts one whenever the objects that survived younger collections
+modules, functions and dicts: hundreds of thousands of objects in the learner and in a
+workflow worker once it has imported its tokenizer classes), alive until the process
+exits, and a walk over them is a pause long enough to show in a step on the demo's 2
+cores, during which the process does nothing else (`marl demo --trace` records every
+process's collections). CPython starts one whenever the objects that survived younger collections
 reach a quarter of the ones the last full collection kept, which steps of a training run
 reach every so often. Two workers that take a step's tasks alike reach it in the same
-step, so that step's episodes all start ~190 ms late.
+step, so that step's episodes all start late by that pause.
 
 `freeze_long_lived` collects once, then moves every object alive into the permanent
 generation (`gc.freeze`), which no collection walks: later full collections walk only

@@ -10,9 +10,9 @@ free pages, so resident memory tracks what is actually held.
 Between those trims, glibc's defaults hand memory back on their own: a block over the
 mmap threshold is mapped and unmapped per allocation, and a heap whose free top passes
 the trim threshold shrinks. A torch step frees and reallocates activations of a few MB
-thousands of times, and every page of each fresh mapping faults on first touch (tens of
-thousands of faults per step of the demo's Voting update; on a VM a fault costs well
-over a microsecond). `keep_freed_heap_until_trimmed` makes glibc keep what a step frees
+thousands of times, and every page of each fresh mapping faults on first touch (a step
+of the demo's Voting update takes a great many such faults, each dear on a VM;
+`bench/heap_trim.py` counts them). `keep_freed_heap_until_trimmed` makes glibc keep what a step frees
 for the step's own next allocations (in the learner only blocks under 1 MiB, for its
 peak's sake: LEARNER_MMAP_THRESHOLD); the services' explicit `release_free_heap` after a
 step or a batch still returns it, so resident memory between steps is as before. A trim
@@ -39,11 +39,10 @@ MMAP_THRESHOLD = 32 << 20
 a few MB among them: the inference replica's setting."""
 LEARNER_MMAP_THRESHOLD = 1 << 20
 """The learner's: blocks of 1 MiB and more are mapped on their own. Its steps on real
-models hold the heap's free holes at the peak: against 32 MiB, a SmolLM2-135M Voting step
-(`bench/mmap_threshold.py`) peaked at 2.49 GiB RSS instead of 3.26 for 1.10x its step time,
-a Qwen3-0.6B-shaped one (`bench/learner.py --model qwen3-0.6b-shape --sequences 2
---response-tokens 1024`) at 6.38 GiB instead of 9.24 for 1.08x. A learner bound by time
-rather than memory can take 32 MiB with `MALLOC_MMAP_THRESHOLD_=33554432`."""
+models hold the heap's free holes at the peak, so against 32 MiB a step peaks far lower
+for a little more step time (`bench/mmap_threshold.py` measures both; docs/benchmarks.md).
+A learner bound by time rather than memory can take 32 MiB with
+`MALLOC_MMAP_THRESHOLD_=33554432`."""
 TRIM_THRESHOLD = 256 << 20
 """Free heap top glibc keeps before it trims on its own; the trim between steps returns
 the rest."""

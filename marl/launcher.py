@@ -32,11 +32,12 @@ DEFAULT_CORES = 2
 """Cores a machine's services share out unless told otherwise (the demo's 2-core target)."""
 OMP_SPIN_COUNT = 10_000
 """Spins an idle OpenMP thread of a service waits for more work before it sleeps (libgomp's
-own default is 300,000). Measured on bench/vs_trl.py's synchronous run, 2 cores: update
-0.16 s at 10,000 against 0.24 s asleep at once (`OMP_WAIT_POLICY=PASSIVE`); with
-learner and inference overlapped at 2 threads each (`train.max_staleness` 1), 0.63 s at
-10,000 against 0.30 s asleep at once: overlapped services should share the cores out
-(`Cluster.threads`), so that their pools never spin on one another's cores."""
+own default is 300,000). A short spin spares a synchronous update a futex wake-up per
+small operator, which makes it faster than sleeping at once (`OMP_WAIT_POLICY=PASSIVE`);
+but learner and inference overlapped on the same cores (`train.max_staleness` 1) spin on
+each other's and run slower than asleep, so overlapped services share the cores out
+(`Cluster.threads`) and their pools never spin on one another's cores. `bench/vs_trl.py`
+(`--max-staleness`, `--learner-threads`, `--inference-threads`) measures both."""
 
 
 def service_threads(cores: int, overlapped: bool) -> dict[str, int]:
@@ -44,7 +45,7 @@ def service_threads(cores: int, overlapped: bool) -> dict[str, int]:
     (`train.max_staleness` 0) generates, then trains: the learner gets every core for its
     update, and the inference replica every core but one, which the workflow workers
     (one thread each) keep busy while it decodes: a replica pool over every core spins on
-    theirs (on 2 cores, one replica thread gave 12-16 % more rollout tokens/s than two in
+    theirs (on 2 cores one replica thread gave more rollout tokens/s than two in
     `bench/e2e.py`, though the engine alone gains from the second). An overlapped run
     (>= 1) generates and trains at once: they get disjoint shares, so that neither's
     OpenMP pool spins on the other's cores (OMP_SPIN_COUNT). `learner_burst`: the threads

@@ -514,9 +514,9 @@ async def count_after(
 ) -> int:
     """How many entries of `stream` come after `entry_id` (at most `limit`), counted inside
     Redis: reading them to count them moved every queued task's JSON to the caller, which
-    the learner does before each batch of tasks it queues (4,096 undelivered entries:
-    ~70 ms against 6–9 ms, `bench/stream_lag.py`). Where scripts are refused (an ACL
-    without EVAL), they are read and counted here."""
+    the learner does before each batch of tasks it queues (`bench/stream_lag.py` measures
+    the difference). Where scripts are refused (an ACL without EVAL), they are read and
+    counted here."""
     start = f"({entry_id}"
     try:
         return int(await r.eval(COUNT_AFTER_SCRIPT, 1, stream, start, limit))

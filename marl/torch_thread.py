@@ -7,10 +7,10 @@ an idle worker waiting for the next region to its throttled count (at most 1,000
 after which it sleeps on a futex; every small operator then pays a wake-up. Work handed to
 `asyncio.to_thread` lands on whichever pool thread is free, so a service that does
 torch work there (a GRPO step on one thread, a weight load on another) soon has two
-teams on a 2-core machine and runs all of them throttled. Measured on the demo
-model's GRPO step over 128 sequences, 2 threads: 0.16 s while one thread had ever
-run torch, 0.24 s once a second one had (the same 0.24 s as `OMP_WAIT_POLICY=PASSIVE`).
-So a service runs its torch work through one `TorchThread`.
+teams on a 2-core machine and runs all of them throttled: the demo model's GRPO step
+slowed, once a second thread had ever run torch, to its speed under
+`OMP_WAIT_POLICY=PASSIVE` (docs/benchmarks.md). So a service runs its torch work through
+one `TorchThread`.
 """
 
 from __future__ import annotations

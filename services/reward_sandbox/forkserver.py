@@ -34,11 +34,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__
 _PRELOAD = ("array", "bisect", "collections", "copy", "functools", "heapq", "itertools", "math",
             "operator", "re", "string", "textwrap", "typing")
 """What solutions commonly import (HumanEval's prompts `from typing import List`), and
-small. Every module here makes every fork of every job dearer: the zygote's heap grew by
-~3.5 MB with the former list (unittest, dataclasses, hashlib, statistics, datetime,
-decimal, fractions and random besides), and trivial jobs took ~12 % more CPU each
-(bench/sandbox.py). A job that imports one of those now pays for it itself:
-`import unittest` ~12 ms, `import statistics` ~6 ms on a 2-core VM."""
+small. Every module here makes every fork of every job dearer: the former list
+(unittest, dataclasses, hashlib, statistics, datetime, decimal, fractions and random
+besides) grew the zygote's heap, and every trivial job took more CPU for it
+(bench/sandbox.py measures jobs/s). A job that imports one of those now pays for that
+import itself."""
 
 
 def main() -> None:

@@ -41,8 +41,8 @@ _PACKAGE_DIRS = ("lib/python3*/site-packages", "lib/python3*/dist-packages",
 class RootPlan(NamedTuple):
     """What the jail's file system contains; computed once by the zygote.
 
-    A NamedTuple, not a dataclass: `dataclasses` pulls in `inspect` and `ast`,
-    ~1.1 MB of heap in the zygote that every fork of every job would copy."""
+    A NamedTuple, not a dataclass: `dataclasses` pulls in `inspect` and `ast`, heap in
+    the zygote that every fork of every job would copy."""
 
     dirs: list[str]
     files: list[str]

@@ -1,7 +1,7 @@
 """The zygote: a single-threaded fork server that starts every job's jail.
 
 The gRPC server is multi-threaded and must not fork, and a fresh interpreter
-per job would cost ~10 ms of start-up. So the server starts one zygote
+per job would pay Python's start-up every time. So the server starts one zygote
 (`python -I -S -X utf8`, empty environment; its code is `forkserver`) that
 imports the jail code and the common standard-library modules once, detects
 the isolation tier, and then forks one jail per job. The zygote never sees job
