@@ -50,6 +50,14 @@ class Task:
     staleness_scope: str = "episode"
     """`train.staleness_scope`: `turn` asks each turn for the newest adapter version a
     replica holds (at least `adapters`'), `episode` for exactly `adapters`."""
+    reward_function: str | None = None
+    """`reward.function` (None: the built-in reward of the problem's task, or the judge's)."""
+    reward_args: dict[str, Any] = field(default_factory=dict)
+    """`reward.args`, keyword arguments of the reward function."""
+    judge: dict[str, Any] | None = None
+    """`reward.judge` (a JudgeSpec's fields), when the run has a judge."""
+    workflow_args: dict[str, Any] = field(default_factory=dict)
+    """`workflow_args`, validated by the workflow's own model in each episode."""
 
     @property
     def id(self) -> str:
@@ -95,6 +103,10 @@ class Task:
             chat_template=spec.model.chat_template,
             chat_template_kwargs=dict(spec.model.chat_template_kwargs),
             staleness_scope=spec.train.staleness_scope if kind == "train" else "episode",
+            reward_function=spec.reward.function,
+            reward_args=dict(spec.reward.args),
+            judge=None if spec.reward.judge is None else spec.reward.judge.model_dump(),
+            workflow_args=dict(spec.workflow_args),
         )
 
     @classmethod
@@ -116,6 +128,12 @@ class Turn:
     adapter: AdapterRef
     """The version that actually served this turn (as the inference replica reported it)."""
     text: str
+    tool_calls: int = 0
+    """Tool calls this turn's completion made (marl/workflows/tools.py); their results are
+    prompt tokens of the role's next turn, so never in the loss."""
+    tool_errors: int = 0
+    """Of those, the calls answered with an error (malformed, unknown tool, raised, timed
+    out)."""
 
 
 @dataclass
@@ -136,6 +154,12 @@ class Rollout:
     facts: dict[str, float] = field(default_factory=dict)
     """Numbers the worker observed about the episode (workflow facts, scoring facts such as
     `any_format_correct`); the learner logs each one's mean as `train/<fact>` and `val/<fact>`."""
+    role_rewards: dict[str, float] = field(default_factory=dict)
+    """Rewards of single roles (from the workflow or the reward function); a role not named
+    gets `reward`. Set: the learner normalises each role's advantages over its own rewards
+    (services/learner/role_rewards.py)."""
+    judge_turns: list[Turn] = field(default_factory=list)
+    """The judge's turns when no policy group names the judge role: recorded, not trained."""
 
     def to_dict(self) -> dict[str, Any]:
         return _plain(self)  # type: ignore[no-any-return]
@@ -144,6 +168,8 @@ class Rollout:
     def from_dict(cls, d: dict[str, Any]) -> Rollout:
         d = dict(d)
         d["turns"] = [Turn(**{**t, "adapter": AdapterRef(**t["adapter"])}) for t in d["turns"]]
+        d["judge_turns"] = [Turn(**{**t, "adapter": AdapterRef(**t["adapter"])})
+                            for t in d.get("judge_turns", [])]
         return cls(**d)
 
 
@@ -167,10 +193,15 @@ def _plain(value: Any) -> Any:
 
 
 def mean_facts(rollouts: list[Rollout], prefix: str) -> dict[str, float]:
-    """`prefix/<fact>`: each fact's mean over the rollouts that report it (failed ones excluded)."""
+    """`prefix/<fact>`: each fact's mean over the rollouts that report it (failed ones excluded).
+    A per-role fact (`role/<r>/<name>`, e.g. `role/solver/tool_errors`) keeps its name in
+    training records, as the learner's per-role metrics do."""
     sums: dict[str, list[float]] = {}
     for r in rollouts:
         if r.error is None:
             for name, value in r.facts.items():
                 sums.setdefault(name, []).append(value)
-    return {f"{prefix}/{name}": sum(v) / len(v) for name, v in sorted(sums.items())}
+    return {
+        name if prefix == "train" and name.startswith("role/") else f"{prefix}/{name}":
+        sum(v) / len(v) for name, v in sorted(sums.items())
+    }

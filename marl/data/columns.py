@@ -67,9 +67,9 @@ def mapping_for(spec: DataSpec, columns: list[str], file: str) -> Mapping:
     file, row 1 and the column when a mapped column is not there."""
     explicit = any(k is not None for k in (spec.prompt_key, spec.answer_key, spec.tests_key))
     if spec.format == "verl" or (not explicit and looks_verl(columns)):
-        for key in ("prompt", "reward_model"):
-            if key not in columns:
-                raise SpecError(_no_column(file, key, columns, "data.format: verl"))
+        for needed in ("prompt", "reward_model"):
+            if needed not in columns:
+                raise SpecError(_no_column(file, needed, columns, "data.format: verl"))
         return Mapping("verl", spec.prompt_key or "prompt", spec.answer_key or VERL_ANSWER,
                        spec.tests_key)
     prompt = spec.prompt_key or next((c for c in PROMPT_NAMES if c in columns), None)

@@ -1,8 +1,10 @@
 """What a workflow is, and what it may ask of the episode it runs in.
 
 A workflow is plain code: `async def run(episode, problem) -> str` that calls
-`await episode.turn(role, slot, messages)` for each role turn and returns the
-final answer. Everything else (the chat template, which adapter version serves
+`await episode.turn(role, slot, messages)` for each role turn (or
+`episode.tool_turn(...)` for one that may call tools) and returns the final
+answer. Its arguments (`workflow_args` in the spec) come validated by its own
+pydantic model as `episode.args`. Everything else (the chat template, which adapter version serves
 a role, the seeds, recording tokens and log-probs, scoring) is the runtime's
 (`services/workflow`), so the same `Workflow` value runs in a worker, in a test
 against a scripted engine, and in `marl episode`.
@@ -14,6 +16,8 @@ import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
+
+from pydantic import BaseModel, ValidationError
 
 from marl.config import WorkflowCaps
 from marl.data.problem import Problem
@@ -78,6 +82,31 @@ class Episode(Protocol):
         call is that role's `turn` (examples/workflows/openai_agent.py)."""
         ...
 
+    @property
+    def args(self) -> Any:
+        """The run's `workflow_args` as the workflow's own model (`Workflow.args`) made
+        them; None when the workflow takes none."""
+        ...
+
+    @property
+    def role_rewards(self) -> dict[str, float]:
+        """Rewards of single roles the workflow sets (`role_rewards["checker"] = 1.0`); a
+        role not named gets the episode's reward, and the learner normalises each role's
+        advantages over its own rewards."""
+        ...
+
+    async def tool_turn(self, role: str, slot: int, messages: Messages, tools: Any,
+                        max_tool_calls: int | None = None) -> str:
+        """A role turn that may call tools (marl/workflows/tools.py): the model's calls run,
+        their results come back as tool messages, until it answers without a call or has
+        made `max_tool_calls`. Each model call is a recorded turn; the text of the last."""
+        ...
+
+    async def judge(self, messages: Messages) -> str:
+        """The run's judge (`reward.judge`) answers `messages`; its turn is recorded, and
+        trained only when a policy group names the judge role (marl/rewards/judge.py)."""
+        ...
+
 
 RunFn = Callable[[Any, Problem], Awaitable[str]]
 
@@ -106,6 +135,10 @@ class Workflow:
     caps: Mapping[str, int] | Callable[[WorkflowCaps, TaskName], Caps] = field(
         default_factory=dict
     )
+    args: type[BaseModel] | None = None
+    """A pydantic model of the workflow's arguments (the spec's `workflow_args`): checked
+    when the run is submitted, a bad value refused naming `workflow_args.<field>`; the
+    episode gets the validated instance as `episode.args`."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.roles, tuple) or not self.roles:
@@ -120,6 +153,32 @@ class Workflow:
             raise ValueError(f"Workflow {self.name!r}: roles {self.roles} repeat a name")
         if not callable(self.run):
             raise ValueError(f"Workflow {self.name!r}: run must be an async function")
+        if self.args is not None and not (
+                isinstance(self.args, type) and issubclass(self.args, BaseModel)):
+            raise ValueError(f"Workflow {self.name!r}: args must be a pydantic model class")
+
+    def parse_args(self, values: Mapping[str, Any]) -> BaseModel | None:
+        """`workflow_args` as this workflow's model; a SpecError naming the field."""
+        from marl.config import SpecError
+
+        if self.args is None:
+            if values:
+                raise SpecError(
+                    f"field `workflow_args`: workflow {self.name!r} takes no arguments "
+                    f"(got {', '.join(sorted(values))}); remove them"
+                )
+            return None
+        try:
+            return self.args.model_validate(dict(values))
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            what = ("unknown field: remove it or check the spelling"
+                    if first["type"] == "extra_forbidden" else first["msg"])
+            raise SpecError(
+                f"field `workflow_args.{where}`: {what}"
+                + (f" (got {first['input']!r})" if first["type"] != "extra_forbidden" else "")
+            ) from None
 
     def caps_for(self, spec: WorkflowCaps, task: TaskName) -> Caps:
         if callable(self.caps):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from marl.config import RunSpec, SpecError
+from marl.rewards.checks import check_reward
 from marl.workflows.registry import resolve
 
 RENAMED_ROLES = {"single": {"solver": "generator"}}
@@ -13,8 +14,12 @@ def policy_of_role(spec: RunSpec) -> dict[str, str]:
     """Role -> policy (adapter) name. Shared: one for all; isolated: one per role type.
 
     Also the submit-time check of the spec's workflow (importable, a Workflow, every one
-    of its roles covered by `policy_groups`) and of `optim.policy_lr`'s adapter names."""
+    of its roles covered by `policy_groups`, its `workflow_args`), of its reward function
+    and of `optim.policy_lr`'s adapter names. A judge role (`reward.judge.role`) is routed
+    only when `policy_groups` names it: then it trains; otherwise it is frozen."""
     mapping = _policy_of_role(spec)
+    resolve(spec.workflow).parse_args(spec.workflow_args)
+    check_reward(spec)
     unknown = sorted(set(spec.optim.policy_lr) - set(mapping.values()))
     if unknown:
         raise SpecError(
@@ -32,6 +37,9 @@ def adapter_versions_in_flight(spec: RunSpec) -> int:
 
 def _policy_of_role(spec: RunSpec) -> dict[str, str]:
     roles = resolve(spec.workflow).roles
+    judge = spec.reward.judge
+    if judge is not None and judge.role in (spec.policy_groups or {}) and judge.role not in roles:
+        roles = (*roles, judge.role)  # a judge trained: a policy group names its role
     if spec.policy_groups is not None:
         for old, new in RENAMED_ROLES.get(spec.workflow, {}).items():
             if old in spec.policy_groups:

@@ -136,6 +136,18 @@ class Episode:
         self.context: int | None = None
         """The base model's context window (set by the worker): a prompt that fills it fails
         the episode here, as one over the cap does, instead of being refused by inference."""
+        self.args: Any = None
+        """The run's `workflow_args` as the workflow's model made them (set by the worker)."""
+        self.role_rewards: dict[str, float] = {}
+        """Rewards of single roles the workflow set (see `marl.workflows.Episode`)."""
+        self.judge_turns: list[Turn] = []
+        """The judge's turns when its role is not trained (marl/rewards/judge.py)."""
+        self.tool_roles: set[str] = set()
+        """Roles that offered tools this episode (their `role/<r>/tool_errors` is logged)."""
+        self.sandbox_client: Callable[[], Any] | None = None
+        """The worker's reward sandbox client (set by the worker)."""
+        self.judge_client: Callable[[Task], Awaitable[Any]] | None = None
+        """The run's judge endpoint (set by the worker; services/workflow/judge.py)."""
 
     @property
     def caps(self) -> Caps:
@@ -156,24 +168,56 @@ class Episode:
 
         return await openai_proxy.base_url(self)
 
-    def render(self, messages: list[dict[str, str]]) -> list[int]:
+    def sandbox(self) -> Any:
+        """The reward sandbox client (reward functions, the `python` tool)."""
+        if self.sandbox_client is None:
+            raise EpisodeError("this episode has no reward sandbox")
+        return self.sandbox_client()
+
+    async def judge(self, messages: list[dict[str, str]]) -> str:
+        """The run's judge answers `messages` (marl/rewards/judge.py)."""
+        from services.workflow.judge import ask
+
+        return await ask(self, messages)
+
+    async def tool_turn(self, role: str, slot: int, messages: list[dict[str, Any]],
+                        tools: Sequence[Any], max_tool_calls: int | None = None) -> str:
+        """A role turn that may call `tools` (services/workflow/tool_turns.py)."""
+        from services.workflow.tool_turns import tool_turn
+
+        return await tool_turn(self, role, slot, messages, tools, max_tool_calls)
+
+    def render(self, messages: list[dict[str, Any]],
+               tools: list[dict[str, Any]] | None = None) -> list[int]:
         if self.renders is None:
-            return self._render(messages)
+            return self._render(messages, tools)
         key = json.dumps(
-            [self.task.chat_template, self.task.chat_template_kwargs, messages], sort_keys=True
+            [self.task.chat_template, self.task.chat_template_kwargs, messages]
+            + ([tools] if tools else []), sort_keys=True
         )
         ids = self.renders.get(key)
         if ids is None:
-            ids = self._render(messages)
+            ids = self._render(messages, tools)
             self.renders.put(key, ids)
         return ids
 
-    def _render(self, messages: list[dict[str, str]]) -> list[int]:
-        if self.task.chat_template and getattr(self.tokenizer, "chat_template", None):
+    def _render(self, messages: list[dict[str, Any]],
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
+        templated = self.task.chat_template and getattr(self.tokenizer, "chat_template", None)
+        extra: dict[str, Any] = {}
+        if tools:
+            from marl.workflows.tools import hermes_messages, supports_tools
+
+            if templated and supports_tools(self.tokenizer):
+                extra["tools"] = tools
+            else:
+                messages = hermes_messages(messages, tools)
+        if templated:
             text = self.tokenizer.apply_chat_template(
                 messages,
                 add_generation_prompt=True,
                 tokenize=False,
+                **extra,
                 **self.task.chat_template_kwargs,
             )
         else:
@@ -183,8 +227,10 @@ class Episode:
     async def turn(self, role: str, slot: int, messages: list[dict[str, str]]) -> str:
         return (await self.run_turn(role, slot, messages)).text
 
-    async def run_turn(self, role: str, slot: int, messages: list[dict[str, str]]) -> Turn:
-        """One role turn through inference; its record, also kept in `turns`."""
+    async def run_turn(self, role: str, slot: int, messages: list[dict[str, Any]],
+                       tools: list[dict[str, Any]] | None = None) -> Turn:
+        """One role turn through inference (`tools`: the JSON schemas the prompt offers);
+        its record, also kept in `turns`."""
         start = self._started_turns
         self._started_turns += 1
         ref = self.task.adapters.get(role)
@@ -195,7 +241,7 @@ class Episode:
             )
         nth = self._started.get((role, slot), 0)
         self._started[(role, slot)] = nth + 1
-        prompt_ids = self.render(messages)
+        prompt_ids = self.render(messages, tools)
         if len(prompt_ids) > self._caps.prompt_tokens:
             raise PromptTooLong(
                 f"the {role} prompt (slot {slot}) is {len(prompt_ids)} tokens, over the "

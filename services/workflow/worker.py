@@ -41,7 +41,9 @@ from marl import auth, replicas, streams, trace
 from marl.aio_tasks import cancel_until_done, raise_if_cancelled
 from marl.config import SpecError, WorkflowCaps
 from marl.gc_pauses import freeze_long_lived
+from marl.rewards import functions as reward_functions
 from marl.rewards.code import SandboxFailure
+from marl.rewards.functions import RewardError, Scored
 from marl.rollout import Rollout, Task
 from marl.rpc_codes import NO_ANSWER
 from marl.v1 import inference_pb2_grpc
@@ -57,7 +59,7 @@ log = logging.getLogger(__name__)
 def could_not_run(err: BaseException) -> bool:
     """Whether `err` means the episode could not run (not that marl has a bug): a service
     that did not answer, or a sandbox still full after the client's `busy_wait_s`."""
-    if isinstance(err, EpisodeError | SandboxFailure | SpecError):
+    if isinstance(err, EpisodeError | SandboxFailure | SpecError | RewardError):
         return True
     return isinstance(err, grpc.aio.AioRpcError) and (
         err.code() in NO_ANSWER or err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -204,15 +206,22 @@ class EpisodeRunner:
 
     async def episode(self, task: Task, workflow: Workflow) -> Episode:
         caps = workflow.caps_for(WorkflowCaps(**task.caps), task.problem.task)
+        args = workflow.parse_args(task.workflow_args)
 
-        async def oracle(answer: str) -> bool:
-            return await self.score(task, answer) >= 1.0
+        async def oracle(answer: str) -> bool:  # facts only: never asks (and records) a judge
+            name = task.reward_function or reward_functions.default_for(task.problem.task)
+            scored = await reward_functions.call(name, task.problem, answer, episode,
+                                                 task.reward_args)
+            return scored.score >= 1.0
 
         tokenizer = await self.tokenizer(task.model_path)
         if task.model_path not in self._renders:
             self._renders[task.model_path] = Renders(tokenizer)
         episode = Episode(task, tokenizer, [], caps, oracle, self._renders[task.model_path])
         episode.context = self.context(task.model_path)
+        episode.args = args
+        episode.sandbox_client = self.sandbox
+        episode.judge_client = self.judge_client
         return episode
 
     async def run(self, task: Task) -> Rollout:
@@ -232,15 +241,17 @@ class EpisodeRunner:
             episode.replica_wait_s = self.replica_wait_s
             final = await episode_run(workflow, episode, task)
             with trace.span("score", "score", task=task.id):
-                reward, scoring = await self.score_with_facts(task, final)
-            facts = {**episode.facts, **scoring}
+                scored = await self.scored(task, final, episode)
+            reward = scored.score
+            facts = {**episode.facts, **scored.components, **tool_facts(episode)}
+            role_rewards = {**episode.role_rewards, **scored.role_rewards}
             error = None
         except Exception as err:
             if not could_not_run(err):
                 raise
             log.warning("episode %s could not run: %s: %s", task.id, type(err).__name__, err)
             final, reward, error = "", 0.0, f"{type(err).__name__}: {err}"
-            facts = {}
+            facts, role_rewards = {}, {}
             self.stats.failed += 1
         finally:
             self.stats.in_flight -= 1
@@ -262,19 +273,28 @@ class EpisodeRunner:
             seconds=seconds,
             error=error,
             facts=facts,
+            role_rewards=role_rewards,
+            judge_turns=list(episode.judge_turns) if error is None and episode else [],
         )
 
     async def score(self, task: Task, final: str) -> float:
-        problem = task.problem
-        if problem.task == "code":
-            from marl.rewards import code
+        """The reward of `final` alone (no episode: the function sees no turns)."""
+        return (await self.scored(task, final, None)).score
 
-            return float(await code.score(final, problem.tests, self.sandbox()))
-        from marl.rewards import math as math_reward
+    async def scored(self, task: Task, final: str, episode: Episode | None) -> Scored:
+        """The run's reward function on the episode's final answer: `reward.function`, else
+        the judge's with `reward.judge`, else the built-in reward of the problem's task."""
+        name = task.reward_function or (
+            reward_functions.BUILTIN_JUDGE if task.judge is not None
+            else reward_functions.default_for(task.problem.task))
+        view: Any = episode if episode is not None else Scoring(task, self.sandbox)
+        return await reward_functions.call(name, task.problem, final, view, task.reward_args)
 
-        return await math_reward.score_async(
-            final, problem.answer, task.format_penalty, task.math_timeout_s
-        )
+    async def judge_client(self, task: Task) -> Any:
+        """The OpenAI-compatible endpoint the run's judge is asked through (judge.py)."""
+        from services.workflow.judge import endpoint_for
+
+        return await endpoint_for(self, task)
 
     def sandbox(self) -> Any:
         """The worker's one sandbox client (one channel), made on first use."""
@@ -285,31 +305,6 @@ class EpisodeRunner:
 
             self._sandbox = AsyncSandboxClient(self.sandbox_address)
         return self._sandbox
-
-    async def score_with_facts(self, task: Task, final: str) -> tuple[float, dict[str, float]]:
-        """The reward and the scoring facts: for math, whether the final answer holds the
-        right value in any format. Exact matches and remembered verdicts are scored here;
-        otherwise both checks take one trip to a thread, not two: a step's episodes all
-        finish at once and queue for the default executor's threads."""
-        if task.problem.task == "code":
-            return await self.score(task, final), {}
-        from marl.rewards import math as math_reward
-
-        answer, timeout = task.problem.answer, task.math_timeout_s
-
-        def both(remembered_only: bool) -> tuple[float, dict[str, float]]:
-            reward = math_reward.score(
-                final, answer, task.format_penalty, timeout, remembered_only=remembered_only
-            )
-            right = math_reward.any_format_correct(
-                final, answer, timeout, remembered_only=remembered_only
-            )
-            return reward, {"any_format_correct": float(right)}
-
-        try:  # exact matches and remembered verdicts need no verifier, nor a thread
-            return both(remembered_only=True)
-        except math_reward.Unsettled:
-            return await asyncio.to_thread(both, False)
 
     async def close(self) -> None:
         if self._refreshing is not None:
@@ -331,6 +326,29 @@ async def episode_run(workflow: Workflow, episode: Episode, task: Task) -> str:
     if not isinstance(final, str):
         raise TypeError(f"workflow {workflow.name!r} returned {type(final).__name__}, not str")
     return final
+
+
+class Scoring:
+    """What a reward function sees of an episode when it scores an answer alone."""
+
+    def __init__(self, task: Task, sandbox: Callable[[], Any]):
+        self.task = task
+        self.sandbox = sandbox
+        self.turns: list[Any] = []
+        self.facts: dict[str, float] = {}
+
+
+def tool_facts(episode: Episode) -> dict[str, float]:
+    """`role/<r>/tool_calls` and `role/<r>/tool_errors` of the roles that offered tools:
+    their calls (answered with an error) this episode."""
+    out: dict[str, float] = {}
+    for turn in episode.turns:
+        if turn.role in episode.tool_roles:
+            calls = f"role/{turn.role}/tool_calls"
+            errors = f"role/{turn.role}/tool_errors"
+            out[calls] = out.get(calls, 0.0) + turn.tool_calls
+            out[errors] = out.get(errors, 0.0) + turn.tool_errors
+    return out
 
 
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)

@@ -1,0 +1,47 @@
+"""The built-in rewards as reward functions (marl/rewards/functions.py): the paper's math
+and code rewards (§A.7), chosen by the problem's task when `reward.function` is unset.
+
+    reward:
+      function: marl.rewards.builtin:math_reward
+
+`math_reward` also reports `any_format_correct` (whether the answer holds the right
+value in any format), logged as `train/any_format_correct`. Its settings are the run's
+`reward.format_penalty` and `reward.math_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from marl.data.problem import Problem
+
+
+async def math_reward(problem: Problem, answer: str, episode: Any) -> dict[str, float]:
+    """1 when the last `\\boxed{}` equals the ground truth, 0 when not, the format penalty
+    when none parses. Exact matches and remembered verdicts are scored on the event loop;
+    otherwise both checks take one trip to a thread, not two."""
+    from marl.rewards import math as math_reward_
+
+    task = episode.task
+    truth, penalty, timeout = problem.answer, task.format_penalty, task.math_timeout_s
+
+    def both(remembered_only: bool) -> dict[str, float]:
+        reward = math_reward_.score(answer, truth, penalty, timeout,
+                                    remembered_only=remembered_only)
+        right = math_reward_.any_format_correct(answer, truth, timeout,
+                                                remembered_only=remembered_only)
+        return {"score": reward, "any_format_correct": float(right)}
+
+    try:
+        return both(remembered_only=True)
+    except math_reward_.Unsettled:
+        return await asyncio.to_thread(both, False)
+
+
+async def code_reward(problem: Problem, answer: str, episode: Any) -> float:
+    """The fraction of the problem's tests the answer's last Python block passes in the
+    reward sandbox; 0 without runnable code or when any test timed out."""
+    from marl.rewards import code
+
+    return float(await code.score(answer, problem.tests, episode.sandbox()))
