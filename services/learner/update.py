@@ -41,7 +41,7 @@ import torch
 from marl.config import RunSpec, SpecError, response_cap
 from marl.diagnostics.signatures import parallel_roles
 from marl.rollout import Rollout
-from services.learner import diagnostics, fsdp
+from services.learner import diagnostics, fsdp, role_rewards
 from services.learner.grpo import (
     LossStats,
     clipped_loss,
@@ -452,6 +452,9 @@ def grpo_step(
     advantages = group_advantages(rewards, groups, g.normalize_std, baseline=g.baseline)
     seqs = build_sequences(rollouts, advantages, policy_of_role)
     per_turn = sequence_advantages(rollouts, rewards, groups, spec)
+    if role_rewards.present(rollouts):  # roles rewarded apart: each normalised over its own
+        per_turn = role_rewards.sequence_advantages(
+            rollouts, rewards, groups, g.normalize_std, g.baseline)
     if per_turn is not None:
         for s, a in zip(seqs, per_turn, strict=True):
             s.advantage = a
