@@ -5,6 +5,12 @@ adapters are ready, and on SIGTERM/SIGINT it reports NOT_SERVING again and stops
 with a grace period so in-flight calls finish. SIGUSR1 writes every thread's stack
 to stderr (from C, so it works while the event loop is stuck) and SIGUSR2 logs every
 asyncio task's stack: `kill -USR1 PID` shows where a hung service waits.
+
+A service process (`serve_until_stopped`) exits within its drain time plus 10 s of
+SIGTERM/SIGINT, or of its parent's death, whether Redis answers or not: `StopWatchdog`
+ends a process whose cleanup outlives `drain_s + STOP_MARGIN_S` (cleanup blocks on a
+Redis that is gone: its client retries each command for ~30 s), and when the launcher
+started it (`PARENT_PID_ENV`), stops it once its parent is gone.
 """
 
 from __future__ import annotations
@@ -13,8 +19,11 @@ import asyncio
 import faulthandler
 import inspect
 import logging
+import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
@@ -135,6 +144,63 @@ class BoundedErrors(grpc.aio.ServerInterceptor):
         return handler if handler is None else _bounded_handler(handler)
 
 
+STOP_MARGIN_S = 8.0
+"""A stopping service gets its drain time plus this to exit by itself (in-flight calls'
+grace, 5 s, and cleanup); past it `StopWatchdog` ends the process, so that with the
+interpreter's own exit it is gone within drain + 10 s."""
+PARENT_PID_ENV = "MARL_PARENT_PID"
+"""Set by the launcher (marl/launcher.py) to its pid: a service whose parent is no longer
+that process (the launcher was killed, even with SIGKILL) stops as on SIGTERM."""
+POLL_S = 0.1
+"""How often the watchdog looks at the clock and the parent's pid."""
+
+
+class StopWatchdog:
+    """A daemon thread that ends a stopping process which does not end by itself, and stops
+    an orphaned one. It polls plain attributes (no locks), so `arm` is safe to call from a
+    signal handler, whatever the main thread was doing."""
+
+    def __init__(self, budget_s: float, parent_pid: int | None = None):
+        self.budget_s = budget_s
+        """Seconds from `arm` to the forced exit."""
+        self.parent_pid = parent_pid
+        self.armed_at: float | None = None
+        self.why = ""
+        self.on_orphaned: Callable[[], None] | None = None
+        """Called (on the watchdog's thread) once the parent is gone."""
+
+    @classmethod
+    def from_env(cls, budget_s: float) -> StopWatchdog:
+        raw = os.environ.get(PARENT_PID_ENV, "")
+        return cls(budget_s, int(raw) if raw.isdigit() else None)
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="stop-watchdog", daemon=True).start()
+
+    def arm(self, why: str) -> None:
+        if self.armed_at is None:
+            self.why = why
+            self.armed_at = time.monotonic()
+
+    def _run(self) -> None:
+        while self.armed_at is None:
+            time.sleep(POLL_S)
+            if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                self.arm(f"its parent (pid {self.parent_pid}) is gone")
+                if self.on_orphaned is not None:
+                    self.on_orphaned()
+        deadline = self.armed_at + self.budget_s
+        while time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        # os.write, not logging: the main thread may hold the logging lock forever
+        os.write(
+            2,
+            f"stop-watchdog: still running {self.budget_s:.0f}s after a stop "
+            f"({self.why}); exiting now\n".encode(),
+        )
+        os._exit(1)
+
+
 class ServiceHost:
     """One grpc.aio server with health and reflection for a set of services."""
 
@@ -157,6 +223,8 @@ class ServiceHost:
             raise ValueError(f"--port: cannot bind {host}:{port}; choose a free port")
         self.address = f"{host}:{self.port}"
         self._stop = asyncio.Event()
+        self.watchdog: StopWatchdog | None = None
+        """Set by `serve_until_stopped`: armed as soon as a stop is asked."""
 
     async def set_serving(self, serving: bool) -> None:
         status = (
@@ -186,6 +254,8 @@ class ServiceHost:
 
     async def wait_for_stop(self, grace: float = 5.0) -> None:
         await self._stop.wait()
+        if self.watchdog is not None:
+            self.watchdog.arm("stop requested")
         log.info("stopping %s", self.address)
         await self.set_serving(False)
         await self.server.stop(grace)
@@ -202,8 +272,10 @@ async def serve_until_stopped(
     """Start, run `ready`, freeze what start-up built out of later garbage collections
     (`marl.gc_pauses`) and report SERVING, run background loops, stop on signal: in-flight
     calls get `grace` seconds, background loops that end by themselves once `host.stopping`
-    (a worker finishing its episodes) get `drain_s` in all, then the rest are cancelled."""
+    (a worker finishing its episodes) get `drain_s` in all, then the rest are cancelled.
+    The process exits within `drain_s + STOP_MARGIN_S` of the stop (`StopWatchdog`)."""
     await host.start()
+    _watch_for_stop(host, drain_s + STOP_MARGIN_S)
     print(f"listening on {host.address}", flush=True)
     if ready is not None:
         await ready()
@@ -221,6 +293,29 @@ async def serve_until_stopped(
         await cancel_until_done(tasks)
         if on_stop is not None:
             await on_stop()
+
+
+def _watch_for_stop(host: ServiceHost, budget_s: float) -> None:
+    """Arm a `StopWatchdog` on SIGTERM/SIGINT from the signal handler itself (the event
+    loop, which also hears the signal, may be busy), and on the parent's death."""
+    loop = asyncio.get_running_loop()
+    watchdog = host.watchdog = StopWatchdog.from_env(budget_s)
+
+    def stop() -> None:
+        try:
+            loop.call_soon_threadsafe(host.request_stop)
+        except RuntimeError:  # the loop is closed: the process is exiting anyway
+            pass
+
+    watchdog.on_orphaned = stop
+
+    def on_signal(signum: int, frame: Any) -> None:
+        watchdog.arm(signal.Signals(signum).name)
+        stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    watchdog.start()
 
 
 def _stop_on_crash(host: ServiceHost) -> Callable[[asyncio.Task[None]], None]:

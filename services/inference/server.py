@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from marl import adapter_io, replicas, streams, trace
 from marl.aio_tasks import cancel_until_done
@@ -465,7 +466,12 @@ async def _serve(
         if service._engine is not None:
             await service.engine.close()
         if redis_client is not None:
-            await replicas.withdraw(redis_client, "inference", replica_id)
+            try:  # workers also drop a replica whose heartbeat stops: never wait on a gone Redis
+                await asyncio.wait_for(
+                    replicas.withdraw(redis_client, "inference", replica_id), 2.0
+                )
+            except (TimeoutError, RedisError, OSError) as err:
+                log.warning("could not withdraw from the replica registry: %s", err)
             await redis_client.aclose()
 
     await serve_until_stopped(server, ready=ready, background=background, on_stop=on_stop)
