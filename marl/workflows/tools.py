@@ -191,7 +191,7 @@ def tool_message(name: str, content: str) -> dict[str, Any]:
 HERMES_SYSTEM = (
     "You may call tools. Their signatures are within <tools></tools>:\n<tools>\n{tools}\n"
     "</tools>\nTo call one, write <tool_call>\n{{\"name\": <name>, \"arguments\": "
-    "<arguments object>}}\n</tool_call>; its result comes back in <tool_response>."
+    "<arguments object>}}\n</tool_call>; its result comes back as the tool's response."
 )
 
 
