@@ -9,12 +9,18 @@ token ids, or a list of either) / `messages` (text content), `max_tokens`
 (`max_completion_tokens`), `temperature`, `top_p`, `n`, `seed`, `stop`,
 `logprobs` (the sampled tokens' log-probs; alternatives are not computed, so
 `top_logprobs` / completions `logprobs` above 0 are refused), and vLLM's
-`return_token_ids` and `chat_template_kwargs` extensions. Not supported: streaming, `echo`, `suffix`,
-penalties, `logit_bias`, tools and non-text content.
+`return_token_ids` and `chat_template_kwargs` extensions, and tools: `tools` (function
+schemas, passed to the chat template, or written as Hermes' system message for a
+template without tool support), `tool_choice` `auto` or `none`, `tool` messages and
+assistant `tool_calls` in the history; a completion's `<tool_call>` blocks come back as
+`tool_calls` (finish_reason `tool_calls`). Not supported: streaming, `echo`, `suffix`,
+penalties, `logit_bias`, a forced tool choice (sampling is not constrained), the
+deprecated `functions`, and non-text content.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -29,7 +35,7 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "
 _COMPLETION = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                    "functions", "function_call", "response_format", "chat_template_kwargs"}
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class OpenAIError(Exception):
@@ -83,10 +89,12 @@ class CompletionRequest:
 @dataclass
 class ChatRequest:
     model: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     sampling: Sampling
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     """Passed to the chat template, e.g. {"enable_thinking": false} (as `model.chat_template_kwargs`)."""
+    tools: list[dict[str, Any]] | None = None
+    """The function schemas offered (`{"type": "function", "function": {...}}`); None: none."""
 
 
 def _is_int(v: Any) -> bool:
@@ -209,10 +217,15 @@ def _content(content: Any, where: str) -> str:
 def parse_chat(body: dict[str, Any], default_max_tokens: int | None = None) -> ChatRequest:
     _check_fields(body, _CHAT)
     model = _model(body)
-    for name in ("tools", "functions"):
-        _unsupported(body, name, ([],), "tool calling is not supported")
-    for name in ("tool_choice", "function_call"):
-        _unsupported(body, name, ("none",), "tool calling is not supported")
+    _unsupported(body, "functions", ([],), "deprecated by OpenAI; send `tools`")
+    _unsupported(body, "function_call", ("none",), "deprecated by OpenAI; send `tool_choice`")
+    tools: list[dict[str, Any]] | None = _tools(body.get("tools"))
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise bad("tool_choice", "only auto or none: marl does not constrain sampling to a "
+                                 "tool call (the model chooses, as its chat template taught it)")
+    if choice == "none":
+        tools = None
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise bad("response_format", "only {\"type\": \"text\"} is supported")
@@ -243,24 +256,86 @@ def parse_chat(body: dict[str, Any], default_max_tokens: int | None = None) -> C
         if role not in CHAT_ROLES:
             raise bad(f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}, got "
                                              f"{role!r}")
-        out.append({"role": str(role), "content": _content(m.get("content"),
-                                                           f"messages[{i}].content")})
+        out.append(_message(m, str(role), i))
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
         raise bad("chat_template_kwargs", "must be an object of template arguments")
-    return ChatRequest(model, out, sampling, dict(kwargs))
+    return ChatRequest(model, out, sampling, dict(kwargs), tools or None)
+
+
+def _tools(tools: Any) -> list[dict[str, Any]]:
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise bad("tools", "must be a list of {type: function, function: {name, ...}}")
+    out = []
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if (not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict)
+                or not isinstance(fn.get("name"), str) or not fn["name"]):
+            raise bad(f"tools[{i}]", "must be {type: function, function: {name, description, "
+                                     "parameters}}")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise bad(f"tools[{i}].function.parameters", "must be a JSON schema object")
+        out.append({"type": "function", "function": {
+            "name": fn["name"], "description": str(fn.get("description") or ""),
+            "parameters": params}})
+    return out
+
+
+def _message(m: dict[str, Any], role: str, i: int) -> dict[str, Any]:
+    """One history message as chat templates take it (tool calls' arguments as objects)."""
+    calls = m.get("tool_calls")
+    if role == "assistant" and calls:
+        if not isinstance(calls, list):
+            raise bad(f"messages[{i}].tool_calls", "must be a list of tool calls")
+        out_calls = []
+        for j, c in enumerate(calls):
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise bad(f"messages[{i}].tool_calls[{j}]", "must be {type: function, "
+                                                            "function: {name, arguments}}")
+            args = fn.get("arguments") or {}
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except json.JSONDecodeError:
+                    raise bad(f"messages[{i}].tool_calls[{j}].function.arguments",
+                              "must be a JSON object (as a string)") from None
+            out_calls.append({"type": "function", "id": str(c.get("id") or ""),
+                              "function": {"name": fn["name"], "arguments": args}})
+        content = m.get("content")
+        return {"role": role, "content": "" if content is None else _content(
+            content, f"messages[{i}].content"), "tool_calls": out_calls}
+    out: dict[str, Any] = {"role": role,
+                           "content": _content(m.get("content"), f"messages[{i}].content")}
+    if role == "tool":
+        for key in ("tool_call_id", "name"):
+            if isinstance(m.get(key), str):
+                out[key] = m[key]
+    return out
 
 
 # ---------------------------------------------------------------- tokens and text
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, str]],
-                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
+                template_kwargs: dict[str, Any] | None = None,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Prompt token ids of a chat, exactly as a workflow's role turn renders it (with the
-    run's `model.chat_template_kwargs` as `template_kwargs`)."""
+    run's `model.chat_template_kwargs` as `template_kwargs`; `tools` as a tool turn)."""
+    extra: dict[str, Any] = {}
+    if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+        from marl.workflows.tools import hermes_messages, supports_tools
+
+        if getattr(tokenizer, "chat_template", None) and supports_tools(tokenizer):
+            extra = {"tools": tools} if tools else {}
+        else:
+            messages = hermes_messages(messages, tools or [])
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                             tokenize=False, **(template_kwargs or {}))
+                                             tokenize=False, **extra, **(template_kwargs or {}))
     else:
         text = "\n\n".join(m["content"] for m in messages) + "\n\n"
     return list(tokenizer.encode(str(text), add_special_tokens=False))
@@ -349,13 +424,31 @@ def completion_body(model: str, choices: list[Generated], prompt_ids: list[list[
             "usage": _usage(prompt_ids, choices)}
 
 
+def tool_call_message(text: str) -> tuple[dict[str, Any], bool]:
+    """The assistant message for a completion that offered tools: its well-formed
+    `<tool_call>` blocks as `tool_calls` (content: the text before them, or None), and
+    whether there were any. A malformed block stays in the content, for the agent to see."""
+    from marl.workflows.tools import content_before_calls, parse_tool_calls
+
+    calls = [c for c in parse_tool_calls(text) if c.error is None]
+    if not calls:
+        return {"role": "assistant", "content": text}, False
+    return {"role": "assistant", "content": content_before_calls(text) or None,
+            "tool_calls": [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                            "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                           for c in calls]}, True
+
+
 def chat_body(model: str, choices: list[Generated], prompt_ids: list[int], sampling: Sampling,
-              tokenizer: Any) -> dict[str, Any]:
+              tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     out = []
     for i, g in enumerate(choices):
-        choice: dict[str, Any] = {"index": i,
-                                  "message": {"role": "assistant", "content": g.text},
-                                  "logprobs": None, "finish_reason": g.finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": g.text}
+        called = False
+        if tools:
+            message, called = tool_call_message(g.text)
+        choice: dict[str, Any] = {"index": i, "message": message, "logprobs": None,
+                                  "finish_reason": "tool_calls" if called else g.finish_reason}
         if sampling.logprobs:
             choice["logprobs"] = {"content": [
                 {"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}

@@ -163,11 +163,13 @@ class OpenAIApi:
         body = await _body(request)
         req = oa.parse_chat(body)
         try:
-            prompt_ids = oa.render_chat(self.tokenizer, req.messages, req.template_kwargs)
+            prompt_ids = oa.render_chat(self.tokenizer, req.messages, req.template_kwargs,
+                                        req.tools)
         except Exception as err:  # a template that rejects these messages (e.g. role order)
             raise oa.bad("messages", f"the model's chat template refused them: {err}") from None
         choices = await self._generate(req.model, [prompt_ids], req.sampling)
-        return oa.chat_body(req.model, choices, prompt_ids, req.sampling, self.tokenizer)
+        return oa.chat_body(req.model, choices, prompt_ids, req.sampling, self.tokenizer,
+                            req.tools)
 
 
 async def _body(request: web.Request) -> dict[str, Any]:

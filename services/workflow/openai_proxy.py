@@ -11,10 +11,16 @@ version) and goes into the episode's rollout.
 Sampling is the run's, not the caller's: `temperature`, `top_p`,
 `max_tokens` and `seed` in a request are ignored, because the recorded
 log-probs must be those of the behaviour policy the learner corrects for.
-What would change which tokens are recorded is refused with a 400 naming the
-field (`n` > 1, `stop`, streaming, tools, and whatever the inference
-endpoint refuses, see `marl.openai_protocol`). `/v1/completions` is not
-offered: a role turn is a chat.
+`stop` is honoured: the answer ends before the first stop string, and the
+recorded turn ends with the token that completed it (a prefix of a sample is a
+sample of the behaviour policy; what the agent never saw is not trained on).
+`tools` are offered to the model through the chat template (as a tool turn is,
+marl/workflows/tools.py) and its `<tool_call>` blocks come back as `tool_calls`;
+the agent runs them and sends the results as `tool` messages, which are prompt
+tokens of its next call, never trained on. What would change which tokens are
+recorded is refused with a 400 naming the field (`n` > 1, streaming, a forced
+`tool_choice`, and whatever the inference endpoint refuses, see
+`marl.openai_protocol`). `/v1/completions` is not offered: a role turn is a chat.
 
 A turn that cannot run (its prompt over the cap, no replica) is answered with
 a 503 the client does not retry, and is remembered: `raise_failure` (called by
@@ -116,11 +122,10 @@ class EpisodeProxy:
         sampling = req.sampling
         if sampling.n != 1:
             raise oa.bad("n", "one completion per call inside an episode (each is a turn)")
-        if sampling.stop:
-            raise oa.bad("stop", "not supported inside an episode: the run's sampling applies")
         role, slot = role_and_slot(req.model, list(episode.task.adapters))
         try:
-            turn = await episode.run_turn(role, slot, req.messages)
+            turn = await episode.run_turn(role, slot, req.messages,
+                                          **({"tools": req.tools} if req.tools else {}))
         except Exception as err:  # re-raised by raise_failure, where the worker judges it
             if getattr(episode, _FAILURE_ATTR, None) is None:
                 setattr(episode, _FAILURE_ATTR, err)
@@ -129,8 +134,13 @@ class EpisodeProxy:
                                  retry=False) from None
         generated = oa.Generated(turn.text, list(turn.completion_ids), list(turn.logprobs),
                                  turn.finish_reason)
+        if sampling.stop:
+            generated = oa.finish(episode.tokenizer, generated.token_ids, generated.logprobs,
+                                  generated.finish_reason, sampling.stop)
+            turn.text, turn.completion_ids = generated.text, list(generated.token_ids)
+            turn.logprobs, turn.finish_reason = list(generated.logprobs), generated.finish_reason
         return oa.chat_body(req.model, [generated], list(turn.prompt_ids), sampling,
-                            episode.tokenizer)
+                            episode.tokenizer, req.tools)
 
 
 def raise_failure(episode: Any) -> None:

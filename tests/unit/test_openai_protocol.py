@@ -67,10 +67,16 @@ def test_completion_defaults_and_prompt_forms() -> None:
 
 @pytest.mark.parametrize("fields, param", [
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content[0]"),
-    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"tools": {"name": "f"}}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"max_completion_tokens": -1}, "max_completion_tokens"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
@@ -148,3 +154,35 @@ def test_chat_template_kwargs_reach_the_template() -> None:
                          "chat_template_kwargs": {"enable_thinking": False}})
     ids = oa.render_chat(Templated(), req.messages, req.template_kwargs)
     assert CharTokenizer().decode(ids) == "q|[('enable_thinking', False)]"
+
+
+def test_tools_and_tool_messages_parse() -> None:
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}}}}]
+    req = oa.parse_chat({"model": "m", "tools": tools, "tool_choice": "auto", "messages": [
+        {"role": "user", "content": "1+1?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "2"}]})
+    assert req.tools == [{"type": "function", "function": {
+        "name": "add", "description": "", "parameters": tools[0]["function"]["parameters"]}}]
+    assert req.messages[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "id": "c1", "function": {"name": "add", "arguments": {"a": 1}}}]}
+    assert req.messages[2] == {"role": "tool", "content": "2", "tool_call_id": "c1"}
+    assert oa.parse_chat({"model": "m", "tools": tools, "tool_choice": "none",
+                          "messages": [{"role": "user", "content": "x"}]}).tools is None
+
+
+def test_tool_calls_come_back() -> None:
+    text = 'Let me add.<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    g = oa.Generated(text, [1], [-0.1], "stop")
+    body = oa.chat_body("m", [g], [1], oa.Sampling(max_tokens=4), CharTokenizer(),
+                        tools=[{"type": "function", "function": {"name": "add"}}])
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Let me add."
+    (called,) = choice["message"]["tool_calls"]
+    assert called["function"] == {"name": "add", "arguments": '{"a": 1}'}
+    assert called["type"] == "function" and called["id"].startswith("call_")
+    plain = oa.chat_body("m", [g], [1], oa.Sampling(max_tokens=4), CharTokenizer())
+    assert plain["choices"][0]["message"] == {"role": "assistant", "content": text}

@@ -46,12 +46,20 @@ class StandInEpisode:
     async def turn(self, role: str, slot: int, messages: list[dict[str, str]]) -> str:
         return (await self.run_turn(role, slot, messages)).text
 
-    async def run_turn(self, role: str, slot: int, messages: list[dict[str, str]]) -> Turn:
+    async def run_turn(self, role: str, slot: int, messages: list[dict[str, str]],
+                       tools: list[dict[str, Any]] | None = None) -> Turn:
         self.calls.append((role, slot, messages))
         if messages[-1]["content"] == "too long":
             raise EpisodeError("the drafter prompt is over the prompt cap")
         await asyncio.sleep(0.01 * (3 - slot))  # parallel calls finish out of order
         text = f"{role}{slot}"
+        if tools:  # the model calls the first tool offered, then answers with its result
+            if messages[-1]["role"] == "tool":
+                text = f"the result is {messages[-1]['content']}. STOP and more"
+            else:
+                name = tools[0]["function"]["name"]
+                text = f'<tool_call>{{"name": "{name}", "arguments": {{"x": 2}}}}</tool_call>'
+
         ref = self.task.adapters[role]
         record = Turn(role=role, slot=slot, prompt_ids=[1, 2, slot],
                       completion_ids=[ord(c) for c in text], logprobs=[-0.5] * len(text),
@@ -96,9 +104,8 @@ async def test_calls_become_role_turns() -> None:
     ({"model": "judge"}, openai.NotFoundError, "not a role of this episode"),
     ({"model": "drafter:x"}, openai.BadRequestError, "slot"),
     ({"model": "drafter", "n": 2}, openai.BadRequestError, "n:"),
-    ({"model": "drafter", "stop": ["."]}, openai.BadRequestError, "stop:"),
-    ({"model": "drafter", "tools": [{"type": "function", "function": {"name": "f"}}]},
-     openai.BadRequestError, "tools:"),
+    ({"model": "drafter", "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": "required"}, openai.BadRequestError, "tool_choice:"),
 ])
 async def test_refusals(args: dict[str, Any], error: type[Exception], text: str) -> None:
     ep = episode()
@@ -137,3 +144,31 @@ async def test_a_turn_that_cannot_run_fails_the_episode() -> None:
     with pytest.raises(EpisodeError, match="prompt cap"):
         openai_proxy.raise_failure(ep)
     openai_proxy.raise_failure(episode())  # an episode without failures: nothing raised
+
+
+async def test_tools_come_back_as_tool_calls_and_stop_is_honoured() -> None:
+    ep = episode()
+    url = await openai_proxy.base_url(ep)
+    tools = [{"type": "function", "function": {"name": "double", "description": "x * 2",
+                                               "parameters": {"type": "object"}}}]
+    async with openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0) as client:
+        messages: list[Any] = [{"role": "user", "content": "double 2"}]
+        first = await client.chat.completions.create(model="drafter", messages=messages,
+                                                     tools=tools)  # type: ignore[arg-type]
+        choice = first.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        (called,) = choice.message.tool_calls or []
+        assert called.function.name == "double"  # type: ignore[union-attr]
+        assert called.function.arguments == '{"x": 2}'  # type: ignore[union-attr]
+        messages += [choice.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": called.id, "content": "4"}]
+        second = await client.chat.completions.create(model="drafter", messages=messages,
+                                                      tools=tools, stop=["STOP"])  # type: ignore[arg-type]
+    assert second.choices[0].message.content == "the result is 4. "
+    assert second.choices[0].finish_reason == "stop"
+    # the recorded turn ends with the token that completed the stop string
+    assert ep.turns[1].text == "the result is 4. "
+    assert "".join(map(chr, ep.turns[1].completion_ids)) == "the result is 4. STOP"
+    assert len(ep.turns[1].logprobs) == len(ep.turns[1].completion_ids)
+    assert ep.calls[1][2][1]["tool_calls"][0]["function"] == {"name": "double",
+                                                              "arguments": {"x": 2}}
