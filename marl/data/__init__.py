@@ -50,7 +50,7 @@ def load_split(spec: DataSpec, which: Split, seed: int) -> SplitData:
     name = spec.train if which == "train" else spec.val
     if spec.train == spec.val and spec.val_path in (None, spec.train_path) and not (
             spec.train_path and has_val_split(spec.train_path)):
-        if name == "arithmetic":
+        if name == "arithmetic" and spec.train_path is None:
             train, val = arithmetic.split(seed)
             source = Loaded(train + val, files=["(bundled arithmetic)"], rows=len(train + val))
         else:

@@ -1,0 +1,211 @@
+"""Bring your own task, every service a process (one cluster on the demo model, the runs
+one after another): a verl parquet and a verl-signature reward function, a JSONL with
+other column names and a `save_to_disk` folder, a reward that raises, `workflow_args`, a
+tool-using workflow, an LLM judge served by the run's own inference, and an agent using
+the `openai` client's tools. Each trains 2 steps, or fails as it must."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+
+from marl.data import arithmetic
+from marl.demo_model import demo_model_dir
+from marl.launcher import Cluster
+from marl.v1 import learner_pb2, learner_pb2_grpc
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+
+USER = "tests.integration.byo_user"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    work = tmp_path_factory.mktemp("byo-cluster")
+    c = Cluster(work, str(demo_model_dir()), engine="transformers", sandbox_replicas=1)
+    c.start()
+    yield c
+    c.stop()
+
+
+def base_spec(name: str, out: Path, **changes: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "name": name,
+        "workflow": "single",
+        "out_dir": str(out),
+        "model": {"path": str(demo_model_dir())},
+        "lora": {"rank": 4, "alpha": 8},
+        "optim": {"lr": 1e-2, "warmup_steps": 0},
+        "grpo": {"group_size": 4, "mini_batch_size": 2},
+        "train": {"steps": 2, "problems_per_step": 2, "val_interval": 1000,
+                  "val_problems": 2, "checkpoint_interval": 1000, "rollouts_logged": 8,
+                  "step_timeout_s": 300},
+        "sampling": {"temperature": 1.5, "max_tokens": 8},
+        "data": {"train": "arithmetic", "val": "arithmetic"},
+    }
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(spec.get(key), dict) and key != "data":
+            spec[key] = {**spec[key], **value}
+        else:
+            spec[key] = value
+    return spec
+
+
+def stub(cluster: Cluster) -> learner_pb2_grpc.LearnerStub:
+    return learner_pb2_grpc.LearnerStub(grpc.insecure_channel(cluster.endpoints()["learner"]))
+
+
+def train(cluster: Cluster, spec: dict[str, Any]) -> learner_pb2.Run:
+    s = stub(cluster)
+    run_id = s.SubmitRun(learner_pb2.SubmitRunRequest(spec_yaml=yaml.safe_dump(spec)),
+                         timeout=120).run_id
+    for _ in s.WatchRun(learner_pb2.WatchRunRequest(run_id=run_id, from_start=True),
+                        timeout=900):
+        pass
+    return s.GetRun(learner_pb2.GetRunRequest(run_id=run_id), timeout=10)
+
+
+def refused(cluster: Cluster, spec: dict[str, Any]) -> str:
+    with pytest.raises(grpc.RpcError) as err:
+        stub(cluster).SubmitRun(learner_pb2.SubmitRunRequest(spec_yaml=yaml.safe_dump(spec)),
+                                timeout=120)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    return str(err.value.details())
+
+
+def records(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def rollouts(out: Path, step: int) -> list[dict[str, Any]]:
+    path = out / "rollouts" / f"step_{step:06d}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def write_verl_parquet(path: Path, n: int = 12) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    train, _ = arithmetic.split(0)
+    rows = [{"data_source": "arith", "ability": "math",
+             "prompt": [{"role": "user", "content": p.prompt}],
+             "reward_model": {"style": "rule", "ground_truth": p.answer},
+             "extra_info": {"split": "train", "index": i}} for i, p in enumerate(train[:n])]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def test_verl_parquet_and_verl_reward_function_train(cluster: Cluster, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    data = write_verl_parquet(tmp_path / "train.parquet")
+    spec = base_spec("byo-verl", out, data={"train_path": str(data), "format": "verl",
+                                            "val_fraction": 0.25},
+                     reward={"function": f"{USER}:compute_score"})
+    run = train(cluster, spec)
+    assert run.state == "SUCCEEDED", run.error
+    rows = records(out)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows[1:]:  # the function's components, logged as metrics
+        assert {"train/acc", "train/has_number", "train/index_seen"} <= set(r)
+        assert r["train/index_seen"] == 1.0
+    assert all(ro["problem_id"].startswith("arith-") for ro in rollouts(out, 1))
+
+
+def test_other_columns_and_a_datasets_folder_train(cluster: Cluster, tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    train_rows, val_rows = arithmetic.split(0)
+    jsonl = tmp_path / "mine.jsonl"
+    jsonl.write_text("".join(json.dumps({"question_text": p.prompt, "solution": p.answer})
+                             + "\n" for p in train_rows[:12]))
+    folder = tmp_path / "val_ds"
+    datasets.Dataset.from_list([{"question_text": p.prompt, "solution": p.answer}
+                                for p in val_rows[:4]]).save_to_disk(folder)
+    out = tmp_path / "run"
+    spec = base_spec("byo-columns", out, data={
+        "train_path": str(jsonl), "val_path": str(folder), "prompt_key": "question_text",
+        "answer_key": "solution"})
+    run = train(cluster, spec)
+    assert run.state == "SUCCEEDED", run.error
+    rows = records(out)
+    assert [r["step"] for r in rows] == [0, 1, 2] and "val/accuracy" in rows[0]
+    # a bad file is refused at submit, naming the file, the row and the column
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question_text": "x", "solution": "1"}) + "\n"
+                   + json.dumps({"question_text": 5, "solution": "2"}) + "\n")
+    spec["data"] = {**spec["data"], "train_path": str(bad), "on_bad_row": "refuse"}
+    assert "bad.jsonl row 2: `question_text` must be a string" in refused(cluster, spec)
+
+
+def test_a_raising_reward_fails_every_rollout_and_the_run(cluster: Cluster,
+                                                          tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    spec = base_spec("byo-boom", out, reward={"function": f"{USER}:boom"},
+                     train={"steps": 4})
+    run = train(cluster, spec)
+    assert run.state == "FAILED"
+    assert "reward function tests.integration.byo_user:boom raised ValueError" in run.error
+    assert run.failed_episodes == run.episodes > 0
+
+
+def test_workflow_args_reach_the_workflow(cluster: Cluster, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    spec = base_spec("byo-args", out, workflow=f"{USER}:ROUNDS",
+                     workflow_args={"rounds": 2})
+    details = refused(cluster, {**spec, "workflow_args": {"rounds": 7}})
+    assert "field `workflow_args.rounds`" in details
+    run = train(cluster, spec)
+    assert run.state == "SUCCEEDED", run.error
+    assert all(r["train/rounds_seen"] == 2.0 for r in records(out)[1:])
+    assert all(len(ro["turns"]) == 2 for ro in rollouts(out, 1))
+
+
+def test_a_tool_using_workflow_trains(cluster: Cluster, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    spec = base_spec("byo-tools", out, workflow="examples.workflows.tool_agents:MATH_AGENT",
+                     workflow_args={"tools": ["python", "calculator"], "max_tool_calls": 2})
+    run = train(cluster, spec)
+    assert run.state == "SUCCEEDED", run.error
+    rows = records(out)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all("role/solver/tool_errors" in r for r in rows[1:])
+    for ro in rollouts(out, 2):
+        for t in ro["turns"]:
+            assert t["role"] == "solver" and t["adapter"]["version"] == 1
+            assert len(t["logprobs"]) == len(t["completion_ids"]) > 0
+
+
+def test_a_judge_served_by_the_runs_own_inference_trains(cluster: Cluster,
+                                                         tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    spec = base_spec("byo-judge", out, workflow="examples.workflows.judged:WRITER",
+                     reward={"judge": {"model": "base", "max_tokens": 6, "max_score": 10}})
+    run = train(cluster, spec)
+    assert run.state == "SUCCEEDED", run.error
+    rows = records(out)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all("train/judge_parsed" in r for r in rows[1:])
+    for ro in rollouts(out, 1):
+        assert [t["role"] for t in ro["turns"]] == ["writer"]  # the judge is not trained
+        (judge,) = ro["judge_turns"]
+        assert judge["role"] == "judge" and judge["prompt_ids"] and judge["completion_ids"]
+        assert len(judge["logprobs"]) == len(judge["completion_ids"])
+
+
+def test_an_openai_agent_with_tools_trains(cluster: Cluster, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    spec = base_spec("byo-openai-tools", out,
+                     workflow="examples.workflows.openai_tool_agent:AGENT")
+    run = train(cluster, spec)
+    assert run.state == "SUCCEEDED", run.error
+    for step in (1, 2):
+        for ro in rollouts(out, step):
+            assert ro["turns"]
+            for t in ro["turns"]:
+                assert t["role"] == "solver"
+                assert t["adapter"]["version"] == step - 1
+                assert t["prompt_ids"] and len(t["logprobs"]) == len(t["completion_ids"]) > 0
