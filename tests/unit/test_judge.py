@@ -1,0 +1,64 @@
+"""The judge: asked over OpenAI's protocol at any endpoint and recorded untrained, or a
+trained role when a policy group names it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from aiohttp import web
+from workflows_scripted import MATH, ScriptedEngine, make_task
+
+from marl.config import JudgeSpec, parse_spec
+from marl.http_server import HttpServer
+from marl.workflows import policy_of_role
+from tests.unit.test_workflows_runtime import runner_with
+
+
+def test_the_judge_is_routed_only_when_a_policy_group_names_it() -> None:
+    judged = {"judge": {"model": "base"}}
+    assert "judge" not in policy_of_role(parse_spec({"reward": judged}))
+    spec = parse_spec({"reward": judged, "policy_groups": {
+        "generator": "solver", "aggregator": "solver", "judge": "judge"}})
+    assert policy_of_role(spec) == {"generator": "solver", "aggregator": "solver",
+                                    "judge": "judge"}
+
+
+async def test_an_openai_endpoint_judges_and_its_turn_is_recorded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[dict[str, Any]] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        seen.append({"auth": request.headers.get("Authorization"), **await request.json()})
+        return web.json_response({"choices": [{"index": 0, "finish_reason": "stop",
+                                               "message": {"role": "assistant",
+                                                           "content": "Good. \\boxed{8}"}}]})
+
+    http = HttpServer("127.0.0.1", 0)
+    http.app.router.add_post("/v1/chat/completions", chat)
+    await http.start()
+    monkeypatch.setenv("JUDGE_KEY", "sk-test")
+    try:
+        judge = JudgeSpec(endpoint=f"http://{http.address}/v1", model="grader",
+                          api_key_env="JUDGE_KEY", max_tokens=5).model_dump()
+        engine = ScriptedEngine(lambda role, slot, prompt: "it is \\boxed{5}")
+        rollout = await runner_with(engine).run(make_task("single", judge=judge))
+    finally:
+        await http.stop()
+    assert rollout.error is None, rollout.error
+    assert rollout.reward == 0.8 and rollout.facts["judge_parsed"] == 1.0
+    (asked,) = seen
+    assert asked["auth"] == "Bearer sk-test" and asked["model"] == "grader"
+    assert asked["max_tokens"] == 5 and "return_token_ids" not in asked
+    assert MATH.prompt in asked["messages"][0]["content"]
+    assert "it is \\boxed{5}" in asked["messages"][0]["content"]
+    (turn,) = rollout.judge_turns
+    assert turn.role == "judge" and turn.text == "Good. \\boxed{8}"
+    assert [t.role for t in rollout.turns] == ["generator"]  # not trained
+
+
+async def test_a_judge_that_does_not_answer_fails_the_rollout() -> None:
+    judge = JudgeSpec(endpoint="http://127.0.0.1:9/v1", timeout_s=2).model_dump()
+    engine = ScriptedEngine(lambda role, slot, prompt: "x")
+    rollout = await runner_with(engine).run(make_task("single", judge=judge))
+    assert rollout.error is not None and "did not answer" in rollout.error
