@@ -177,3 +177,28 @@ async def test_tool_output_tokens_are_exactly_outside_the_loss() -> None:
     positions = range(at - 1, at - 1 + len(output))  # position j predicts token j + 1
     assert batch.targets[1, list(positions)].tolist() == output
     assert batch.loss_mask[1, list(positions)].sum().item() == 0
+
+
+async def test_an_openai_agent_gets_tool_calls_from_the_role_adapter() -> None:
+    """examples/workflows/openai_tool_agent.py through the real episode and its endpoint:
+    the adapter's `<tool_call>` comes back to the `openai` client as `tool_calls`, the
+    agent's tool result goes into the next call's prompt, and both calls are recorded as
+    the solver's turns with the adapter version that served them."""
+    from marl.rollout import AdapterRef
+
+    def script(role: str, slot: int, prompt: str) -> str:
+        if "<tool_response>" in prompt:
+            return "It is \\boxed{5}."
+        return call("calculator", '{"expression": "2 + 3"}')
+
+    engine = ScriptedEngine(script)
+    task = make_task("single")
+    task.workflow = "examples.workflows.openai_tool_agent:AGENT"
+    task.adapters = {"solver": AdapterRef("run-1/solver", 7)}
+    rollout = await runner_with(engine).run(task)
+    assert rollout.error is None, rollout.error
+    assert rollout.final_text == "It is \\boxed{5}." and rollout.reward == 1.0
+    assert [(t.role, t.adapter.name, t.adapter.version) for t in rollout.turns] == [
+        ("solver", "run-1/solver", 7)] * 2
+    assert "<tool_response>\n5\n</tool_response>" in engine.seen[1].prompt
+    assert '"name": "calculator"' in engine.seen[0].prompt  # the tools were offered
