@@ -110,7 +110,7 @@ def split_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
         acks = redis.Redis.from_url(c.redis_url).hkeys(acks_key(run_id))
         yield {
             "run": run, "out": out, "split": row, "killed_after": killed_after,
-            "acks": [a.decode() for a in acks],
+            "acks": [a.decode() if isinstance(a, bytes) else a for a in acks],
         }
 
 

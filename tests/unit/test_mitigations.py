@@ -320,6 +320,6 @@ def test_report_marks_the_split_on_its_plots() -> None:
         {"step": 2, "guard": "split: sp_role_capture[aggregator]@2: terse rate -> ...",
          "routing": "aggregator=aggregator,generator=shared"},
     ])
-    assert [line.get_xdata()[0] for line in ax.lines[1:]] == [2]
+    assert [line.get_xdata()[0] for line in ax.lines[1:]] == [2]  # type: ignore[index]
     assert [t.get_text() for t in ax.texts] == ["split\naggregator=aggregator,generator=shared"]
     plt.close(fig)
