@@ -68,7 +68,7 @@ class BatchingStub:
         self._calls.add(task)
         task.add_done_callback(self._calls.discard)
 
-    async def _run(self, call: _Call) -> None:
+    async def _run(self, call: _Call) -> None:  # noqa: C901 (older than the limit; split it when next changed)
         futures = call.futures
         stream = self.stub.GenerateMany(
             inference_pb2.GenerateManyRequest(requests=call.requests), timeout=call.timeout

@@ -453,7 +453,7 @@ def import_tokenizers() -> None:
     from transformers import AutoTokenizer  # noqa: F401
 
 
-async def work_loop(
+async def work_loop(  # noqa: C901, PLR0915 (older than the limit; split it when next changed)
     runner: EpisodeRunner,
     concurrency: int = 512,
     claim_idle_s: float = 120.0,
