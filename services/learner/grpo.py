@@ -42,10 +42,9 @@ def group_advantages(
     for idx in members.values():
         r = torch.tensor([float(rewards[i]) for i in idx], dtype=torch.float64)
         centered = r - r.mean()
-        if baseline == "leave_one_out":
-            centered = centered * (len(idx) / (len(idx) - 1)) if len(idx) > 1 else centered * 0
-        else:
-            assert baseline == "group", baseline
+        assert baseline in ("group", "leave_one_out"), baseline
+        if baseline == "leave_one_out" and len(idx) > 1:  # a lone rollout is centred to 0
+            centered = centered * (len(idx) / (len(idx) - 1))
         if normalize_std:
             std = float(r.std(unbiased=True)) if len(idx) > 1 else 0.0
             centered = centered / (std + eps) if std > 0 else torch.zeros_like(centered)
