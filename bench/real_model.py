@@ -283,9 +283,9 @@ def numeric_check(run_dir: Path, model_dir: str, val_problems: int, max_tokens: 
     """The generator's greedy answers on the validation problems, base model and final
     adapter (`policy`), scored as arithmetic: the last `\\boxed{}` must hold the sum as an
     integer literal (`any`: the last boxed answer, else the last number, must be the sum's
-    literal: any-format without math-verify's equivalence). The run's reward (math-verify equivalence) also takes `\\boxed{24+24}`
-    for 48, a restatement of the question: `boxed_expression` is the share of answers whose
-    box holds something other than an integer."""
+    literal: any-format without math-verify's equivalence). The run's reward also takes
+    `\\boxed{24+24}` for 48, a restatement of the question: `boxed_expression` is the share
+    of answers whose box holds something other than an integer."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -329,6 +329,10 @@ def numeric_check(run_dir: Path, model_dir: str, val_problems: int, max_tokens: 
     out["any_delta"] = a["any"]["p"] - b["any"]["p"]
     out["any_delta_ci"] = newcombe(b["any"]["k"], n, a["any"]["k"], n)
     return out
+
+
+def gib(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f} GiB"
 
 
 def fmt_acc(a: dict[str, Any]) -> str:
@@ -382,7 +386,7 @@ def print_table(figures: dict[str, Any]) -> None:
               f"step {c['step_s'] or 0:.1f} s (rollouts {c['rollout_s'] or 0:.1f} s, update "
               f"{c['update_s'] or 0:.1f} s); learner peak per step median "
               f"{c['learner_step_peak_gib']['median'] or 0:.2f} GiB, VmHWM "
-              f"{c['learner_hwm_gib']:.2f} GiB; inference VmHWM {c['inference_hwm_gib']:.2f} GiB")
+              f"{gib(c['learner_hwm_gib'])}; inference VmHWM {gib(c['inference_hwm_gib'])}")
 
 
 def plot(figures: dict[str, Any], path: Path) -> None:
@@ -408,7 +412,8 @@ def plot(figures: dict[str, Any], path: Path) -> None:
             curve = c[name]["curve"]
             xs = [p[0] for p in curve]
             ys = [p[1] for p in curve]
-            err = [[p[1] - p[2] for p in curve], [p[3] - p[1] for p in curve]]
+            # Wilson's bound at p = 0 or 1 can land a rounding error past p
+            err = [[max(0.0, p[1] - p[2]) for p in curve], [max(0.0, p[3] - p[1]) for p in curve]]
             bottom.errorbar(xs, ys, yerr=err, fmt=marker, capsize=3, label=label)
         bottom.set_xlabel("step")
         bottom.set_ylim(-0.02, 1.02)
