@@ -109,6 +109,18 @@ def integer_verdict(pred: str, ground_truth: str) -> Verdict | None:
     return "correct" if int(pred) == int(ground_truth) else "wrong"
 
 
+UNEVALUATED = re.compile(r"\d\s*(?:[-+*/×÷^]|\\times|\\cdot|\\div)\s*-?\d")
+"""An arithmetic expression left to evaluate: two numbers and an operator (`23+29`, `2^5`).
+A fraction (`\\frac{104}{2}`) is still compared by value."""
+
+
+def restates_the_question(pred: str, ground_truth: str) -> bool:
+    """An integer answer given as an expression to evaluate. math-verify calls `23+29`
+    equal to 52, so a policy can box the question's own `a+b` and be paid for the sum
+    (SmolLM2 learned exactly that, docs/real-models.md); an answer must state the value."""
+    return bool(INTEGER.fullmatch(ground_truth.strip())) and bool(UNEVALUATED.search(pred))
+
+
 class Unsettled(Exception):
     """Raised instead of asking a verifier worker (`remembered_only`): the comparison is
     neither an exact match, nor two integers, nor remembered."""
@@ -128,6 +140,8 @@ def check(
     integers = integer_verdict(pred, ground_truth)
     if integers is not None:
         return integers
+    if restates_the_question(pred, ground_truth):
+        return "wrong"
     known = _verdicts.get((pred, ground_truth, timeout_s))
     if known is not None:
         return known

@@ -333,3 +333,18 @@ def test_integer_verdicts_are_math_verifys(pred: str, gold: str) -> None:
 @pytest.mark.parametrize(("pred", "gold"), NOT_INTEGER_PAIRS)
 def test_anything_but_two_integers_is_left_to_the_worker(pred: str, gold: str) -> None:
     assert math_reward.integer_verdict(pred, gold) is None
+
+
+@pytest.mark.parametrize(
+    ("boxed", "gold", "reward"),
+    [
+        ("23+29", "52", 0.0),  # the question restated: math-verify alone calls it 52
+        ("23 + 29", "52", 0.0),
+        ("2^5", "32", 0.0),
+        ("52", "52", 1.0),
+        ("-7", "-7", 1.0),
+        ("x+1", "x+1", 1.0),  # a symbolic gold answer is no integer: compared as before
+    ],
+)
+def test_an_integer_answer_must_state_the_value(boxed: str, gold: str, reward: float) -> None:
+    assert score(f"\\boxed{{{boxed}}}", gold) == reward
