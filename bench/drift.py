@@ -27,8 +27,8 @@ from unittest.mock import patch
 import torch
 from learner import make_spec
 
-from marl.demo_model import demo_model_dir
-from marl.heap import LEARNER_MMAP_THRESHOLD, keep_freed_heap_until_trimmed
+from marl.models.demo import demo_model_dir
+from marl.runtime.heap import LEARNER_MMAP_THRESHOLD, keep_freed_heap_until_trimmed
 from services.learner import diagnostics
 from services.learner.diagnostics import RoleSignals, sample_tokens, sampled_drift
 from services.learner.policy import MultiAdapterPolicy

@@ -18,7 +18,7 @@ Voting and Single workflows:
     learner trains step t.
 
 (b) and (c) each run twice, in the order b c c b, each time on a cluster of its own with
-the thread split that suits it (`marl.launcher.service_threads` over `--cores`): (b)'s
+the thread split that suits it (`marl.local.launcher.service_threads` over `--cores`): (b)'s
 inference replica and learner take turns, the learner with every core, the replica with
 every core but the one the workers use while it decodes; (c)'s run at once and get disjoint
 shares, until the rollouts queued ahead are in and the learner's update takes every core
@@ -35,7 +35,7 @@ last rollout in, `time/rollout_flight_s`: the generation rate of a synchronous r
 next tasks leave before its record is written; an overlapped run's tasks are in flight
 for a step and more), rollout tokens per wall-clock second, and the share of step time
 the learner spent waiting for rollouts, split by what the services did meanwhile (every service traces its
-spans, `marl.trace`; `marl.trace_summary`): generation (a replica's prefill or decode
+spans, `marl.runtime.trace`; `marl.monitor.trace_summary`): generation (a replica's prefill or decode
 step), reward (a worker scoring, no replica generating) and queueing (the rest: tasks,
 requests and rollouts on their way, a replica gathering a burst; tracing costs ~8 us a
 span, ~270 spans and ~2 ms of CPU a Single step); then training, pushing adapters, and
@@ -85,13 +85,13 @@ from cpu_use import cpu_seconds
 from host import describe, host
 from models import bench_model
 
-from marl.config import parse_spec
-from marl.demo_model import demo_model_dir
-from marl.episode_cli import load_checkpoint
-from marl.heap import keep_freed_heap_until_trimmed
-from marl.launcher import DEFAULT_CORES, Cluster, service_threads
-from marl.trace_summary import StepTimes, load, shares, step_times, steps_per_s
-from marl.v1 import learner_pb2, learner_pb2_grpc
+from marl.cli.episode import load_checkpoint
+from marl.local.launcher import DEFAULT_CORES, Cluster, service_threads
+from marl.models.demo import demo_model_dir
+from marl.monitor.trace_summary import StepTimes, load, shares, step_times, steps_per_s
+from marl.protocol.v1 import learner_pb2, learner_pb2_grpc
+from marl.runtime.heap import keep_freed_heap_until_trimmed
+from marl.spec.run import parse_spec
 from marl.workflows.routing import adapter_versions_in_flight
 from services.inference.engine import AdapterWeights, GenerationRequest
 
@@ -219,7 +219,7 @@ def stages(turns: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
 
 def figures_of(outs: list[Path], traced: list[StepTimes]) -> dict[str, float]:
     """One mode's figures over the steps after warm-up of each of its runs (`traced`: the
-    same steps' times from the traces, marl.trace_summary)."""
+    same steps' times from the traces, marl.monitor.trace_summary)."""
     steps, tokens = [], []
     for out in outs:
         lines = (out / "metrics.jsonl").read_text().splitlines()
@@ -314,7 +314,7 @@ async def in_workflow_order(
 async def engine_alone(out: Path, args: argparse.Namespace, model_dir: str) -> EngineRates:
     """Tokens/s of each of the run's steps' turn prompts, generated as one batch and in the
     workflow's order (the two alternate which goes first), medians over steps."""
-    from marl.service_config import load_inference
+    from marl.spec.services import load_inference
     from services.inference.factory import make_engine
 
     replica = load_inference()  # what the runs' replicas read: defaults, MARL_INFERENCE_*
@@ -364,7 +364,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--engine", default="transformers", choices=["transformers", "vllm"])
     p.add_argument("--workflows", default="voting,single")
     p.add_argument("--cores", type=int, default=DEFAULT_CORES,
-                   help="cores the services share out (marl.launcher.service_threads)")
+                   help="cores the services share out (marl.local.launcher.service_threads)")
     p.add_argument("--once", action="store_true",
                    help="run each mode once (sync, K=1) instead of sync K=1 K=1 sync")
     p.add_argument("--no-burst", action="store_true",

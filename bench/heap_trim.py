@@ -1,6 +1,6 @@
 """What a heap trim costs the GRPO update it lands in, against one between updates.
 
-The learner hands free heap pages back to the OS after every step (`marl.heap`). One step
+The learner hands free heap pages back to the OS after every step (`marl.runtime.heap`). One step
 ahead (`train.max_staleness` >= 1) the next update is already running when a step's
 record is written, and the trim once ran there, on the event loop: it handed back the
 pages of the activations the update was freeing and reallocating, and each faulted in
@@ -31,8 +31,8 @@ import torch
 from learner import demo_policy, voting_batch
 from transformers import AutoTokenizer
 
-from marl.demo_model import demo_model_dir
-from marl.heap import keep_freed_heap_until_trimmed, release_free_heap
+from marl.models.demo import demo_model_dir
+from marl.runtime.heap import keep_freed_heap_until_trimmed, release_free_heap
 from services.learner.update import grpo_step
 
 WAYS = ("between", "mid", "none")

@@ -46,11 +46,11 @@ from typing import Any
 import torch
 from host import describe, host
 
-from marl import adapter_io
-from marl.heap import keep_freed_heap_until_trimmed
-from marl.model_id import base_model_id
-from marl.redis_server import free_port
-from marl.serving import wait_healthy
+from marl.local.redis_server import free_port
+from marl.models.identity import base_model_id
+from marl.protocol import adapter_io
+from marl.runtime.heap import keep_freed_heap_until_trimmed
+from marl.runtime.serving import wait_healthy
 from services.inference.engine import AdapterWeights, Engine, GenerationRequest
 
 BASE = "__base__"
@@ -222,8 +222,8 @@ def start_replica(args: argparse.Namespace, model_path: Path, port: int) -> subp
 
 
 async def push_one(address: str, manifest: Any, payload: bytes) -> None:
-    from marl import auth
-    from marl.v1 import inference_pb2_grpc
+    from marl.protocol.v1 import inference_pb2_grpc
+    from marl.runtime import auth
 
     async with auth.aio_channel(address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)

@@ -44,12 +44,12 @@ from typing import Any
 
 import torch
 
-from marl.config import RunSpec, parse_spec
 from marl.data import arithmetic
-from marl.demo import DEMO_SPEC
-from marl.demo_model import aggregator_example, demo_model_dir, solver_example
-from marl.heap import LEARNER_MMAP_THRESHOLD, keep_freed_heap_until_trimmed
+from marl.local.demo import DEMO_SPEC
+from marl.models.demo import aggregator_example, demo_model_dir, solver_example
 from marl.rollout import AdapterRef, Rollout, Turn
+from marl.runtime.heap import LEARNER_MMAP_THRESHOLD, keep_freed_heap_until_trimmed
+from marl.spec.run import RunSpec, parse_spec
 from marl.workflows import policy_of_role
 from services.learner.policy import MultiAdapterPolicy
 from services.learner.update import grpo_step
@@ -112,7 +112,7 @@ def qwen3_shape_bench(args: argparse.Namespace) -> None:
     from qwen3_shape import build
     from transformers import AutoTokenizer
 
-    from marl.devices import resolve_device
+    from marl.models.devices import resolve_device
 
     device = resolve_device(args.device)
     on_gpu = device.startswith("cuda")

@@ -40,9 +40,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the planted workflow (tests/integration/drift_workflows.py)
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
-from marl.demo_model import demo_model_dir  # noqa: E402
-from marl.launcher import Cluster  # noqa: E402
-from marl.v1 import learner_pb2, learner_pb2_grpc  # noqa: E402
+from marl.local.launcher import Cluster  # noqa: E402
+from marl.models.demo import demo_model_dir  # noqa: E402
+from marl.protocol.v1 import learner_pb2, learner_pb2_grpc  # noqa: E402
 from tests.integration import test_drift_planted as planted  # noqa: E402
 
 CELLS: dict[str, dict[str, Any]] = {

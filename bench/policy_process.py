@@ -29,10 +29,10 @@ from typing import Any
 
 from e2e import WARMUP_STEPS, run_marl, spec
 
-from marl.demo_model import demo_model_dir
-from marl.heap import keep_freed_heap_until_trimmed
-from marl.launcher import DEFAULT_CORES, Cluster, service_threads
-from marl.trace_summary import load, step_times, steps_per_s
+from marl.local.launcher import DEFAULT_CORES, Cluster, service_threads
+from marl.models.demo import demo_model_dir
+from marl.monitor.trace_summary import load, step_times, steps_per_s
+from marl.runtime.heap import keep_freed_heap_until_trimmed
 
 ORDER = ("server", "own", "own", "server")
 

@@ -53,10 +53,10 @@ import grpc
 import yaml
 from host import describe, host
 
-from marl.config import parse_spec
-from marl.launcher import DEFAULT_CORES, Cluster, service_threads
-from marl.model_names import resolve
-from marl.v1 import learner_pb2, learner_pb2_grpc
+from marl.local.launcher import DEFAULT_CORES, Cluster, service_threads
+from marl.models.names import resolve
+from marl.protocol.v1 import learner_pb2, learner_pb2_grpc
+from marl.spec.run import parse_spec
 from marl.workflows.routing import adapter_versions_in_flight
 
 CELLS: dict[str, tuple[str, str]] = {

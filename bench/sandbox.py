@@ -48,8 +48,8 @@ from pathlib import Path
 from host import describe, host
 
 from marl.clients import SandboxClient
-from marl.redis_server import free_port
-from marl.serving import wait_healthy
+from marl.local.redis_server import free_port
+from marl.runtime.serving import wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 TRIVIAL = "print(1)"

@@ -31,9 +31,9 @@ from learner import make_spec, voting_batch
 from models import bench_model
 from transformers import AutoTokenizer
 
-from marl.config import RunSpec
-from marl.heap import LEARNER_MMAP_THRESHOLD, keep_freed_heap_until_trimmed
 from marl.rollout import Rollout
+from marl.runtime.heap import LEARNER_MMAP_THRESHOLD, keep_freed_heap_until_trimmed
+from marl.spec.run import RunSpec
 from marl.workflows import policy_of_role
 from services.learner.policy import MultiAdapterPolicy
 from services.learner.prompt_rows import plan_rows, row_width

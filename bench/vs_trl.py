@@ -39,12 +39,12 @@ from e2e import run_marl
 from e2e import spec as e2e_spec
 from host import describe, host
 
-from marl.config import DataSpec
 from marl.data import load_problems
-from marl.demo_model import demo_model_dir
-from marl.launcher import DEFAULT_CORES, Cluster, service_threads
+from marl.local.launcher import DEFAULT_CORES, Cluster, service_threads
+from marl.models.demo import demo_model_dir
+from marl.monitor.trace_summary import load, step_times
 from marl.rewards.math import score
-from marl.trace_summary import load, step_times
+from marl.spec.run import DataSpec
 from marl.workflows import prompts
 
 LR = 2e-3

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from marl.data.problem import Problem
 
 if TYPE_CHECKING:
-    from marl.config import RunSpec
+    from marl.spec.run import RunSpec
 
 Kind = Literal["train", "val"]
 
@@ -80,7 +80,7 @@ class Task:
     ) -> Task:
         """The task a run's spec makes for one (problem, sample): everything a worker needs
         from the spec travels in it (sampling, caps, reward settings, seed, chat template)."""
-        from marl.config import response_cap
+        from marl.spec.run import response_cap
 
         return cls(
             run_id=run_id,

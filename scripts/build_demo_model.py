@@ -3,7 +3,7 @@
     python scripts/build_demo_model.py [--out DIR]
 
 A tiny Qwen3 and its word-level tokenizer, warm-started by a fixed number of
-supervised steps on one thread with deterministic kernels (`marl.demo_model`).
+supervised steps on one thread with deterministic kernels (`marl.models.demo`).
 Another machine may round differently and end elsewhere, so the result is
 committed and `marl demo` uses that copy: every machine starts the demo from the
 same weights. Rebuild only when the demo's task, prompts or tokenizer change, then
@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from marl.demo_model import SHIPPED_DIR, build_demo_model
+from marl.models.demo import SHIPPED_DIR, build_demo_model
 
 
 def main() -> None:

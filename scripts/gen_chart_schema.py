@@ -1,7 +1,7 @@
 """Write deploy/helm/values.schema.json: the chart's values, strictly typed.
 
 Each service's `config` block is generated from its pydantic model in
-`marl.service_config`, so the chart refuses exactly what `marl serve --config`
+`marl.spec.services`, so the chart refuses exactly what `marl serve --config`
 would refuse, and a field added to a model shows up here on the next run (a
 test fails while the file is stale). Everything else is the chart's own
 layout, spelled out below. Every object is closed (additionalProperties:
@@ -19,7 +19,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from marl.service_config import MODELS  # noqa: E402
+from marl.spec.services import MODELS  # noqa: E402
 
 OUT = ROOT / "deploy" / "helm" / "values.schema.json"
 
@@ -59,7 +59,7 @@ def config_schema(service: str) -> dict[str, Any]:
     return {
         "type": "object",
         "additionalProperties": False,
-        "description": f"{schema['title']} (marl/service_config.py): {schema.get('description', '')}",
+        "description": f"{schema['title']} (marl/spec/services.py): {schema.get('description', '')}",
         "properties": schema["properties"],
     }
 

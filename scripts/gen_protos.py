@@ -1,4 +1,4 @@
-"""Regenerate the committed gRPC stubs in marl/v1/ from proto/marl/v1/*.proto.
+"""Regenerate the committed gRPC stubs in marl/protocol/v1/ from proto/marl/v1/*.proto.
 
 Uses the pinned grpcio-tools; imports are rewritten to be package-relative so the
 stubs work from the installed `marl` package.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 from grpc_tools import protoc
@@ -16,22 +17,28 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def generate(out_root: Path) -> list[Path]:
+    """Write the stubs under OUT_ROOT/marl/protocol/v1/ (protoc names them by the proto's
+    path, marl/v1/, and they import each other relatively, so they can live anywhere)."""
     protos = sorted((ROOT / "proto").rglob("*.proto"))
-    args = [
-        "grpc_tools.protoc",
-        f"-I{ROOT / 'proto'}",
-        f"--python_out={out_root}",
-        f"--pyi_out={out_root}",
-        f"--grpc_python_out={out_root}",
-        *[str(p) for p in protos],
-    ]
-    if protoc.main(args) != 0:
-        raise SystemExit("protoc failed")
-    generated = sorted((out_root / "marl" / "v1").glob("*_pb2*.py*"))
-    for path in generated:
-        text = path.read_text()
-        text = re.sub(r"^from marl\.v1 import (\w+)", r"from . import \1", text, flags=re.M)
-        path.write_text(text)
+    target = out_root / "marl" / "protocol" / "v1"
+    target.mkdir(parents=True, exist_ok=True)
+    generated = []
+    with tempfile.TemporaryDirectory() as scratch:
+        args = [
+            "grpc_tools.protoc",
+            f"-I{ROOT / 'proto'}",
+            f"--python_out={scratch}",
+            f"--pyi_out={scratch}",
+            f"--grpc_python_out={scratch}",
+            *[str(p) for p in protos],
+        ]
+        if protoc.main(args) != 0:
+            raise SystemExit("protoc failed")
+        for path in sorted((Path(scratch) / "marl" / "v1").glob("*_pb2*.py*")):
+            text = path.read_text()
+            text = re.sub(r"^from marl\.v1 import (\w+)", r"from . import \1", text, flags=re.M)
+            (target / path.name).write_text(text)
+            generated.append(target / path.name)
     return generated
 
 

@@ -35,8 +35,8 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 ROOT = Path(__file__).resolve().parent.parent
-SPEC_MODULES = ("marl.config", "marl.spec")
-"""Where RunSpec may live (marl/config.py today; DESIGN.md's marl/spec/ later)."""
+SPEC_MODULES = ("marl.spec.run",)
+"""Where RunSpec lives."""
 HELP_COLUMNS = "100"
 """argparse wraps usage lines at $COLUMNS: fixed so the page does not depend on a terminal."""
 
@@ -235,7 +235,7 @@ class _Captured(Exception):
 def cli_parser() -> argparse.ArgumentParser:
     """The `marl` parser: `build_parser()` where the CLI module has one; otherwise the one
     the console script's `main` parses with, caught as it starts parsing."""
-    module = importlib.import_module("marl.cli")
+    module = importlib.import_module("marl.cli.main")
     build = getattr(module, "build_parser", None)
     if callable(build):
         parser = build()

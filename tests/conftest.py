@@ -18,7 +18,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(autouse=True)
 def _unfreeze_objects() -> Iterator[None]:
     """A test that runs a service's loop in this process freezes the objects alive then
-    (`marl.gc_pauses`); the next test's garbage is collected as it would be on its own."""
+    (`marl.runtime.gc_pauses`); the next test's garbage is collected as it would be on its own."""
     yield
     gc.unfreeze()
 
@@ -36,9 +36,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import inspect
     import shutil
 
-    import marl.demo_model
+    import marl.models.demo
     from marl.data import arithmetic
-    from marl.demo_model import (
+    from marl.models.demo import (
         PLAIN_ANSWER,
         aggregator_example,
         build_model,
@@ -48,7 +48,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     from marl.workflows import prompts
 
-    shaped_by = inspect.getsource(marl.demo_model) + inspect.getsource(tiny_model_dir)
+    shaped_by = inspect.getsource(marl.models.demo) + inspect.getsource(tiny_model_dir)
     key = hashlib.sha256((shaped_by + prompts.ALL_TEMPLATE_TEXT).encode()).hexdigest()[:16]
     cached = TEST_MODELS / f"tiny-qwen3-{key}"
     if (cached / "model.safetensors").exists():
@@ -84,7 +84,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture()
 def redis_url(tmp_path: Path):  # type: ignore[no-untyped-def]
-    from marl.redis_server import PrivateRedis
+    from marl.local.redis_server import PrivateRedis
 
     with PrivateRedis(workdir=str(tmp_path / "redis")) as server:
         yield server.url

@@ -31,9 +31,9 @@ from typing import Any
 
 import grpc
 
-from marl import auth
-from marl.rpc_codes import SERVER_GONE
-from marl.v1 import learner_pb2, learner_pb2_grpc
+from marl.protocol.rpc_codes import SERVER_GONE
+from marl.protocol.v1 import learner_pb2, learner_pb2_grpc
+from marl.runtime import auth
 
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 WATCH_TIMEOUT_S = 86_400.0
@@ -135,7 +135,7 @@ def spec_yaml(spec: Any) -> str:
     """A RunSpec, a dict, YAML/JSON text or a path to a spec file, as the YAML SubmitRun takes."""
     import yaml
 
-    from marl.config import RunSpec, dump_spec
+    from marl.spec.run import RunSpec, dump_spec
 
     if isinstance(spec, RunSpec):
         return dump_spec(spec)

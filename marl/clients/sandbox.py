@@ -38,9 +38,9 @@ from typing import Any
 
 import grpc
 
-from marl import auth
-from marl.rpc_codes import SERVER_GONE
-from marl.v1 import sandbox_pb2, sandbox_pb2_grpc
+from marl.protocol.rpc_codes import SERVER_GONE
+from marl.protocol.v1 import sandbox_pb2, sandbox_pb2_grpc
+from marl.runtime import auth
 
 BUSY_WAIT_S = 120.0
 """How long a call keeps asking a full sandbox (RESOURCE_EXHAUSTED) before it gives up."""

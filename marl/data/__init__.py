@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from marl.config import DataSpec, SpecError
 from marl.data import arithmetic, champ, columns, dapo, deepcoder, humaneval
 from marl.data.problem import Problem
 from marl.data.rows import Loaded, columns_of, convert, data_files, has_val_split, read_rows
 from marl.data.split import ordered, split
+from marl.spec.run import DataSpec, SpecError
 
 Split = Literal["train", "val"]
 BUNDLED = ("arithmetic", "champ", "humaneval")

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from marl.config import DataSpec, SpecError
 from marl.data.deepcoder import convert_tests
 from marl.data.problem import Problem
 from marl.data.rows import RowError
+from marl.spec.run import DataSpec, SpecError
 
 PROMPT_NAMES = ("prompt", "question", "problem")
 ANSWER_NAMES = ("answer", "ground_truth")

@@ -15,10 +15,10 @@ import textwrap
 from collections import Counter
 from typing import TextIO
 
-from marl.config import RunSpec, SpecError, apply_overrides, parse_spec, task_of_dataset
 from marl.data import SplitData, load_split
 from marl.data.problem import Problem
 from marl.data.stats import answer_formats, count_tests, kinds_of_tests
+from marl.spec.run import RunSpec, SpecError, apply_overrides, parse_spec, task_of_dataset
 
 USAGE = "usage: marl data inspect SPEC.yaml [key=value ...]"
 SHOWN_BAD_ROWS = 10
@@ -26,7 +26,7 @@ PROMPT_CHARS = 600
 
 
 def _load_spec(argv: list[str]) -> RunSpec:
-    from marl.safe_input import check_path, load_yaml, read_text, shorten
+    from marl.spec.safe_input import check_path, load_yaml, read_text, shorten
 
     path, overrides = check_path(argv[0], "spec file", SpecError), argv[1:]
     if not path.is_file():

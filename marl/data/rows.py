@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from marl.config import SpecError
 from marl.data.problem import Problem
-from marl.safe_input import MAX_DEPTH, check_path, load_json, read_text, shorten, too_deep
+from marl.spec.run import SpecError
+from marl.spec.safe_input import MAX_DEPTH, check_path, load_json, read_text, shorten, too_deep
 
 log = logging.getLogger(__name__)
 

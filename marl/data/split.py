@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import hashlib
 
-from marl.config import SpecError
 from marl.data.problem import Problem
+from marl.spec.run import SpecError
 
 
 def _rank(seed: int, purpose: str, problem: Problem) -> bytes:

@@ -49,7 +49,7 @@ from collections.abc import Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from marl.config import AlarmSpec
+from marl.spec.run import AlarmSpec
 
 Record = dict[str, Any]
 

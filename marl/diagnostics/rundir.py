@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from marl.config import RunSpec, SpecError, load_spec_text
 from marl.diagnostics.alarms import Alarm, scan
 from marl.diagnostics.signatures import parallel_roles, role_signatures
 from marl.rollout import Rollout
+from marl.spec.run import RunSpec, SpecError, load_spec_text
 
 _STEP_FILE = re.compile(r"^step_(\d+)\.jsonl$")
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from marl.config import RunSpec, SpecError
 from marl.rewards import functions
+from marl.spec.run import RunSpec, SpecError
 
 
 def check_reward(spec: RunSpec) -> None:

@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterable
 from typing import Any, Protocol
 
-from marl.v1 import sandbox_pb2
+from marl.protocol.v1 import sandbox_pb2
 
 PYTHON_TAGS = frozenset({"", "python", "py", "python3", "py3"})
 """Fence info strings taken as Python; a block tagged `text` or `bash` is skipped."""

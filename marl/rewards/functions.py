@@ -37,8 +37,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from marl.config import SpecError
 from marl.data.problem import Problem
+from marl.spec.run import SpecError
 
 BUILTIN_MATH = "marl.rewards.builtin:math_reward"
 BUILTIN_CODE = "marl.rewards.builtin:code_reward"

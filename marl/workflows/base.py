@@ -19,8 +19,8 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ValidationError
 
-from marl.config import WorkflowCaps
 from marl.data.problem import Problem
+from marl.spec.run import WorkflowCaps
 
 Messages = list[dict[str, str]]
 TaskName = Literal["math", "code"]
@@ -159,7 +159,7 @@ class Workflow:
 
     def parse_args(self, values: Mapping[str, Any]) -> BaseModel | None:
         """`workflow_args` as this workflow's model; a SpecError naming the field."""
-        from marl.config import SpecError
+        from marl.spec.run import SpecError
 
         if self.args is None:
             if values:

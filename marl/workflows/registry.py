@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 
-from marl.config import BUILTIN_WORKFLOWS, SpecError
+from marl.spec.run import BUILTIN_WORKFLOWS, SpecError
 from marl.workflows.base import Workflow
 from marl.workflows.eval_opt import EVAL_OPT
 from marl.workflows.orch_workers import ORCH_WORKERS

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from marl.config import RunSpec, SpecError
 from marl.rewards.checks import check_reward
+from marl.spec.run import RunSpec, SpecError
 from marl.workflows.registry import resolve
 
 RENAMED_ROLES = {"single": {"solver": "generator"}}

@@ -7,8 +7,8 @@ so its adapter can be placed on the generator role of Voting or Eval-Opt
 
 from __future__ import annotations
 
-from marl.config import WorkflowCaps
 from marl.data.problem import Problem
+from marl.spec.run import WorkflowCaps
 from marl.workflows import prompts
 from marl.workflows.base import PAPER_PROMPT_TOKENS, Caps, Episode, TaskName, Workflow, prompt_cap
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import asyncio
 
-from marl.config import WorkflowCaps
 from marl.data.problem import Problem
 from marl.rewards.math import last_boxed
+from marl.spec.run import WorkflowCaps
 from marl.workflows import prompts
 from marl.workflows.answers import answer_key, majority
 from marl.workflows.base import PAPER_PROMPT_TOKENS, Caps, Episode, TaskName, Workflow, prompt_cap

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from marl.serving import wait_healthy
+from marl.runtime.serving import wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 TAG = os.environ.get("MARL_IMAGE_TAG", "dev")

@@ -25,10 +25,15 @@ import redis
 from chart_support import CHART, by_kind, helm, render, workloads
 from prometheus_client.parser import text_string_to_metric_families
 
-from marl import streams
-from marl.http_server import HttpServer
-from marl.prometheus_metrics import INFERENCE_IN_FLIGHT, STREAM_LAG, on_scrape, stream_lag_hook
-from marl.redis_server import die_with_parent, free_port
+from marl.local.redis_server import die_with_parent, free_port
+from marl.runtime import streams
+from marl.runtime.http_server import HttpServer
+from marl.runtime.prometheus_metrics import (
+    INFERENCE_IN_FLIGHT,
+    STREAM_LAG,
+    on_scrape,
+    stream_lag_hook,
+)
 
 AUTOSCALING = CHART / "ci" / "autoscaling-values.yaml"
 

@@ -22,7 +22,7 @@ from chart_support import (
     workloads,
 )
 
-from marl.service_config import MODELS
+from marl.spec.services import MODELS
 
 KUBERNETES_VERSION = "1.37.0"
 CRD_KINDS = {
@@ -197,7 +197,7 @@ def test_schema_refuses_bad_values_naming_them(setting: str, message: str) -> No
 
 
 def test_every_service_gets_the_auth_token_only_when_set() -> None:
-    """With a token every marl service requires it (marl.auth); without one none gets it."""
+    """With a token every marl service requires it (marl.runtime.auth); without one none gets it."""
     services = ("inference", "workflow", "learner", "sandbox")
     plain = workloads(render())
     for s in services:

@@ -14,9 +14,10 @@ import pytest
 import redis
 from fake_kube import FakeKube
 
-from marl import cli, streams
-from marl.cluster import ClusterError, parse_xinfo_groups
-from marl.redis_server import redis_server_binary
+from marl.cli import main as cli
+from marl.cli.cluster import ClusterError, parse_xinfo_groups
+from marl.local.redis_server import redis_server_binary
+from marl.runtime import streams
 
 
 @pytest.fixture()

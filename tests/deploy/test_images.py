@@ -30,8 +30,8 @@ from containers_support import (
 )
 
 from marl.clients import RunsClient, SandboxClient
-from marl.demo import DEMO_SPEC
-from marl.redis_server import free_port
+from marl.local.demo import DEMO_SPEC
+from marl.local.redis_server import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.images]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from marl.demo import DEMO_SPEC
+from marl.local.demo import DEMO_SPEC
 
 
 @pytest.mark.slow

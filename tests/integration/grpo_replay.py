@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from marl.config import parse_spec
 from marl.rollout import Rollout
+from marl.spec.run import parse_spec
 from marl.workflows import policy_of_role
 from services.learner.policy import MultiAdapterPolicy
 from services.learner.update import grpo_step

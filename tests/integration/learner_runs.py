@@ -13,12 +13,12 @@ from typing import Any
 import grpc
 import yaml
 
-from marl.launcher import Cluster, Process
-from marl.v1 import learner_pb2, learner_pb2_grpc
+from marl.local.launcher import Cluster, Process
+from marl.protocol.v1 import learner_pb2, learner_pb2_grpc
 
 
 def demo_model_dir() -> Path:
-    from marl.demo_model import demo_model_dir as shipped
+    from marl.models.demo import demo_model_dir as shipped
 
     return shipped()
 

@@ -9,8 +9,8 @@ from typing import Any
 import grpc
 import yaml
 
-from marl.launcher import Cluster
-from marl.v1 import learner_pb2, learner_pb2_grpc
+from marl.local.launcher import Cluster
+from marl.protocol.v1 import learner_pb2, learner_pb2_grpc
 
 
 def small_run_spec(

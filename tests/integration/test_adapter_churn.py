@@ -29,9 +29,9 @@ import grpc
 import pytest
 import torch
 
-from marl import adapter_io
-from marl.launcher import Cluster
-from marl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from marl.local.launcher import Cluster
+from marl.protocol import adapter_io
+from marl.protocol.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 pytestmark = pytest.mark.timeout(600)  # the session's tiny model may be built first
 

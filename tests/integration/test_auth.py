@@ -23,14 +23,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import marl
-from marl import auth, cli
+from marl.cli import main as cli
 from marl.clients.runs import RunRefused, RunsClient
 from marl.clients.sandbox import SandboxClient
-from marl.config import apply_overrides, dump_spec, parse_spec
-from marl.demo import DEMO_SPEC
-from marl.launcher import Cluster
-from marl.service_config import auth_token
-from marl.v1 import inference_pb2, learner_pb2, sandbox_pb2, workflow_pb2
+from marl.local.demo import DEMO_SPEC
+from marl.local.launcher import Cluster
+from marl.protocol.v1 import inference_pb2, learner_pb2, sandbox_pb2, workflow_pb2
+from marl.runtime import auth
+from marl.spec.run import apply_overrides, dump_spec, parse_spec
+from marl.spec.services import auth_token
 
 TOKEN = "s3cret-test-token"
 SERVICES = {
@@ -139,7 +140,7 @@ def test_allow_marl_clients_with_the_token_train_one_step(
 def test_client_channel_sends_the_token_only_when_set(
         cluster: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    from marl.v1 import learner_pb2_grpc
+    from marl.protocol.v1 import learner_pb2_grpc
 
     request = learner_pb2.ListRunsRequest()
     with auth.channel(cluster["learner"]) as ch:

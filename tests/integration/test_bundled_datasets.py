@@ -21,9 +21,9 @@ import pytest
 import yaml
 
 from marl.data import humaneval
-from marl.launcher import Cluster
+from marl.local.launcher import Cluster
+from marl.protocol.v1 import learner_pb2, learner_pb2_grpc
 from marl.rollout import Task
-from marl.v1 import learner_pb2, learner_pb2_grpc
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -57,7 +57,7 @@ def spec(model_dir: Path, out_dir: Path, dataset: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """conftest's `tiny_model_dir` (same tokenizer and architecture) left untrained."""
-    from marl.demo_model import build_model, build_tokenizer
+    from marl.models.demo import build_model, build_tokenizer
     from marl.workflows import prompts
 
     out = tmp_path_factory.mktemp("tiny-qwen3-untrained")

@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from marl.data import arithmetic
-from marl.demo_model import demo_model_dir
-from marl.launcher import Cluster
-from marl.v1 import learner_pb2, learner_pb2_grpc
+from marl.local.launcher import Cluster
+from marl.models.demo import demo_model_dir
+from marl.protocol.v1 import learner_pb2, learner_pb2_grpc
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from marl.launcher import Cluster
+from marl.local.launcher import Cluster
 from tests.integration.test_byo import base_spec, records, rollouts, train
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]

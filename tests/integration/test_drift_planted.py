@@ -35,11 +35,11 @@ import grpc
 import pytest
 import yaml
 
-from marl.demo import DEMO_SPEC
-from marl.demo_model import demo_model_dir
 from marl.diagnostics.rundir import load_run
-from marl.launcher import Cluster
-from marl.v1 import learner_pb2, learner_pb2_grpc
+from marl.local.demo import DEMO_SPEC
+from marl.local.launcher import Cluster
+from marl.models.demo import demo_model_dir
+from marl.protocol.v1 import learner_pb2, learner_pb2_grpc
 
 pytestmark = [pytest.mark.slow, pytest.mark.drift, pytest.mark.timeout(1500)]
 

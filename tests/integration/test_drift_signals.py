@@ -20,13 +20,13 @@ import pytest
 import yaml
 from rich.console import Console
 
-from marl.demo_model import demo_model_dir
 from marl.diagnostics.signatures import role_signatures
-from marl.launcher import Cluster
-from marl.report import write_report
+from marl.local.launcher import Cluster
+from marl.models.demo import demo_model_dir
+from marl.monitor.report import write_report
+from marl.monitor.watch import watch_dir
+from marl.protocol.v1 import learner_pb2, learner_pb2_grpc
 from marl.rollout import Rollout
-from marl.v1 import learner_pb2, learner_pb2_grpc
-from marl.watch import watch_dir
 
 pytestmark = pytest.mark.timeout(600)
 

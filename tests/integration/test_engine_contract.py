@@ -193,7 +193,7 @@ def reference_logprobs(
 
 
 async def test_engine_attributes(engine: Engine, tiny: TinyModel) -> None:
-    from marl.model_id import base_model_id
+    from marl.models.identity import base_model_id
 
     assert engine.name in ("transformers", "vllm")
     assert engine.base_model == base_model_id(tiny.path)

@@ -36,10 +36,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import marl
-from marl import adapter_io
-from marl.demo import DEMO_SPEC
-from marl.launcher import Cluster
-from marl.v1 import (
+from marl.local.demo import DEMO_SPEC
+from marl.local.launcher import Cluster
+from marl.protocol import adapter_io
+from marl.protocol.v1 import (
     common_pb2,
     inference_pb2,
     inference_pb2_grpc,
@@ -422,7 +422,7 @@ RPCS: dict[str, tuple[str, Any, float]] = {
 
 
 def test_every_public_rpc_is_fuzzed() -> None:
-    from marl.v1 import learner_pb2 as lp
+    from marl.protocol.v1 import learner_pb2 as lp
 
     names = {f"{s}/{m.name}" for mod, s in [(inference_pb2, "Inference"), (lp, "Learner"),
                                             (sandbox_pb2, "Sandbox"), (workflow_pb2, "Workflow")]

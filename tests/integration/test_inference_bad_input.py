@@ -24,11 +24,11 @@ import grpc
 import pytest
 import torch
 
-from marl import adapter_io
-from marl.demo_model import demo_model_dir
-from marl.launcher import Cluster
-from marl.serving import MAX_DETAILS_BYTES
-from marl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from marl.local.launcher import Cluster
+from marl.models.demo import demo_model_dir
+from marl.protocol import adapter_io
+from marl.protocol.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from marl.runtime.serving import MAX_DETAILS_BYTES
 from services.inference.engine import GenerationRequest, ModelLimits, check_request, model_limits
 
 TARGETS = ["q_proj", "v_proj"]

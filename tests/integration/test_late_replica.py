@@ -18,10 +18,10 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from replica_runs import small_run_spec, submit, wait_for
 
-from marl import replicas, streams
-from marl.launcher import Cluster
-from marl.service_config import LearnerConfig
-from marl.v1 import inference_pb2, inference_pb2_grpc, learner_pb2
+from marl.local.launcher import Cluster
+from marl.protocol.v1 import inference_pb2, inference_pb2_grpc, learner_pb2
+from marl.runtime import replicas, streams
+from marl.spec.services import LearnerConfig
 from services.learner.adapter_sync import ACKS_KEPT_S
 from services.learner.runs import acks_key, run_key
 

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 import marl
-from marl import streams
-from marl.config import parse_spec
+from marl.runtime import streams
+from marl.spec.run import parse_spec
 from services.learner.runs import RunStore
 from services.learner.trainer import GuardStopped, RunExecutor
 
@@ -24,7 +24,7 @@ VAL = [0.2, 0.6, 0.55, 0.45, 0.4]
 
 
 async def log_steps(redis_url: str, out: Path, spec_data: dict[str, Any]) -> GuardStopped | None:
-    from marl.metrics_export import extra_sinks
+    from marl.runtime.metric_sinks import extra_sinks
 
     r = streams.connect(redis_url)
     model = Path(marl.__file__).parent / "assets" / "demo-model"
@@ -70,7 +70,7 @@ def test_guard_stop_ends_the_run_at_the_alarm(redis_url: str, tmp_path: Path) ->
 
 
 def test_guard_actions_are_checked() -> None:
-    from marl.config import SpecError
+    from marl.spec.run import SpecError
 
     with pytest.raises(SpecError, match="guard.on_alarm"):
         parse_spec({"guard": {"on_alarm": {"accuracy_cliff": "pause"}}})

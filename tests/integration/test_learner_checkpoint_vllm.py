@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from marl.config import parse_spec
 from marl.rollout import AdapterRef, Rollout, Turn
+from marl.spec.run import parse_spec
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -52,7 +52,7 @@ def test_vllm_loads_the_checkpoint_adapter_dir(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     pytest.importorskip("vllm", reason="vllm is not installed; run scripts/setup_vllm_env.sh")
-    from marl.demo_model import build_model, build_tokenizer
+    from marl.models.demo import build_model, build_tokenizer
     from services.inference.vllm_engine import _cpu_env_defaults
 
     model_dir = tmp_path_factory.mktemp("tiny")

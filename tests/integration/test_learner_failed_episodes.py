@@ -21,10 +21,10 @@ from grpo_replay import replay_shared_loss
 from learner_runs import submit, wait_end
 from transformers import AutoTokenizer
 
-from marl.config import parse_spec
 from marl.data import load_problems
-from marl.launcher import Cluster
+from marl.local.launcher import Cluster
 from marl.rollout import Rollout
+from marl.spec.run import parse_spec
 from marl.workflows import prompts
 from services.learner.grpo import good_rollouts, group_advantages
 from services.learner.sampler import DataSampler

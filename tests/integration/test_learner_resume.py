@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from learner_runs import demo_model_dir, rows, submit, wait_end
 
-from marl.launcher import Cluster, Process
+from marl.local.launcher import Cluster, Process
 
 pytestmark = [pytest.mark.slow, pytest.mark.resume, pytest.mark.timeout(900)]
 

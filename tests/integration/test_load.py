@@ -19,8 +19,8 @@ import pytest
 import yaml
 from parity_workflow import PARITY_REF, write_problems
 
-from marl.launcher import Cluster
-from marl.v1 import learner_pb2, learner_pb2_grpc
+from marl.local.launcher import Cluster
+from marl.protocol.v1 import learner_pb2, learner_pb2_grpc
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(900)]
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from marl import streams
-from marl.aio_tasks import raise_if_cancelled
+from marl.runtime import streams
+from marl.runtime.aio_tasks import raise_if_cancelled
 from services.learner import server as learner_server
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
-from marl.evaluate import EvalCluster, format_attribution, run_spec
+from marl.experiments.evaluate import EvalCluster, format_attribution, run_spec
 
 MATRIX = {
     "name": "demo-matrix",
@@ -389,8 +389,8 @@ def test_on_a_cluster_a_killed_matrix_follows_its_run_instead_of_restarting(
     tmp_path: Path,
 ) -> None:
     from marl.clients.runs import RunsClient
-    from marl.demo_model import demo_model_dir
-    from marl.launcher import Cluster
+    from marl.local.launcher import Cluster
+    from marl.models.demo import demo_model_dir
 
     raw = {
         **MATRIX,

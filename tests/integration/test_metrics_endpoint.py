@@ -19,8 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import marl
 from marl.clients.runs import RunsClient
-from marl.launcher import Cluster
-from marl.v1 import inference_pb2, inference_pb2_grpc
+from marl.local.launcher import Cluster
+from marl.protocol.v1 import inference_pb2, inference_pb2_grpc
 
 
 def scrape(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

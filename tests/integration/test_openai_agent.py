@@ -16,9 +16,9 @@ import grpc
 import pytest
 import yaml
 
-from marl.demo_model import demo_model_dir
-from marl.launcher import Cluster
-from marl.v1 import learner_pb2, learner_pb2_grpc
+from marl.local.launcher import Cluster
+from marl.models.demo import demo_model_dir
+from marl.protocol.v1 import learner_pb2, learner_pb2_grpc
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -27,11 +27,11 @@ import openai
 import pytest
 import torch
 
-from marl import adapter_io
-from marl.demo_model import demo_model_dir
-from marl.launcher import Cluster
-from marl.openai_protocol import render_chat
-from marl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from marl.local.launcher import Cluster
+from marl.models.demo import demo_model_dir
+from marl.protocol import adapter_io
+from marl.protocol.openai import render_chat
+from marl.protocol.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 pytestmark = pytest.mark.timeout(600)
 

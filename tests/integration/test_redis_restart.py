@@ -20,10 +20,10 @@ import redis
 import yaml
 from learner_runs import demo_model_dir, rows, voting_spec
 
-from marl import streams
-from marl.launcher import Cluster
-from marl.redis_server import PrivateRedis
-from marl.v1 import learner_pb2, learner_pb2_grpc
+from marl.local.launcher import Cluster
+from marl.local.redis_server import PrivateRedis
+from marl.protocol.v1 import learner_pb2, learner_pb2_grpc
+from marl.runtime import streams
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(600)]
 

@@ -1,6 +1,6 @@
 """Redis over TLS (`rediss://`), against a real redis-server listening with TLS only.
 
-marl's Redis clients are built from the URL (`marl.streams.connect`, redis-py's
+marl's Redis clients are built from the URL (`marl.runtime.streams.connect`, redis-py's
 `from_url`), so TLS needs no setting of its own: `rediss://host:port/db?ssl_ca_certs=CA`
 verifies the server against CA and its name (the Helm chart writes such a URL when
 `tls.enabled`). Then a whole TLS-only deployment trains: every service serves gRPC and
@@ -31,13 +31,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 import marl
-from marl import auth, streams
 from marl.clients.runs import RunsClient
-from marl.config import apply_overrides, dump_spec, parse_spec
-from marl.demo import DEMO_SPEC
-from marl.launcher import Cluster
-from marl.redis_server import die_with_parent, free_port
-from marl.serving import ServiceHost
+from marl.local.demo import DEMO_SPEC
+from marl.local.launcher import Cluster
+from marl.local.redis_server import die_with_parent, free_port
+from marl.runtime import auth, streams
+from marl.runtime.serving import ServiceHost
+from marl.spec.run import apply_overrides, dump_spec, parse_spec
 
 SERVER_NAME = "marl.test"
 """The only name the services' certificate holds: clients dialling 127.0.0.1 check it."""

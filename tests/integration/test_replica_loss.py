@@ -15,8 +15,8 @@ import pytest
 import redis
 from replica_runs import small_run_spec, submit, wait_for
 
-from marl.launcher import Cluster
-from marl.v1 import learner_pb2
+from marl.local.launcher import Cluster
+from marl.protocol.v1 import learner_pb2
 from services.learner.runs import acks_key
 
 pytestmark = pytest.mark.timeout(600)  # the session's tiny model may be built first

@@ -11,8 +11,8 @@ import json
 import pytest
 import redis.asyncio as aioredis
 
-from marl import streams
 from marl.rollout import Rollout
+from marl.runtime import streams
 from services.learner.episodes import LEARNER_GROUP
 from services.workflow.rollout_sender import RolloutSender
 

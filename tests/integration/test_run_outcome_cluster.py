@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from learner_runs import submit, wait_end
 
-from marl import cli
-from marl.launcher import Cluster
-from marl.v1 import learner_pb2
+from marl.cli import main as cli
+from marl.local.launcher import Cluster
+from marl.protocol.v1 import learner_pb2
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -30,9 +30,9 @@ import yaml
 from grpo_replay import replay_shared_loss
 from parity_workflow import MOSTLY_RIGHT_REF, write_problems
 
-from marl.launcher import Cluster, Process
+from marl.local.launcher import Cluster, Process
+from marl.protocol.v1 import learner_pb2, learner_pb2_grpc, workflow_pb2, workflow_pb2_grpc
 from marl.rollout import Rollout
-from marl.v1 import learner_pb2, learner_pb2_grpc, workflow_pb2, workflow_pb2_grpc
 from services.learner.grpo import good_rollouts, group_advantages
 
 pytestmark = pytest.mark.timeout(600)

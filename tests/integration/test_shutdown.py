@@ -23,9 +23,9 @@ import grpc
 import pytest
 from learner_runs import demo_model_dir, voting_spec
 
-from marl.launcher import Cluster
-from marl.service_config import WorkflowConfig
-from marl.v1 import learner_pb2, learner_pb2_grpc
+from marl.local.launcher import Cluster
+from marl.protocol.v1 import learner_pb2, learner_pb2_grpc
+from marl.spec.services import WorkflowConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -106,7 +106,7 @@ LAUNCHER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from marl.launcher import Cluster
+    from marl.local.launcher import Cluster
 
     workdir, model, redis_url = Path(sys.argv[1]), sys.argv[2], sys.argv[3] or None
     cluster = Cluster(workdir, model, redis_url=redis_url)

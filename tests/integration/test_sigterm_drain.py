@@ -30,7 +30,7 @@ from learner_runs import (
 )
 
 from marl.clients.sandbox import AsyncSandboxClient
-from marl.launcher import Cluster, Process
+from marl.local.launcher import Cluster, Process
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(900)]
 

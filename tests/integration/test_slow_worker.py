@@ -23,7 +23,7 @@ from learner_runs import (
     wait_end,
 )
 
-from marl.launcher import Cluster, Process
+from marl.local.launcher import Cluster, Process
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(600)]
 

@@ -20,8 +20,8 @@ import pytest
 import yaml
 
 from marl.data import arithmetic
-from marl.launcher import Cluster
-from marl.v1 import learner_pb2, learner_pb2_grpc
+from marl.local.launcher import Cluster
+from marl.protocol.v1 import learner_pb2, learner_pb2_grpc
 from marl.workflows import prompts
 
 pytestmark = pytest.mark.timeout(1800)
@@ -45,7 +45,7 @@ def smollm2() -> str:
     why = _missing()
     if why is not None:
         pytest.skip(why)
-    from marl.model_names import resolve
+    from marl.models.names import resolve
 
     return resolve("smollm2")
 
@@ -88,7 +88,7 @@ def messages_of(workflow: str, turn: dict[str, Any], problem: Any,
 def test_model_names_resolve_without_importing_anything(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from marl import model_names
+    from marl.models import names as model_names
 
     assert model_names.resolve("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"  # not a name
     assert (Path(model_names.resolve("demo")) / "config.json").is_file()
@@ -100,7 +100,7 @@ def test_model_names_resolve_without_importing_anything(
 
 
 def test_smollm2_without_its_package_names_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    from marl import model_names
+    from marl.models import names as model_names
 
     monkeypatch.setattr(model_names, "SMOLLM2_PACKAGE", "no_such_package_here")
     with pytest.raises(ValueError, match=r"field `model.path`: smollm2 needs .*--no-deps"):

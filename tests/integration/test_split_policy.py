@@ -27,9 +27,9 @@ import redis
 import yaml
 from learner_runs import rows, submit, wait_end
 
-from marl.demo import DEMO_SPEC
-from marl.demo_model import demo_model_dir
-from marl.launcher import Cluster, Process
+from marl.local.demo import DEMO_SPEC
+from marl.local.launcher import Cluster, Process
+from marl.models.demo import demo_model_dir
 from services.learner.runs import acks_key
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]

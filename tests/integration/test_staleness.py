@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from learner_runs import demo_model_dir, rows, submit, voting_spec, wait_end
 
-from marl import trace_summary
-from marl.launcher import Cluster, service_threads
+from marl.local.launcher import Cluster, service_threads
+from marl.monitor import trace_summary
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -123,7 +123,7 @@ def test_overlapped_push_and_record_keep_the_version_pattern(
     # steps 1..STEPS-1 overlapped; the last checkpoints (and validates), so waits for it
     assert all(r["time/push_overlapped_s"] > 0 for r in records[:-1])
     assert "time/push_overlapped_s" not in records[-1]
-    # each step's heap trim waited for the update running beside its record (marl.heap)
+    # each step's heap trim waited for the update running beside its record (marl.runtime.heap)
     assert cluster.trace_dir is not None
     events = trace_summary.load(cluster.trace_dir)
     learner = {e["pid"] for e in events if e.get("args", {}).get("name") == "learner"}

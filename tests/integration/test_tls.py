@@ -17,11 +17,11 @@ import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import marl
-from marl import auth
 from marl.clients.runs import RunsClient
-from marl.config import apply_overrides, dump_spec, parse_spec
-from marl.demo import DEMO_SPEC
-from marl.launcher import Cluster
+from marl.local.demo import DEMO_SPEC
+from marl.local.launcher import Cluster
+from marl.runtime import auth
+from marl.spec.run import apply_overrides, dump_spec, parse_spec
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 TOKEN = "tls-test-token"

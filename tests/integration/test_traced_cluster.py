@@ -1,5 +1,5 @@
 """Tracing a real cluster (`Cluster(trace_dir=...)`, every service a process): each service
-writes its spans, and `marl.trace_summary` splits each step as the learner logged it."""
+writes its spans, and `marl.monitor.trace_summary` splits each step as the learner logged it."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from learner_runs import demo_model_dir, rows, submit, voting_spec, wait_end
 
-from marl import trace_summary
-from marl.launcher import Cluster, service_threads
+from marl.local.launcher import Cluster, service_threads
+from marl.monitor import trace_summary
 
 pytestmark = pytest.mark.timeout(600)
 

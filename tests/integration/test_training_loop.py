@@ -13,9 +13,16 @@ import redis
 import yaml
 from safetensors.torch import load_file
 
-from marl import adapter_io, streams
-from marl.launcher import Cluster
-from marl.v1 import common_pb2, inference_pb2, inference_pb2_grpc, learner_pb2, learner_pb2_grpc
+from marl.local.launcher import Cluster
+from marl.protocol import adapter_io
+from marl.protocol.v1 import (
+    common_pb2,
+    inference_pb2,
+    inference_pb2_grpc,
+    learner_pb2,
+    learner_pb2_grpc,
+)
+from marl.runtime import streams
 
 pytestmark = pytest.mark.timeout(600)
 

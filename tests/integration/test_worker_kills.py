@@ -25,9 +25,9 @@ import pytest
 import redis
 from learner_runs import demo_model_dir, rows, stub, submit, voting_spec, wait_end
 
-from marl import streams
-from marl.launcher import Cluster, Process
-from marl.v1 import learner_pb2
+from marl.local.launcher import Cluster, Process
+from marl.protocol.v1 import learner_pb2
+from marl.runtime import streams
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(900)]
 

@@ -19,10 +19,11 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from marl import adapter_io, streams
-from marl.launcher import Cluster
+from marl.local.launcher import Cluster
+from marl.protocol import adapter_io
+from marl.protocol.v1 import inference_pb2, inference_pb2_grpc, learner_pb2, learner_pb2_grpc
 from marl.rollout import AdapterRef, Task
-from marl.v1 import inference_pb2, inference_pb2_grpc, learner_pb2, learner_pb2_grpc
+from marl.runtime import streams
 from marl.workflows import resolve
 
 pytestmark = pytest.mark.timeout(1800)  # the tiny model's warm start counts as setup

@@ -25,8 +25,8 @@ from typing import Any
 
 from marl.clients import AsyncSandboxClient
 from marl.clients.sandbox import ExecuteResult
-from marl.redis_server import free_port
-from marl.serving import wait_healthy
+from marl.local.redis_server import free_port
+from marl.runtime.serving import wait_healthy
 from services.reward_sandbox.zygote import MARKER
 
 ROOT = Path(__file__).resolve().parents[2]

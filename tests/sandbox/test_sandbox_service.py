@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sandbox_support import ROOT, SandboxServer
 
 from marl.clients import AsyncSandboxClient, SandboxClient
-from marl.v1 import sandbox_pb2, sandbox_pb2_grpc
+from marl.protocol.v1 import sandbox_pb2, sandbox_pb2_grpc
 
 SLEEPER = "import time\ntime.sleep(30)\n"
 SLEEP_TEST = [{"stdin": "", "expected_stdout": ""}]

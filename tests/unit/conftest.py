@@ -11,7 +11,7 @@ import pytest
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo architecture untrained (seed 0) with a two-word prompt vocabulary: small
     enough to build in a second, for tests of the learner's math on a real PEFT model."""
-    from marl.demo_model import build_model, build_tokenizer
+    from marl.models.demo import build_model, build_tokenizer
 
     out = tmp_path_factory.mktemp("tiny")
     tok = build_tokenizer(["What is"])

@@ -13,9 +13,10 @@ import grpc
 import pytest
 from loopback_grpc import serving
 
-from marl import adapter_io, replicas, streams
-from marl.config import RunSpec
-from marl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from marl.protocol import adapter_io
+from marl.protocol.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from marl.runtime import replicas, streams
+from marl.spec.run import RunSpec
 from services.learner.adapter_sync import AdapterSync, Published
 from services.learner.errors import RunCancelled
 

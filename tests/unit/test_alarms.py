@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from marl.config import AlarmSpec
 from marl.diagnostics.alarms import Alarm, AlarmWatch, check, scan
+from marl.spec.run import AlarmSpec
 
 SPEC = AlarmSpec()  # windows of 3, amplification 3x and 2x the others, χ² floor 0.02,
 # length 2x, terse -0.3, entropy to 0.3x

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from marl import cli
-from marl.config import SpecError, load_spec_file, load_spec_text, parse_spec
+from marl.cli import main as cli
 from marl.data.rows import data_files, read_rows
-from marl.service_config import load_service_config
+from marl.spec.run import SpecError, load_spec_file, load_spec_text, parse_spec
+from marl.spec.services import load_service_config
 
 DEEP_FLOW = "a: " + "[" * 20_000 + "]" * 20_000
 DEEP_BLOCK = "".join(f"{'  ' * i}k{i}:\n" for i in range(200)) + "  " * 200 + "v: 1\n"

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 import marl
-from marl import replicas, streams
-from marl.config import SpecError, apply_overrides, dump_spec, parse_spec
-from marl.demo import DEMO_SPEC
+from marl.local.demo import DEMO_SPEC
+from marl.runtime import replicas, streams
+from marl.spec.run import SpecError, apply_overrides, dump_spec, parse_spec
 from services.learner.server import validate_spec
 from services.workflow.server import served_model_problem
 

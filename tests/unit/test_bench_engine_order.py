@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import e2e  # noqa: E402
 
-from marl.demo_model import demo_model_dir  # noqa: E402
+from marl.models.demo import demo_model_dir  # noqa: E402
 from services.inference.engine import GenerationRequest  # noqa: E402
 
 

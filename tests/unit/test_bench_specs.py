@@ -18,8 +18,8 @@ import inference  # noqa: E402
 import vs_trl  # noqa: E402
 from models import bench_model  # noqa: E402
 
-from marl.config import parse_spec  # noqa: E402
-from marl.demo_model import demo_model_dir  # noqa: E402
+from marl.models.demo import demo_model_dir  # noqa: E402
+from marl.spec.run import parse_spec  # noqa: E402
 
 
 @pytest.mark.parametrize("model", ["demo", "smollm2"])

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from marl.config import DataSpec, LoraSpec, OptimSpec
 from marl.data import load_problems
 from marl.data.problem import Problem
+from marl.spec.run import DataSpec, LoraSpec, OptimSpec
 from services.learner import checkpoint
 from services.learner.policy import MultiAdapterPolicy
 from services.learner.sampler import DataSampler

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from test_grpo_minibatch import new_policy, spec, step, voting_batch
 
-from marl.config import LoraSpec, OptimSpec
+from marl.spec.run import LoraSpec, OptimSpec
 from services.learner import checkpoint
 from services.learner.checkpoint import Checkpointer
 from services.learner.policy import MultiAdapterPolicy
@@ -93,7 +93,7 @@ CHILD = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from marl.config import LoraSpec, OptimSpec
+    from marl.spec.run import LoraSpec, OptimSpec
     from services.learner import checkpoint
     from services.learner.policy import MultiAdapterPolicy
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from marl.config import RunSpec, SpecError, apply_overrides, load_spec_text, parse_spec
+from marl.spec.run import RunSpec, SpecError, apply_overrides, load_spec_text, parse_spec
 from marl.workflows import policy_of_role
 from marl.workflows.routing import adapter_versions_in_flight
 

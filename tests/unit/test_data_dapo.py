@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from marl.config import DataSpec, SpecError
 from marl.data import load_problems, load_split
 from marl.data.dapo import INSTRUCTION_HEAD, INSTRUCTION_TAIL, to_problem
 from marl.data.rows import RowError
+from marl.spec.run import DataSpec, SpecError
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 PARQUET = FIXTURES / "dapo_math" / "dapo-math-17k.parquet"

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from marl.config import DataSpec, SpecError
 from marl.data import load_problems, load_split
 from marl.data.deepcoder import convert_tests, longest_inputs, to_problem
 from marl.data.rows import RowError, read_rows
+from marl.spec.run import DataSpec, SpecError
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 FOLDER = FIXTURES / "deepcoder"

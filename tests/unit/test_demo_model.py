@@ -6,7 +6,7 @@ import json
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from marl.demo_model import EXTRA_WORDS, demo_model_dir, validation_behaviour
+from marl.models.demo import EXTRA_WORDS, demo_model_dir, validation_behaviour
 
 
 def test_the_shipped_demo_model_answers_as_recorded_when_it_was_built() -> None:

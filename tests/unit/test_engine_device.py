@@ -9,9 +9,9 @@ from unittest.mock import patch
 import pytest
 import torch
 
-from marl.demo_model import demo_model_dir
-from marl.devices import resolve_device
-from marl.service_config import load_service_config
+from marl.models.demo import demo_model_dir
+from marl.models.devices import resolve_device
+from marl.spec.services import load_service_config
 from services.inference.engine import GenerationRequest, GenerationResult
 from services.inference.running_batch import decode_all
 from services.inference.transformers_engine import BASE, TransformersEngine

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from workflows_scripted import ScriptedEngine, make_task, run_episode
 
-from marl.config import WorkflowCaps
+from marl.spec.run import WorkflowCaps
 from services.workflow.episode import PromptTooLong
 
 VERDICT = "Write a short critique, then give your verdict: \\boxed{Correct} or \\boxed{Incorrect}."

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from marl.config import load_spec_file
-from marl.service_config import load_service_config
+from marl.spec.run import load_spec_file
+from marl.spec.services import load_service_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "qwen3-0.6b"
 

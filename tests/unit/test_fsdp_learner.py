@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_grpo_minibatch import ROLES, new_policy, spec, voting_batch
 
-from marl.config import RunSpec
+from marl.spec.run import RunSpec
 from services.learner import checkpoint
 from services.learner.ranks import PolicyArgs, RankedPolicy, RankFailed
 from services.learner.update import grpo_step
@@ -97,7 +97,7 @@ def test_a_failing_rank_fails_the_call_and_stops_the_others(model_dir: Path) -> 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
 def test_a_cuda_learner_without_a_gpu_is_refused_naming_the_field() -> None:
-    from marl.config import SpecError, parse_spec
+    from marl.spec.run import SpecError, parse_spec
     from services.learner.server import device_problem
 
     with pytest.raises(SpecError, match="field `learner.device`: cuda, but"):

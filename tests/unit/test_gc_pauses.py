@@ -1,11 +1,11 @@
-"""marl.gc_pauses: what a service holds at start is left out of later collections."""
+"""marl.runtime.gc_pauses: what a service holds at start is left out of later collections."""
 
 from __future__ import annotations
 
 import gc
 import weakref
 
-from marl.gc_pauses import freeze_long_lived
+from marl.runtime.gc_pauses import freeze_long_lived
 
 
 class Node:

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from loopback_grpc import serving
 
-from marl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from marl.protocol.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.workflow.generate_batcher import BatchingStub
 
 
@@ -151,7 +151,7 @@ async def test_episodes_waiting_on_the_replica_list_send_their_turns_as_one_call
     """A worker reads the live replicas from Redis at most once a heartbeat; episodes
     that ask while it reads all resume in one turn of the event loop, so their turns go
     to the replica as one GenerateMany, not one call per episode (a real Redis here)."""
-    from marl import replicas, streams
+    from marl.runtime import replicas, streams
     from services.workflow.worker import EpisodeRunner
 
     servicer, address = rule_replica

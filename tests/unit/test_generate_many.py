@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 import pytest
 
-from marl.v1 import common_pb2, inference_pb2
+from marl.protocol.v1 import common_pb2, inference_pb2
 from services.inference import server
 from services.inference.adapters import AdapterRegistry, LoadedVersion
 from services.inference.engine import GenerationRequest, GenerationResult, ModelLimits

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from marl.config import RunSpec, parse_spec
 from marl.rollout import AdapterRef, Rollout, Turn
+from marl.spec.run import RunSpec, parse_spec
 from services.learner.grpo import good_rollouts, group_advantages
 from services.learner.policy import MultiAdapterPolicy
 from services.learner.update import grpo_step, plan_mini_batches
@@ -198,7 +198,7 @@ def test_loss_aggregations_as_worked_out(model_dir: Path) -> None:
 
 
 def test_renamed_field_is_refused_naming_the_new_one() -> None:
-    from marl.config import SpecError
+    from marl.spec.run import SpecError
 
     with pytest.raises(SpecError, match="grpo.mini_batch_size"):
         parse_spec({"grpo": {"mini_batch_problems": 4}})

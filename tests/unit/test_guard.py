@@ -9,8 +9,8 @@ import pytest
 import torch
 from test_grpo_minibatch import new_policy, spec, step, voting_batch
 
-from marl.config import RunSpec, parse_spec
 from marl.diagnostics.alarms import Alarm
+from marl.spec.run import RunSpec, parse_spec
 from services.learner.checkpoint import Checkpointer
 from services.learner.guard import Guard
 

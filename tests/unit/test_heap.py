@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from marl.heap import release_free_heap
+from marl.runtime.heap import release_free_heap
 
 
 def rss_kb() -> int:
@@ -33,7 +33,7 @@ def test_freed_but_fragmented_heap_is_returned() -> None:
 
 ROUNDS = """
 import json, resource, sys
-from marl.heap import keep_freed_heap_until_trimmed, release_free_heap
+from marl.runtime.heap import keep_freed_heap_until_trimmed, release_free_heap
 
 
 def rss_kb():
@@ -43,8 +43,8 @@ def rss_kb():
 
 kept = sys.argv[1] in ("keep", "policy") and keep_freed_heap_until_trimmed()  # 32 MiB
 if sys.argv[1] == "policy":  # as the learner does: its policy is built after the setting
-    from marl.config import RunSpec
-    from marl.demo_model import demo_model_dir
+    from marl.spec.run import RunSpec
+    from marl.models.demo import demo_model_dir
     from services.learner.policy import MultiAdapterPolicy
 
     spec = RunSpec()
@@ -91,7 +91,7 @@ def test_freed_heap_is_kept_for_reuse_until_trimmed() -> None:
 
 @pytest.mark.skipif(ctypes.util.find_library("c") is None, reason="no C library found")
 def test_the_learners_policy_keeps_the_heap_setting() -> None:
-    """The process chooses its heap setting (marl.heap); a policy once lowered glibc's mmap
+    """The process chooses its heap setting (marl.runtime.heap); a policy once lowered glibc's mmap
     threshold to 1 MiB behind it when it was built."""
     kept = heap_rounds("policy")
     assert kept["kept"]

@@ -9,8 +9,8 @@ import pytest
 from aiohttp import web
 from workflows_scripted import MATH, ScriptedEngine, make_task
 
-from marl.config import JudgeSpec, parse_spec
-from marl.http_server import HttpServer
+from marl.runtime.http_server import HttpServer
+from marl.spec.run import JudgeSpec, parse_spec
 from marl.workflows import policy_of_role
 from tests.unit.test_workflows_runtime import runner_with
 

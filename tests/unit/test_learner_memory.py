@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from marl.config import parse_spec
 from marl.rollout import AdapterRef, Rollout, Turn
+from marl.spec.run import parse_spec
 from services.learner.grpo import token_entropy, token_logprobs
 from services.learner.policy import MultiAdapterPolicy
 from services.learner.prompt_rows import pack_rows
@@ -29,7 +29,7 @@ def tiny_model(out: Path, vocab: int) -> Path:
     """A Qwen3-shaped model from a config (hidden 64, 2 layers) with `vocab` rows."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from marl.demo_model import build_tokenizer
+    from marl.models.demo import build_tokenizer
 
     torch.manual_seed(0)
     config = Qwen3Config(
@@ -130,7 +130,7 @@ CHILD = textwrap.dedent(
     import json, sys
     import torch
     torch.set_num_threads(1)
-    from marl.heap import LEARNER_MMAP_THRESHOLD, keep_freed_heap_until_trimmed
+    from marl.runtime.heap import LEARNER_MMAP_THRESHOLD, keep_freed_heap_until_trimmed
     from tests.unit.test_learner_memory import run_step
     keep_freed_heap_until_trimmed(LEARNER_MMAP_THRESHOLD)  # as the learner's process does
     model, n, budget, chunk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])

@@ -6,10 +6,10 @@ import asyncio
 import time
 from typing import Any
 
-from marl import streams
-from marl.config import parse_spec
 from marl.data.problem import Problem
 from marl.rollout import AdapterRef
+from marl.runtime import streams
+from marl.spec.run import parse_spec
 from services.learner.episodes import Episodes
 
 

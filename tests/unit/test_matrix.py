@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from marl import matrix
-from marl.config import SpecError
-from marl.evaluate import checkpoint_dir, parse_routing
+from marl.experiments import matrix
+from marl.experiments.evaluate import checkpoint_dir, parse_routing
+from marl.spec.run import SpecError
 
 MODEL = "/models/m"
 
@@ -204,10 +204,10 @@ def test_isolated_run_needs_the_policy_named_for_another_role(tmp_path: Path) ->
 def test_eval_against_an_unreachable_redis_is_a_user_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from marl.cli import main
-    from marl.config import dump_spec, parse_spec
-    from marl.demo_model import demo_model_dir
-    from marl.redis_server import free_port
+    from marl.cli.main import main
+    from marl.local.redis_server import free_port
+    from marl.models.demo import demo_model_dir
+    from marl.spec.run import dump_spec, parse_spec
 
     run = tmp_path / "run"
     run.mkdir()

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from marl import matrix
-from marl import matrix_tables as tables
-from marl.config import SpecError
-from marl.matrix_tables import CellRun
+from marl.experiments import matrix
+from marl.experiments import matrix_tables as tables
+from marl.experiments.matrix_tables import CellRun
+from marl.spec.run import SpecError
 
 MODEL = "/models/m"
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from marl.config import parse_spec
-from marl.metrics_export import TensorBoardSink, extra_sinks, scalars
+from marl.runtime.metric_sinks import TensorBoardSink, extra_sinks, scalars
+from marl.spec.run import parse_spec
 
 
 def test_scalars_keep_numbers_only() -> None:

@@ -15,9 +15,9 @@ import torch
 from test_grpo_minibatch import REWARDS, ROLES, spec, step, uneven_batch, voting_batch
 
 import marl
-from marl.config import SpecError, apply_overrides, dump_spec, parse_spec
-from marl.demo import DEMO_SPEC
 from marl.diagnostics.alarms import Alarm
+from marl.local.demo import DEMO_SPEC
+from marl.spec.run import SpecError, apply_overrides, dump_spec, parse_spec
 from services.learner import checkpoint
 from services.learner.grpo import group_advantages
 from services.learner.guard import Guard, spare_adapters
@@ -311,7 +311,7 @@ def test_report_marks_the_split_on_its_plots() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from marl.report import _mark_splits
+    from marl.monitor.report import _mark_splits
 
     fig, ax = plt.subplots()
     ax.plot([0, 1, 2, 3], [0.1, 0.2, 0.3, 0.2])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from marl.cli import main
+from marl.cli.main import main
 
 
 def test_missing_file_and_occupied_out_dir_are_refused(

@@ -14,8 +14,8 @@ import pytest
 import torch
 from test_grpo_minibatch import ROLES, new_policy, spec, step, voting_batch
 
-from marl.config import RunSpec, parse_spec
 from marl.rollout import AdapterRef, Rollout, Turn
+from marl.spec.run import RunSpec, parse_spec
 from services.learner.grpo import (
     clipped_loss,
     group_advantages,

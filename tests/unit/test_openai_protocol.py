@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from marl import openai_protocol as oa
+from marl.protocol import openai as oa
 
 
 class CharTokenizer:

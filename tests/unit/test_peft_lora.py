@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from marl.config import LoraSpec
-from marl.peft_lora import fuse_lora_adds, with_lora
+from marl.models.lora import fuse_lora_adds, with_lora
+from marl.spec.run import LoraSpec
 
 LORA = LoraSpec(rank=4, alpha=8.0)
 
@@ -112,7 +112,7 @@ def test_a_peft_without_what_the_fusion_reads_keeps_its_own_forward(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A later PEFT that renamed a layer attribute the fused forward reads."""
-    from marl import peft_lora
+    from marl.models import lora as peft_lora
 
     monkeypatch.setattr(peft_lora, "LAYER_ATTRIBUTES",
                         (*peft_lora.LAYER_ATTRIBUTES, "renamed_in_a_later_peft"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from marl.progress import format_step
+from marl.monitor.progress import format_step
 from marl.rollout import Rollout
 from services.learner.metrics import RolloutLog
 
@@ -47,7 +47,7 @@ def test_follow_run_prints_each_step_and_returns_the_final_state() -> None:
     import json
     from types import SimpleNamespace
 
-    from marl.progress import follow_run
+    from marl.monitor.progress import follow_run
 
     def event(state: str, metrics: dict[str, object] | None) -> SimpleNamespace:
         run = SimpleNamespace(state=state, total_steps=2)

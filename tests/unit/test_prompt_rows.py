@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from marl.config import parse_spec
+from marl.spec.run import parse_spec
 from services.learner.policy import MultiAdapterPolicy
 from services.learner.prompt_rows import Rows, layout, pack_rows, plan_rows
 from services.learner.sequences import Sequence

@@ -1,4 +1,4 @@
-"""The committed stubs in marl/v1 are exactly what the pinned grpcio-tools generates."""
+"""The committed stubs in marl/protocol/v1 are exactly what the pinned grpcio-tools generates."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ def test_stubs_match_protos(tmp_path: Path) -> None:
         check=True,
         capture_output=True,
     )
-    generated = sorted(p.name for p in (tmp_path / "marl" / "v1").glob("*_pb2*.py*"))
-    committed = sorted(p.name for p in (ROOT / "marl" / "v1").glob("*_pb2*.py*"))
+    generated = sorted(p.name for p in (tmp_path / "marl" / "protocol" / "v1").glob("*_pb2*.py*"))
+    committed = sorted(p.name for p in (ROOT / "marl" / "protocol" / "v1").glob("*_pb2*.py*"))
     assert generated == committed
     for name in generated:
-        fresh = (tmp_path / "marl" / "v1" / name).read_text()
-        assert fresh == (ROOT / "marl" / "v1" / name).read_text(), (
-            f"marl/v1/{name} is stale: run `make protos`"
+        fresh = (tmp_path / "marl" / "protocol" / "v1" / name).read_text()
+        assert fresh == (ROOT / "marl" / "protocol" / "v1" / name).read_text(), (
+            f"marl/protocol/v1/{name} is stale: run `make protos`"
         )

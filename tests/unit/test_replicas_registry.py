@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from marl import replicas, streams
+from marl.runtime import replicas, streams
 
 
 async def test_a_replica_key_expires_by_itself_and_withdraw_removes_it(redis_url: str) -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from marl.cli import main
-from marl.report import write_report
+from marl.cli.main import main
+from marl.monitor.report import write_report
 from marl.rollout import AdapterRef, Rollout, Turn
 
 REF = AdapterRef("t/shared", 0)

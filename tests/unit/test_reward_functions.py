@@ -8,10 +8,10 @@ import math
 import pytest
 from workflows_scripted import MATH, ScriptedEngine, make_task
 
-from marl.config import RunSpec, SpecError, parse_spec
 from marl.data.problem import Problem
 from marl.rewards import functions
 from marl.rewards.judge import judge_prompt, verdict_score
+from marl.spec.run import RunSpec, SpecError, parse_spec
 from marl.workflows import policy_of_role
 from services.workflow.worker import EpisodeRunner
 from tests.unit.test_workflows_runtime import runner_with

@@ -3,9 +3,9 @@ the run record in Redis, GetRun's message and `marl status --json`'s fields."""
 
 from __future__ import annotations
 
-from marl import streams
 from marl.clients.runs import RunInfo
-from marl.config import TrainSpec
+from marl.runtime import streams
+from marl.spec.run import TrainSpec
 from services.learner.metrics import RunRecordSink
 from services.learner.outcome import Outcome, step_failed
 from services.learner.runs import RunStore

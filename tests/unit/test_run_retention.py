@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from marl import streams
-from marl.config import RunSpec, dump_spec
+from marl.runtime import streams
+from marl.spec.run import RunSpec, dump_spec
 from services.learner import server
 from services.learner.metrics import RunRecordSink, StreamSink
 from services.learner.runs import (
@@ -185,7 +185,7 @@ async def test_retention_zero_keeps_a_finished_run(
 async def test_a_cancelled_queued_run_expires_too(redis_url: str, tmp_path: Path) -> None:
     from unittest.mock import AsyncMock
 
-    from marl.v1 import learner_pb2
+    from marl.protocol.v1 import learner_pb2
 
     r = streams.connect(redis_url)
     store = RunStore(r)

@@ -21,11 +21,11 @@ import grpc
 import pytest
 import yaml
 
-from marl import cli
+from marl.cli import main as cli
 from marl.clients import AsyncRunsClient, RunNotFound, RunsClient
 from marl.clients.runs import LearnerUnavailable, RunRefused, spec_yaml
-from marl.config import parse_spec
-from marl.v1 import learner_pb2, learner_pb2_grpc
+from marl.protocol.v1 import learner_pb2, learner_pb2_grpc
+from marl.spec.run import parse_spec
 
 
 class ScriptedLearner(learner_pb2_grpc.LearnerServicer):

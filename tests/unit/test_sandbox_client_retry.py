@@ -9,7 +9,7 @@ import pytest
 from loopback_grpc import serving
 
 from marl.clients.sandbox import AsyncSandboxClient
-from marl.v1 import sandbox_pb2, sandbox_pb2_grpc
+from marl.protocol.v1 import sandbox_pb2, sandbox_pb2_grpc
 
 
 class RefusesFirst(sandbox_pb2_grpc.SandboxServicer):

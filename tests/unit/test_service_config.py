@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from marl import cli
-from marl.service_config import (
+from marl.cli import main as cli
+from marl.spec.services import (
     MODELS,
     SERVICES,
     InferenceConfig,
@@ -125,7 +125,7 @@ def test_cli_serve_needs_redis(
 
 
 def test_auth_token_from_the_environment_or_a_file(tmp_path: Path) -> None:
-    from marl.service_config import auth_token
+    from marl.spec.services import auth_token
 
     assert auth_token({}) is None
     assert auth_token({"MARL_AUTH_TOKEN": ""}) is None  # set but empty: off
@@ -141,7 +141,7 @@ def test_auth_token_from_the_environment_or_a_file(tmp_path: Path) -> None:
 
 
 def test_tls_files_both_or_neither_and_readable(tmp_path: Path) -> None:
-    from marl.service_config import tls_files
+    from marl.spec.services import tls_files
 
     assert tls_files({}) == {}
     cert = tmp_path / "cert.pem"
@@ -171,7 +171,7 @@ def test_trace_dir_from_the_config_file_or_the_environment_turns_tracing_on(
 ) -> None:
     """What the chart's `<service>.config.trace_dir` reaches: `marl serve` traces into it,
     as with `--trace-dir`."""
-    from marl import trace
+    from marl.runtime import trace
     from services.learner import server as learner
 
     started: list[bool] = []

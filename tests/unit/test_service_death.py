@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from marl.cli import build_parser, main
-from marl.demo import _Watchdog, _WatchedStub
-from marl.launcher import Cluster, Process
+from marl.cli.main import build_parser, main
+from marl.local.demo import _Watchdog, _WatchedStub
+from marl.local.launcher import Cluster, Process
 
 
 def spawn(kind: str, code: str, tmp: Path) -> Process:
@@ -84,7 +84,7 @@ def test_overrides_after_an_option_are_overrides(monkeypatch: pytest.MonkeyPatch
         seen.update(steps=steps, overrides=overrides)
         return 0
 
-    monkeypatch.setattr("marl.demo.run_demo", fake_demo)
+    monkeypatch.setattr("marl.local.demo.run_demo", fake_demo)
     assert main(["demo", "model.path=M", "--steps", "2", "lora.rank=8", "grpo.group_size=4"]) == 0
     assert seen == {"steps": 2, "overrides": ["model.path=M", "lora.rank=8", "grpo.group_size=4"]}
     with pytest.raises(SystemExit):
@@ -110,7 +110,7 @@ def test_a_grpc_error_from_a_dying_service_is_one_line_not_a_traceback(
     ) -> int:
         raise Removed()
 
-    monkeypatch.setattr("marl.demo.run_demo", dying)
+    monkeypatch.setattr("marl.local.demo.run_demo", dying)
     assert main(["demo"]) == 1
     err = capsys.readouterr().err
     assert "UNKNOWN: Stream removed" in err and "Traceback" not in err
@@ -145,7 +145,7 @@ def test_a_child_started_by_die_with_parent_dies_with_it() -> None:
     without a preexec_fn (see `die_with_parent`)."""
     code = (
         "import subprocess, time\n"
-        "from marl.redis_server import die_with_parent\n"
+        "from marl.local.redis_server import die_with_parent\n"
         "child = subprocess.Popen(die_with_parent(['sleep', '60']))\n"
         "print(child.pid, flush=True)\n"
         "time.sleep(60)\n"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from marl.aio_tasks import cancel_until_done
+from marl.runtime.aio_tasks import cancel_until_done
 
 
 def test_a_lost_cancellation_is_repeated() -> None:

@@ -1,4 +1,4 @@
-"""A service process exits within its drain time plus 10 s of a stop (marl.serving's
+"""A service process exits within its drain time plus 10 s of a stop (marl.runtime.serving's
 StopWatchdog), even when its cleanup hangs (as on a Redis that is gone), and stops by
 itself once the launcher that started it is gone. Each case is a real process running
 `serve_until_stopped`, as a service does."""
@@ -13,12 +13,12 @@ import textwrap
 import time
 from pathlib import Path
 
-from marl.serving import STOP_MARGIN_S
+from marl.runtime.serving import STOP_MARGIN_S
 
 SERVICE = textwrap.dedent(
     """
     import asyncio, sys
-    from marl.serving import ServiceHost, serve_until_stopped
+    from marl.runtime.serving import ServiceHost, serve_until_stopped
 
     async def stubborn():
         # cleanup stuck forever: every cancel is swallowed, as a Redis client retrying
@@ -81,7 +81,7 @@ def test_a_clean_stop_exits_at_once_with_0() -> None:
 LAUNCHER = textwrap.dedent(
     """
     import os, subprocess, sys, time
-    from marl.serving import PARENT_PID_ENV
+    from marl.runtime.serving import PARENT_PID_ENV
     log = open(sys.argv[2], "w")
     child = subprocess.Popen(
         [sys.executable, "-c", sys.argv[1], "idle", "0"],

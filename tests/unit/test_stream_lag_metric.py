@@ -8,9 +8,9 @@ import asyncio
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from marl import streams
-from marl.http_server import HttpServer
-from marl.prometheus_metrics import on_scrape, stream_lag_hook
+from marl.runtime import streams
+from marl.runtime.http_server import HttpServer
+from marl.runtime.prometheus_metrics import on_scrape, stream_lag_hook
 
 STREAM, GROUP = "marl:test-lag", "lag-workers"
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from redis.exceptions import NoPermissionError, ResponseError
 
-from marl import streams
+from marl.runtime import streams
 from services.learner.metrics import StreamSink
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from worker_loop import working
 
-from marl import streams
+from marl.runtime import streams
 from services.workflow import worker
 
 S, G = "s", "g"

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 from worker_loop import working
 
-from marl import replicas, streams
-from marl.config import RunSpec
 from marl.data.problem import Problem
-from marl.demo_model import demo_model_dir
+from marl.models.demo import demo_model_dir
 from marl.rollout import AdapterRef, Rollout, Task
+from marl.runtime import replicas, streams
+from marl.spec.run import RunSpec
 from services.workflow import worker
 
 
@@ -231,7 +231,7 @@ async def test_the_learner_counts_a_step_once_and_reports_dead_letters_and_dupli
     redis_url: str,
 ) -> None:
     from marl.clients.runs import RunInfo
-    from marl.v1 import learner_pb2
+    from marl.protocol.v1 import learner_pb2
     from services.learner.episodes import Episodes
     from services.learner.runs import run_key
     from services.learner.server import _run_message

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from marl.clients.sandbox import build_request
-from marl.config import SpecError, load_spec_text, parse_spec
-from marl.safe_input import load_yaml
+from marl.spec.run import SpecError, load_spec_text, parse_spec
+from marl.spec.safe_input import load_yaml
 from services.reward_sandbox import http_api, jobspec
 from services.reward_sandbox.config import SandboxConfig
 
@@ -142,7 +142,7 @@ def test_http_body_nested_past_the_cap_is_named() -> None:
     from aiohttp.test_utils import make_mocked_request
     from aiohttp.web import Request
 
-    from marl.http_server import MAX_BODY_DEPTH, read_json_object
+    from marl.runtime.http_server import MAX_BODY_DEPTH, read_json_object
 
     async def parse(text: str) -> Any:
         req: Request = make_mocked_request("POST", "/run_code")

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from test_grpo_minibatch import new_policy, spec, step, voting_batch
 
-from marl.torch_thread import TorchThread
+from marl.runtime.torch_thread import TorchThread
 from services.learner.threads import ThreadBurst
 
 

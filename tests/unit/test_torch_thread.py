@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from marl.launcher import service_threads
-from marl.torch_thread import TorchThread
+from marl.local.launcher import service_threads
+from marl.runtime.torch_thread import TorchThread
 
 
 def test_every_call_runs_on_one_thread_other_than_the_callers() -> None:

@@ -1,4 +1,4 @@
-"""marl.trace: a process's spans as Chrome trace events in its own file."""
+"""marl.runtime.trace: a process's spans as Chrome trace events in its own file."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from marl import trace
-from marl.trace import LANE_TIDS, LANES_PER_GROUP, Tracer
+from marl.runtime import trace
+from marl.runtime.trace import LANE_TIDS, LANES_PER_GROUP, Tracer
 
 
 def events(path: Path) -> list[dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""marl.trace_summary: a step's wait split into generation, reward and queueing."""
+"""marl.monitor.trace_summary: a step's wait split into generation, reward and queueing."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from marl import cli, trace_summary
-from marl.trace_summary import intersect, length, minus, step_times, union
+from marl.cli import main as cli
+from marl.monitor import trace_summary
+from marl.monitor.trace_summary import intersect, length, minus, step_times, union
 
 
 def span(name: str, start: float, end: float, **args: Any) -> dict[str, Any]:

@@ -8,8 +8,8 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 
-from marl.cli import main
-from marl.watch import WatchState, tail_records, watch_dir
+from marl.cli.main import main
+from marl.monitor.watch import WatchState, tail_records, watch_dir
 
 
 def _write_run(path: Path, records: list[dict[str, object]], partial: str = "") -> None:
@@ -96,7 +96,7 @@ class _Learner:
 
 
 def test_watch_run_follows_the_learner_stream_with_the_runs_thresholds(tmp_path: Path) -> None:
-    from marl.watch import watch_run
+    from marl.monitor.watch import watch_run
 
     run = tmp_path / "run"
     _write_run(run, [])

@@ -18,8 +18,8 @@ from loopback_grpc import serving
 from worker_loop import working
 from workflows_scripted import CharTokenizer, make_task
 
-from marl import replicas, streams
-from marl.v1 import inference_pb2, inference_pb2_grpc
+from marl.protocol.v1 import inference_pb2, inference_pb2_grpc
+from marl.runtime import replicas, streams
 from services.workflow import worker
 from services.workflow.worker import EpisodeRunner
 

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 from workflows_scripted import CODE, MATH, ScriptedEngine, make_task, run_episode
 
-from marl.config import WorkflowCaps
-from marl.v1 import inference_pb2
+from marl.protocol.v1 import inference_pb2
+from marl.spec.run import WorkflowCaps
 from marl.workflows import prompts
 from marl.workflows.eval_opt import verdict
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from marl import cli
-from marl.config import RunSpec, SpecError
+from marl.cli import main as cli
+from marl.cli.episode import checkpoint_dir, load_checkpoint, make_task, pick_problem, render
 from marl.data import arithmetic
-from marl.episode_cli import checkpoint_dir, load_checkpoint, make_task, pick_problem, render
 from marl.rollout import AdapterRef, Rollout, Turn
+from marl.spec.run import RunSpec, SpecError
 
 
 def test_the_task_carries_what_the_spec_says_about_sampling_caps_and_templates() -> None:
@@ -90,7 +90,7 @@ def test_user_errors_exit_2_before_any_cluster_is_needed(
 
 def test_without_a_checkpoint_every_policy_gets_a_base_model_adapter() -> None:
     """B = 0: the pushed adapter changes nothing (the learner's version 0)."""
-    from marl.episode_cli import base_adapters
+    from marl.cli.episode import base_adapters
 
     demo_model = Path(__file__).parents[2] / "marl" / "assets" / "demo-model"
     spec = RunSpec(model={"path": str(demo_model)}, lora={"rank": 4, "alpha": 8})  # type: ignore[arg-type]

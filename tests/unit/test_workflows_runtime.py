@@ -15,9 +15,9 @@ import pytest
 from loop_ticks import loop_ticks
 from workflows_scripted import MATH, CharTokenizer, ScriptedEngine, make_episode, make_task
 
-from marl.config import WorkflowCaps
-from marl.demo_model import demo_model_dir
+from marl.models.demo import demo_model_dir
 from marl.rollout import Task
+from marl.spec.run import WorkflowCaps
 from marl.workflows import prompts, resolve
 from services.workflow import episode as episode_module
 from services.workflow import worker

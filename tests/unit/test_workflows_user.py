@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from workflows_scripted import ScriptedEngine, make_task, run_episode
 
-from marl.config import RunSpec, SpecError, load_spec_text
+from marl.spec.run import RunSpec, SpecError, load_spec_text
 from marl.workflows import Workflow, policy_of_role, resolve
 
 DEBATE = "examples.workflows.debate:DEBATE"
@@ -47,7 +47,7 @@ def test_a_user_workflow_routes_like_a_built_in_one() -> None:
                                                        r"'no_such_package.flows'"),
         ({"workflow": "examples.workflows.debate:NOPE"}, r"field `workflow`: module .* has no "
                                                          r"'NOPE'"),
-        ({"workflow": "marl.config:RunSpec"}, r"field `workflow`: .* not a marl.workflows.Workflow"),
+        ({"workflow": "marl.spec.run:RunSpec"}, r"field `workflow`: .* not a marl.workflows.Workflow"),
         ({"workflow": DEBATE, "policy_groups": {"solver": "a"}},
          r"field `policy_groups`: must map every role .*missing roles \['judge'\]"),
         ({"workflow": "single", "policy_groups": {"solver": "a"}},

@@ -13,10 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from marl.config import WorkflowCaps
 from marl.data.problem import Problem
+from marl.protocol.v1 import common_pb2, inference_pb2
 from marl.rollout import AdapterRef, Task
-from marl.v1 import common_pb2, inference_pb2
+from marl.spec.run import WorkflowCaps
 from marl.workflows import resolve
 from services.workflow.episode import Episode
 

@@ -1,0 +1,1 @@
+"""The `marl` command: `main` parses and dispatches; each group of subcommands has a module."""

@@ -1,0 +1,3 @@
+from marl.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,509 @@
+"""The `marl` command. Parses first; torch, transformers and vLLM load only where used.
+
+Exit codes: 0 success, 1 a run or service failed, 2 a user error (the field or
+input is named, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from marl.clients.runs import LearnerUnavailable, RunNotFound, RunRefused, RunsClient
+from marl.spec.errors import UserError
+from marl.spec.run import ENGINE_NAMES, SpecError
+
+DEFAULT_LEARNER = "127.0.0.1:50051"
+
+
+# ---------------------------------------------------------------- serve
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Typed settings (`marl.spec.services`): defaults < --config < MARL_<SERVICE>_* < flags."""
+    from marl.spec.services import load_service_config
+
+    flags = {"port": args.port, "host": args.host}
+    if args.service in ("inference", "workflow", "learner"):
+        flags["redis"] = args.redis
+    flags["http_port"] = args.http_port
+    flags["trace_dir"] = args.trace_dir
+    if args.service == "inference":
+        flags.update(model=args.model, engine=args.engine, max_lora_rank=args.max_lora_rank,
+                     max_loras=args.max_loras)
+    elif args.service == "workflow":
+        flags.update(
+            sandbox=args.sandbox,
+            concurrency=args.concurrency,
+            claim_idle_s=args.claim_idle_s,
+            heartbeat_ttl_s=args.heartbeat_ttl_s,
+            max_deliveries=args.max_deliveries,
+        )
+    elif args.service == "learner":
+        flags["runs_dir"] = args.runs_dir
+    try:
+        cfg = load_service_config(args.service, args.config, flags)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    if args.service in ("inference", "workflow", "learner") and not cfg.redis:
+        raise UserError(f"marl serve {args.service}: --redis URL is required")
+    if cfg.trace_dir is not None:
+        from marl.runtime import trace
+
+        trace.configure(args.service, cfg.trace_dir)
+    if args.service == "inference":
+        from services.inference import server as inference
+
+        if not cfg.model:
+            raise UserError("marl serve inference: --model DIR is required")
+        inference.run(
+            cfg.port,
+            cfg.model,
+            host=cfg.host,
+            engine=cfg.engine,
+            dtype=cfg.dtype,
+            redis_url=cfg.redis,
+            retention=cfg.retention,
+            max_lora_rank=cfg.max_lora_rank,
+            http_port=cfg.http_port,
+            vllm_options=cfg.vllm_options(),
+            device=cfg.device,
+        )
+    elif args.service == "workflow":
+        from services.workflow import server as workflow
+
+        workflow.run(
+            cfg.port,
+            cfg.redis,
+            host=cfg.host,
+            sandbox=cfg.sandbox,
+            concurrency=cfg.concurrency,
+            http_port=cfg.http_port,
+            claim_idle_s=cfg.claim_idle_s,
+            heartbeat_ttl_s=cfg.heartbeat_ttl_s,
+            max_deliveries=cfg.max_deliveries,
+            drain_s=cfg.drain_s,
+            replica_wait_s=cfg.replica_wait_s,
+        )
+    elif args.service == "learner":
+        from services.learner import server as learner
+
+        learner.run(
+            cfg.port,
+            cfg.redis,
+            host=cfg.host,
+            runs_dir=cfg.runs_dir,
+            http_port=cfg.http_port,
+            max_queued_tasks=cfg.max_queued_tasks,
+            burst_threads=cfg.burst_threads,
+            retention_s=cfg.retention_s,
+        )
+    else:
+        from services.reward_sandbox import server as sandbox
+
+        sandbox.run(cfg.port, host=cfg.host, config_path=args.config, http_port=cfg.http_port)
+    return 0
+
+
+# ---------------------------------------------------------------- runs API
+
+
+def _learner_stub(address: str) -> Any:
+    from marl.protocol.v1 import learner_pb2_grpc
+    from marl.runtime import auth
+
+    return learner_pb2_grpc.LearnerStub(auth.channel(address))
+
+
+def _spec_text(path: str, overrides: list[str]) -> str:
+    import yaml
+
+    from marl.spec.run import apply_overrides
+    from marl.spec.safe_input import check_path, load_yaml, read_text, shorten
+
+    p = check_path(path, "spec file", UserError)
+    if not p.is_file():
+        raise UserError(f"spec file {shorten(path)!r} does not exist")
+    data = load_yaml(read_text(p, "spec file", UserError), shorten(path), UserError) or {}
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: a run spec must be a mapping of fields")
+    return yaml.safe_dump(apply_overrides(data, overrides), sort_keys=False)
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    text = _spec_text(args.spec, args.overrides)
+    with RunsClient(args.learner) as runs:
+        print(runs.submit(text))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with RunsClient(args.learner) as runs:
+        run = runs.get(args.run)
+    if args.json:
+        print(json.dumps(run.to_dict(), indent=2))
+    else:
+        print(f"{run.run_id}  {run.state}  step {run.step}/{run.total_steps}  {run.out_dir}")
+        if run.error:
+            print(f"error: {run.error}")
+        if run.steps_done:
+            print(
+                f"failed steps: {run.failed_steps} of {run.steps_done}  failed episodes: "
+                f"{run.failed_episodes} of {run.episodes}"
+            )
+        for alarm in run.alarms:
+            print(f"alarm: {alarm}")
+        if run.dead_lettered:
+            print(
+                f"dead-lettered tasks: {run.dead_lettered} (failed max_deliveries times, left "
+                "out of their steps; see the stream marl:tasks:dead and the workers' logs)"
+            )
+    return 0
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    with RunsClient(args.learner) as runs:
+        for run in runs.list():
+            print(f"{run.run_id}  {run.state:<9}  step {run.step}/{run.total_steps}  {run.out_dir}")
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    with RunsClient(args.learner) as runs:
+        run = runs.cancel(args.run)
+    print(f"{run.run_id}  {run.state}")
+    return 0
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    from marl.monitor.watch import watch_dir, watch_run
+
+    if Path(args.run).is_dir():
+        try:
+            return watch_dir(args.run, follow=not args.once)
+        except ValueError as err:
+            raise UserError(str(err)) from None
+    state = watch_run(_learner_stub(args.learner), args.run)
+    return 0 if state == "SUCCEEDED" else 1
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from marl.monitor.report import write_report
+
+    try:
+        page = write_report(args.run_dir, args.out)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    print(page)
+    return 0
+
+
+# ---------------------------------------------------------------- demo / up
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from marl.local.demo import run_demo
+
+    return run_demo(args.out, args.steps, args.overrides, args.trace)
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    from marl.models.gguf_import import ModelImportError, import_gguf
+
+    try:
+        print(import_gguf(args.file, args.out, force=args.force))
+    except ModelImportError as err:
+        raise UserError(str(err)) from None
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from marl.local.demo import run_up
+
+    trace_dir = None if args.trace is None else Path(args.trace)
+    return run_up(Path(args.dir), args.model, args.engine, args.cores, args.overlapped, trace_dir)
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from marl.monitor import trace_summary
+
+    trace_dir = Path(args.dir)
+    if not trace_dir.is_dir() or not any(trace_dir.glob("*.jsonl")):
+        raise UserError(f"{trace_dir}: no trace files (*.jsonl) there; start the services "
+                        "with --trace (marl up, marl demo) or --trace-dir (marl serve)")
+    events = trace_summary.load(trace_dir)
+    steps = trace_summary.step_times(events)
+    print(trace_summary.report(steps, skip=args.skip, events=events) if steps
+          else "no training step traced")
+    out = Path(args.out) if args.out else trace_dir / "trace.json"
+    trace_summary.write_chrome_trace(events, out)
+    print(f"{len(events)} events: {out} (open it in ui.perfetto.dev)")
+    return 0
+
+
+def cmd_sandbox(args: argparse.Namespace) -> int:
+    if args.action == "run":
+        from marl.clients.http import HttpUserError, sandbox_run
+
+        if not args.file:
+            raise UserError("marl sandbox run FILE.py: the program file is required")
+        try:
+            return sandbox_run(args.file, args.stdin, args.sandbox, args.timeout)
+        except HttpUserError as err:
+            raise UserError(str(err)) from None
+    from services.reward_sandbox import doctor
+
+    return doctor.main()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from marl.clients.http import HttpUserError, generate
+
+    try:
+        return generate(args.model, args.prompt, args.inference, args.chat, args.max_tokens,
+                        args.temperature, args.seed)
+    except HttpUserError as err:
+        raise UserError(str(err)) from None
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    from marl.data import inspect
+
+    return inspect.main([args.spec, *args.overrides])
+
+
+def cmd_episode(args: argparse.Namespace) -> int:
+    from marl.cli.episode import main as episode_main
+    from marl.spec.run import load_spec_text
+
+    spec = load_spec_text(_spec_text(args.spec, args.overrides))
+    return episode_main(spec, args.problem, args.checkpoint, args.endpoints, args.split,
+                        args.sample, args.json)
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    from marl.cli import cluster
+
+    try:
+        return cluster.run(args)
+    except cluster.ClusterError as err:
+        raise UserError(str(err)) from None
+
+
+# ---------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (older than the limit; split it when next changed)
+    parser = argparse.ArgumentParser(
+        prog="marl", description=__doc__.splitlines()[0] if __doc__ else None
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="a short real training run on the CPU, every service a process")
+    p.add_argument("--out", default=None, help="run output directory (default runs/demo-<time>)")
+    p.add_argument("--steps", type=int, default=None, help="training steps")
+    p.add_argument("--trace", action="store_true",
+                   help="trace every service into OUT/trace; print where each step's time "
+                   "went and write OUT/trace.json (marl trace)")
+    p.add_argument("overrides", nargs="*", help="RunSpec fields as key=value, e.g. policy=isolated")
+    p.set_defaults(fn=cmd_demo)
+
+    p = sub.add_parser("up", help="start every service locally until Ctrl-C")
+    p.add_argument("--dir", default="marl-up", help="where endpoints.json, logs and runs go")
+    p.add_argument("--model", default=None, help="base model dir (default: the demo model)")
+    p.add_argument("--engine", default="auto", choices=ENGINE_NAMES)
+    p.add_argument(
+        "--cores", type=int, default=None, help="CPU cores the services' torch threads share (2)"
+    )
+    p.add_argument(
+        "--overlapped",
+        action="store_true",
+        help="for runs with train.max_staleness >= 1: inference and learner get disjoint "
+        "shares of --cores instead of all of them each (the learner's update takes them all "
+        "once the rollouts queued ahead are in)",
+    )
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="every service appends its trace spans to DIR (read with marl trace DIR)")
+    p.set_defaults(fn=cmd_up)
+
+    p = sub.add_parser("trace", help="where each traced step's time went; merge into trace.json")
+    p.add_argument("dir", help="the trace directory (marl up --trace DIR, OUT/trace of a demo)")
+    p.add_argument("--out", default=None, help="merged Chrome trace file (default DIR/trace.json)")
+    p.add_argument("--skip", type=int, default=1,
+                   help="steps left out of the medians at the start of each run (warm-up)")
+    p.set_defaults(fn=cmd_trace)
+
+    p = sub.add_parser("serve", help="run one service")
+    p.add_argument("service", choices=["inference", "workflow", "learner", "sandbox"])
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1)")
+    p.add_argument("--redis", default=None, help="Redis URL, e.g. redis://127.0.0.1:6379/0")
+    p.add_argument(
+        "--config", default=None, help="YAML of the service's settings (marl.spec.services)"
+    )
+    p.add_argument("--model", default=None, help="inference: base model directory")
+    p.add_argument("--engine", default=None, choices=ENGINE_NAMES)
+    p.add_argument(
+        "--max-lora-rank", type=int, default=None, help="inference: largest adapter rank served"
+    )
+    p.add_argument(
+        "--max-loras", type=int, default=None,
+        help="inference (vLLM): adapter versions one batch can mix",
+    )
+    p.add_argument("--sandbox", default=None, help="workflow: sandbox address for code rewards")
+    p.add_argument(
+        "--concurrency", type=int, default=None, help="workflow: episodes the worker runs at once"
+    )
+    p.add_argument(
+        "--claim-idle-s",
+        type=float,
+        default=None,
+        help="workflow: claim a task untouched this long even from a live (hung) worker",
+    )
+    p.add_argument(
+        "--heartbeat-ttl-s",
+        type=float,
+        default=None,
+        help="workflow: a worker silent this long is dead and its tasks are claimed",
+    )
+    p.add_argument(
+        "--max-deliveries",
+        type=int,
+        default=None,
+        help="workflow: deliveries of a task before it is dead-lettered",
+    )
+    p.add_argument("--runs-dir", default=None, help="learner: where run directories go")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="HTTP port: Prometheus /metrics; inference adds OpenAI-compatible /v1, sandbox "
+        "SandboxFusion /run_code (0: free port)",
+    )
+    p.add_argument(
+        "--trace-dir",
+        default=None,
+        help="append this process's spans (steps, episodes, decode steps...) to "
+        "DIR/<service>-<pid>.jsonl for `marl trace DIR` (marl.runtime.trace)",
+    )
+    p.set_defaults(fn=cmd_serve)
+
+    p = sub.add_parser("submit", help="submit a run spec to the learner; prints the run id")
+    p.add_argument("spec")
+    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p.add_argument("--learner", default=DEFAULT_LEARNER)
+    p.set_defaults(fn=cmd_submit)
+
+    for name, fn, helptext in [
+        ("status", cmd_status, "a run's state"),
+        ("watch", cmd_watch, "follow a run live (a run id, or a run directory)"),
+        ("cancel", cmd_cancel, "cancel a run"),
+    ]:
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("run")
+        p.add_argument("--learner", default=DEFAULT_LEARNER)
+        if name == "status":
+            p.add_argument("--json", action="store_true")
+        if name == "watch":
+            p.add_argument("--once", action="store_true", help="a run directory: draw once, exit")
+        p.set_defaults(fn=fn)
+
+    p = sub.add_parser("episode", help="one episode on a running cluster, transcript printed")
+    p.add_argument("spec")
+    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p.add_argument("--problem", type=int, required=True, help="index into the data split")
+    p.add_argument("--split", default="train", choices=["train", "val"])
+    p.add_argument("--sample", type=int, default=0, help="sample index (changes the seeds)")
+    p.add_argument("--checkpoint", default=None,
+                   help="a checkpoints/step_N dir or a run dir (default: the base model)")
+    p.add_argument("--endpoints", default="marl-up", help="`marl up --dir` or its endpoints.json")
+    p.add_argument("--json", action="store_true", help="print the rollout as JSON")
+    p.set_defaults(fn=cmd_episode)
+
+    p = sub.add_parser("report", help="report.html with per-role drift plots of a run directory")
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None, help="where report.html and its PNGs go (default RUN_DIR)")
+    p.set_defaults(fn=cmd_report)
+
+    p = sub.add_parser("runs", help="list runs")
+    p.add_argument("--learner", default=DEFAULT_LEARNER)
+    p.set_defaults(fn=cmd_runs)
+
+    p = sub.add_parser("sandbox", help="sandbox tools: doctor | run FILE.py [--stdin FILE]")
+    p.add_argument("action", choices=["doctor", "run"])
+    p.add_argument("file", nargs="?", help="run: the Python program to run in the sandbox")
+    p.add_argument("--stdin", default=None, help="run: a file given to the program as stdin")
+    p.add_argument("--sandbox", default=None, help="run: the sandbox's HTTP URL (see README)")
+    p.add_argument("--timeout", type=float, default=10.0, help="run: seconds the program gets")
+    p.set_defaults(fn=cmd_sandbox)
+
+    p = sub.add_parser("generate", help="one completion from a running inference replica")
+    p.add_argument("prompt")
+    p.add_argument("--model", required=True, help="the base model's name or run/policy@version")
+    p.add_argument("--inference", default=None, help="the replica's HTTP URL (see README)")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a chat message")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("model", help="model tools: import FILE.gguf OUT_DIR (safetensors)")
+    p.add_argument("action", choices=["import"])
+    p.add_argument("file", help="a GGUF checkpoint, e.g. SmolLM2-135M-Instruct.Q4_1.gguf")
+    p.add_argument("out", help="the model directory to write (model.path in a run spec)")
+    p.add_argument("--force", action="store_true", help="write into a non-empty OUT_DIR")
+    p.set_defaults(fn=cmd_model)
+
+    p = sub.add_parser("data", help="dataset tools")
+    p.add_argument("action", choices=["inspect"])
+    p.add_argument("spec")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(fn=cmd_data)
+
+    from marl.cli.cluster import add_parser as add_cluster_parser
+
+    add_cluster_parser(sub)
+    sub.choices["cluster"].set_defaults(fn=cmd_cluster)
+
+    from marl.cli.experiments import add_parsers as add_experiment_parsers
+
+    add_experiment_parsers(sub)  # matrix, eval, attribute
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # `marl demo model.path=DIR --steps 2 lora.rank=8`: key=value overrides after an
+        # option are overrides too (argparse takes one run of positionals only)
+        if hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+            args.overrides = [*(args.overrides or []), *extra]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return int(args.fn(args))
+    except (UserError, SpecError) as err:
+        print(f"marl {args.command}: {err}", file=sys.stderr)
+        return 2
+    except (RunRefused, RunNotFound, LearnerUnavailable) as err:
+        print(f"marl {args.command}: {err.args[0] if err.args else err}", file=sys.stderr)
+        return 2
+    except grpc.RpcError as err:  # a service that went away mid-call: no traceback
+        code = err.code() if hasattr(err, "code") else None
+        details = err.details() if hasattr(err, "details") else str(err)
+        name = code.name if code is not None else "error"
+        print(f"marl {args.command}: the service answered {name}: {details} (did it die? "
+              f"`marl up` names a dead service and its log)", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

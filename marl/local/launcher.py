@@ -1,0 +1,304 @@
+"""Start every marl service as its own process on loopback, and stop them cleanly.
+
+Used by `marl demo`, `marl up` and the integration tests: a private Redis (or
+the one given), then inference, sandbox, workflow and learner processes, each
+waited on until its health check reports SERVING. Inference and sandbox also get
+an HTTP port (OpenAI `/v1`, SandboxFusion `/run_code`), listed in endpoints.json
+as `inference_http` and `sandbox_http`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from marl.local.redis_server import PrivateRedis
+from marl.runtime.processes import die_with_parent, free_port, how_it_ended
+from marl.runtime.serving import wait_healthy
+
+HTTP_SERVICES = ("inference", "sandbox", "workflow", "learner")
+"""Services started with an HTTP port too (OpenAI /v1, SandboxFusion /run_code; every
+one's Prometheus /metrics)."""
+DEFAULT_CORES = 2
+"""Cores a machine's services share out unless told otherwise (the demo's 2-core target)."""
+OMP_SPIN_COUNT = 10_000
+"""Spins an idle OpenMP thread of a service waits for more work before it sleeps (libgomp's
+own default is 300,000). A short spin spares a synchronous update a futex wake-up per
+small operator, which makes it faster than sleeping at once (`OMP_WAIT_POLICY=PASSIVE`);
+but learner and inference overlapped on the same cores (`train.max_staleness` 1) spin on
+each other's and run slower than asleep, so overlapped services share the cores out
+(`Cluster.threads`) and their pools never spin on one another's cores. `bench/vs_trl.py`
+(`--max-staleness`, `--learner-threads`, `--inference-threads`) measures both."""
+
+
+def service_threads(cores: int, overlapped: bool) -> dict[str, int]:
+    """Threads per service kind for runs on `cores` cores. A synchronous run
+    (`train.max_staleness` 0) generates, then trains: the learner gets every core for its
+    update, and the inference replica every core but one, which the workflow workers
+    (one thread each) keep busy while it decodes: a replica pool over every core spins on
+    theirs (on 2 cores one replica thread gave more rollout tokens/s than two in
+    `bench/e2e.py`, though the engine alone gains from the second). An overlapped run
+    (>= 1) generates and trains at once: they get disjoint shares, so that neither's
+    OpenMP pool spins on the other's cores (OMP_SPIN_COUNT). `learner_burst`: the threads
+    the learner's update takes once every rollout queued ahead is in and the inference
+    share idles (`services.learner.threads`): every core."""
+    if overlapped:
+        inference, learner = max(1, cores // 2), max(1, cores - cores // 2)
+    else:
+        inference, learner = max(1, cores - 1), max(1, cores)
+    return {"inference": inference, "learner": learner, "learner_burst": max(1, cores),
+            "workflow": 1, "sandbox": 1}
+
+
+@dataclass
+class Process:
+    kind: str
+    address: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    http_address: str | None = None
+    """HTTP front end (inference: OpenAI /v1; sandbox: SandboxFusion /run_code)."""
+    args: list[str] = field(default_factory=list)
+    """The `marl serve KIND` arguments after --port (and --http-port): a restart reuses them."""
+
+    def exit_description(self) -> str | None:
+        """None while it runs; else which service ended, how, and where its log is."""
+        code = self.proc.poll()
+        if code is None:
+            return None
+        return (
+            f"the {self.kind} service (pid {self.proc.pid}) {how_it_ended(code)}; "
+            f"its log: {self.log_path}"
+        )
+
+
+@dataclass
+class Cluster:
+    workdir: Path
+    model_path: str
+    engine: str = "transformers"
+    redis_url: str | None = None
+    inference_replicas: int = 1
+    workflow_replicas: int = 1
+    sandbox_replicas: int = 1
+    learner: bool = True
+    max_lora_rank: int = 64
+    max_loras: int | None = None
+    """vLLM's LoRA slots per batch (None: the inference config's); for a cluster started
+    for known runs, `adapter_versions_in_flight` of each. The transformers engine has no
+    such limit."""
+    threads: dict[str, int] = field(
+        default_factory=lambda: service_threads(DEFAULT_CORES, overlapped=False)
+    )
+    """Torch/OpenMP threads per service kind (`service_threads`)."""
+    processes: list[Process] = field(default_factory=list)
+    redis: PrivateRedis | None = None
+    redis_aof: bool = False
+    """The private Redis (when `redis_url` is not given) logs every write to an append-only
+    file (fsync every second): a Redis killed and restarted keeps what it acknowledged."""
+    trace_dir: Path | None = None
+    """Where every service writes its trace spans (`marl serve --trace-dir`, marl.runtime.trace)."""
+
+    def _spawn(
+        self,
+        kind: str,
+        args: list[str],
+        port: int | None = None,
+        http_port: int | None = None,
+        log_path: Path | None = None,
+    ) -> Process:
+        port = port or free_port()
+        if kind in HTTP_SERVICES:
+            http_port = http_port or free_port()
+        extra = args if http_port is None else [*args, "--http-port", str(http_port)]
+        logs = self.workdir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        n = sum(p.kind == kind for p in self.processes)
+        log_path = log_path or logs / f"{kind}-{n}.log"
+        env = dict(os.environ)
+        threads = str(self.threads.get(kind, 1))
+        env.update(
+            OMP_NUM_THREADS=threads,
+            MKL_NUM_THREADS=threads,
+            # idle OpenMP threads spin briefly, then sleep (see OMP_SPIN_COUNT)
+            GOMP_SPINCOUNT=str(OMP_SPIN_COUNT),
+            TOKENIZERS_PARALLELISM="false",
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            PYTHONUNBUFFERED="1",
+            # the service stops once this process is gone (marl.serving.StopWatchdog)
+            MARL_PARENT_PID=str(os.getpid()),
+        )
+        if kind == "learner" and "learner_burst" in self.threads:
+            env["MARL_LEARNER_BURST_THREADS"] = str(self.threads["learner_burst"])
+        if self.trace_dir is not None:
+            extra = [*extra, "--trace-dir", str(self.trace_dir)]
+        cmd = [sys.executable, "-m", "marl.cli", "serve", kind, "--port", str(port), *extra]
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                die_with_parent(cmd),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        http = None if http_port is None else f"127.0.0.1:{http_port}"
+        p = Process(kind, f"127.0.0.1:{port}", proc, log_path, http, list(args))
+        self.processes.append(p)
+        return p
+
+    def restart(self, dead: Process) -> Process:
+        """Start a service that exited again, on its ports and with its arguments (its
+        clients' addresses stay valid; a learner takes its runs over), logging to the same
+        file; returns once it is SERVING."""
+        index = self.processes.index(dead)
+        self.processes.remove(dead)
+        port = int(dead.address.rsplit(":", 1)[1])
+        http_port = int(dead.http_address.rsplit(":", 1)[1]) if dead.http_address else None
+        p = self._spawn(dead.kind, dead.args, port, http_port, dead.log_path)
+        self.processes.insert(index, self.processes.pop())
+        asyncio.run(self._wait([p], 300.0))
+        return p
+
+    def restart_redis(self) -> bool:
+        """Start the private Redis again if it died (on its port and workdir, so with AOF
+        it comes back with what it had); False when it is alive or not ours."""
+        if self.redis is None or self.redis.proc is None or self.redis.proc.poll() is None:
+            return False
+        self.redis.start()
+        return True
+
+    def start(self, timeout_s: float = 300.0) -> dict[str, Any]:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.redis_url is None:
+            self.redis = PrivateRedis(
+                workdir=str(self.workdir / "redis"), aof=self.redis_aof
+            ).start()
+            self.redis_url = self.redis.url
+        redis_args = ["--redis", self.redis_url]
+        for _ in range(self.sandbox_replicas):
+            self._spawn("sandbox", [])
+        sandbox = [p.address for p in self.processes if p.kind == "sandbox"]
+        for _ in range(self.inference_replicas):
+            self._spawn("inference", self._inference_args())
+        for i in range(self.workflow_replicas):
+            extra = ["--sandbox", sandbox[i % len(sandbox)]] if sandbox else []
+            self._spawn("workflow", [*redis_args, *extra])
+        if self.learner:
+            self._spawn("learner", [*redis_args, "--runs-dir", str(self.workdir / "runs")])
+        try:
+            asyncio.run(self._wait(self.processes, timeout_s))
+        except BaseException:
+            self.stop()
+            raise
+        return self.endpoints()
+
+    def _inference_args(self) -> list[str]:
+        assert self.redis_url is not None
+        return [
+            *("--redis", self.redis_url, "--model", self.model_path, "--engine", self.engine),
+            *("--max-lora-rank", str(self.max_lora_rank)),
+            *(() if self.max_loras is None else ("--max-loras", str(self.max_loras))),
+        ]
+
+    def add_inference_replica(self, wait: bool = True, timeout_s: float = 300.0) -> Process:
+        """Start one more inference replica in the running cluster (one that joins mid-run);
+        with `wait`, return once it reports SERVING, i.e. holds every current adapter."""
+        p = self._spawn("inference", self._inference_args())
+        if wait:
+            asyncio.run(self._wait([p], timeout_s))
+        return p
+
+    async def _wait(self, processes: list[Process], timeout_s: float) -> None:
+        async def one(p: Process) -> None:
+            waiter = asyncio.create_task(wait_healthy(p.address, timeout_s))
+            while not waiter.done():
+                if p.proc.poll() is not None:
+                    waiter.cancel()
+                    tail = p.log_path.read_text()[-3000:]
+                    raise RuntimeError(f"{p.kind} exited with {p.proc.returncode}:\n{tail}")
+                await asyncio.sleep(0.2)
+            await waiter
+
+        await asyncio.gather(*(one(p) for p in processes))
+
+    def dead(self) -> list[Process]:
+        """The services that have exited (none should while the cluster runs)."""
+        return [p for p in self.processes if p.proc.poll() is not None]
+
+    def endpoints(self) -> dict[str, Any]:
+        def of(kind: str) -> list[str]:
+            return [p.address for p in self.processes if p.kind == kind]
+
+        return {
+            "learner": next(iter(of("learner")), None),
+            "inference": of("inference"),
+            "sandbox": of("sandbox"),
+            "workflow": of("workflow"),
+            "inference_http": [
+                p.http_address for p in self.processes if p.kind == "inference" and p.http_address
+            ],
+            "sandbox_http": [
+                p.http_address for p in self.processes if p.kind == "sandbox" and p.http_address
+            ],
+            "workflow_http": [
+                p.http_address for p in self.processes if p.kind == "workflow" and p.http_address
+            ],
+            "learner_http": [
+                p.http_address for p in self.processes if p.kind == "learner" and p.http_address
+            ],
+            "redis": self.redis_url,
+            "pids": {
+                k: [p.proc.pid for p in self.processes if p.kind == k]
+                for k in ("learner", "inference", "workflow", "sandbox")
+            },
+        }
+
+    def write_endpoints(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.endpoints(), indent=2))
+        os.replace(tmp, path)
+
+    def dump_stacks(self, settle_s: float = 2.0) -> Path:
+        """Have every running service write its threads' and asyncio tasks' stacks to its
+        log (SIGUSR1, SIGUSR2): what a hung run was waiting on. Returns the logs directory
+        once they had `settle_s` to write."""
+        for p in self.processes:
+            if p.proc.poll() is None:
+                for sig in (signal.SIGUSR1, signal.SIGUSR2):
+                    with contextlib.suppress(ProcessLookupError):
+                        p.proc.send_signal(sig)
+        time.sleep(settle_s)
+        return self.workdir / "logs"
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for p in self.processes:
+            if p.proc.poll() is None:
+                p.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in self.processes:
+            try:
+                p.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.proc.pid, signal.SIGKILL)
+                p.proc.wait()
+        self.processes.clear()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    def __enter__(self) -> Cluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

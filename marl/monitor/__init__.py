@@ -1,0 +1,1 @@
+"""Watching runs: the live view, the HTML report, trace summaries and progress."""

@@ -1,0 +1,1 @@
+"""What every service process shares: serving, auth, HTTP, streams, the replica registry, tracing, metric sinks and process tuning."""
