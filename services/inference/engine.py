@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from marl.model_limits import ModelLimits, model_limits  # noqa: F401 (re-exported)
+from marl.models.limits import ModelLimits, model_limits  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     import torch
@@ -75,7 +75,7 @@ class Engine(Protocol):
     async def unload_adapter(self, key: str) -> None: ...
 
     async def release_free_heap(self) -> None:
-        """Hand the process's free heap pages back to the OS (`marl.heap`) at a point where
+        """Hand the process's free heap pages back to the OS (`marl.runtime.heap`) at a point where
         no generation step of this process runs: one that runs meanwhile faults back in
         the pages it is reusing."""
         ...

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from marl.config import EngineName
+from marl.spec.run import EngineName
 from services.inference.engine import Engine
 
 

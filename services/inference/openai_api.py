@@ -11,7 +11,7 @@ unloaded under it). `model` is the base model (its id from `/v1/models`, the
 model directory's name, or the path the replica was started with) or a loaded
 `run/policy@version`; anything else is a 404, never the base model silently.
 Chat prompts are rendered exactly as a workflow's role turn renders them.
-The protocol itself (checks, bodies) lives in `marl.openai_protocol`.
+The protocol itself (checks, bodies) lives in `marl.protocol.openai`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any
 
 from aiohttp import web
 
-from marl import openai_protocol as oa
-from marl.http_server import HttpServer, json_response, read_json_object
+from marl.protocol import openai as oa
+from marl.runtime.http_server import HttpServer, json_response, read_json_object
 from services.inference.adapters import AdapterNotLoaded, LoadedVersion
 from services.inference.engine import GenerationRequest, ModelLimits, check_request
 

@@ -1,7 +1,7 @@
 """The Inference gRPC service: multi-LoRA generation and the adapter push protocol.
 
 A replica reports SERVING only once it holds the current version of every adapter
-an active run uses (see `marl.replicas`): one that starts mid-run announces
+an active run uses (see `marl.runtime.replicas`): one that starts mid-run announces
 itself as joining, takes the learner's pushes, and only then takes requests.
 With an HTTP port, the same engine also answers OpenAI's `/v1` API (`openai_api`).
 """
@@ -21,19 +21,20 @@ import grpc
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from marl import adapter_io, replicas, streams, trace
-from marl.aio_tasks import cancel_until_done
-from marl.heap import keep_freed_heap_until_trimmed
-from marl.http_server import HttpServer
-from marl.prometheus_metrics import ADAPTER_VERSIONS, INFERENCE_IN_FLIGHT
-from marl.serving import (
+from marl.protocol import adapter_io
+from marl.protocol.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from marl.runtime import replicas, streams, trace
+from marl.runtime.aio_tasks import cancel_until_done
+from marl.runtime.heap import keep_freed_heap_until_trimmed
+from marl.runtime.http_server import HttpServer
+from marl.runtime.prometheus_metrics import ADAPTER_VERSIONS, INFERENCE_IN_FLIGHT
+from marl.runtime.serving import (
     ServiceHost,
     bounded,
     configure_logging,
     serve_until_stopped,
     unexpected_details,
 )
-from marl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.inference.adapters import (
     MAX_KEEP_VERSIONS,
     AdapterNotLoaded,

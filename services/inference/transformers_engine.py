@@ -7,7 +7,7 @@ continuously: a request that arrives while it decodes joins at the next decode s
 and a row's result goes back as soon as it finishes. When the engine is idle, the first
 request waits for the rest of its burst (a workflow stage's requests arrive together)
 so that they share one prefill. Model work, the base model's load included, runs on
-one dedicated thread (marl/torch_thread.py): the decode loop runs there and hands the
+one dedicated thread (marl/runtime/torch_thread.py): the decode loop runs there and hands the
 thread to adapter loads between steps, the event loop stays free for gRPC, and one
 OpenMP team serves every operator.
 """
@@ -25,11 +25,11 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from marl import trace
-from marl.devices import resolve_device
-from marl.heap import release_free_heap
-from marl.model_id import base_model_id
-from marl.torch_thread import TorchThread
+from marl.models.devices import resolve_device
+from marl.models.identity import base_model_id
+from marl.runtime import trace
+from marl.runtime.heap import release_free_heap
+from marl.runtime.torch_thread import TorchThread
 from services.inference.engine import AdapterWeights, GenerationRequest, GenerationResult
 from services.inference.multi_lora import MultiLoRA
 from services.inference.running_batch import RunningBatch, make_row

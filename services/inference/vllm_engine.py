@@ -26,9 +26,9 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from marl import trace
-from marl.heap import release_free_heap
-from marl.model_id import base_model_id
+from marl.models.identity import base_model_id
+from marl.runtime import trace
+from marl.runtime.heap import release_free_heap
 from services.inference.engine import AdapterWeights, GenerationRequest, GenerationResult
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 def bound_cpus(allowed: list[int], omp_threads: str | None) -> list[int]:
     """The cores vLLM's CPU worker binds its OpenMP threads to: the last `omp_threads`
     (OMP_NUM_THREADS, the replica's share of a machine it shares with other services:
-    `marl.launcher.service_threads`) of those this process may use; all of them when it
+    `marl.local.launcher.service_threads`) of those this process may use; all of them when it
     is unset or not a positive number."""
     try:
         n = int(omp_threads or 0)

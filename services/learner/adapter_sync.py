@@ -25,13 +25,14 @@ from typing import Any
 import grpc
 import redis.asyncio as aioredis
 
-from marl import adapter_io, auth, replicas
-from marl.aio_tasks import cancel_until_done, raise_if_cancelled
-from marl.config import RunSpec
+from marl.protocol import adapter_io
+from marl.protocol.rpc_codes import NO_ANSWER
+from marl.protocol.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from marl.rollout import AdapterRef
-from marl.rpc_codes import NO_ANSWER
-from marl.torch_thread import TorchThread
-from marl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from marl.runtime import auth, replicas
+from marl.runtime.aio_tasks import cancel_until_done, raise_if_cancelled
+from marl.runtime.torch_thread import TorchThread
+from marl.spec.run import RunSpec
 from services.learner.errors import ReplicaUnreachable, RunFailed
 from services.learner.runs import acks_key
 

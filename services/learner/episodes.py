@@ -27,10 +27,10 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from marl import streams, trace
-from marl.config import RunSpec
 from marl.data.problem import Problem
 from marl.rollout import AdapterRef, Rollout, Task
+from marl.runtime import streams, trace
+from marl.spec.run import RunSpec
 from services.learner.errors import RunFailed
 from services.learner.runs import run_key
 

@@ -25,8 +25,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from marl.config import RunSpec
 from marl.diagnostics.alarms import Alarm
+from marl.spec.run import RunSpec
 from services.learner import checkpoint
 from services.learner.checkpoint import Checkpointer
 from services.learner.errors import RunFailed

@@ -13,8 +13,8 @@ from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 
-from marl import streams
 from marl.rollout import Rollout, mean_facts
+from marl.runtime import streams
 from services.learner.outcome import Outcome
 from services.learner.runs import RunStore
 

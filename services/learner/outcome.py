@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from marl.config import TrainSpec
+from marl.spec.run import TrainSpec
 
 
 def step_failed(episodes: int, failed: int, max_failed_fraction: float) -> bool:

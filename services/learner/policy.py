@@ -22,9 +22,9 @@ from peft import (
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from marl import heap
-from marl.config import LoraSpec, OptimSpec
-from marl.peft_lora import with_lora
+from marl.models.lora import with_lora
+from marl.runtime import heap
+from marl.spec.run import LoraSpec, OptimSpec
 from services.learner import fsdp
 from services.learner.prompt_rows import Rows, layout
 from services.learner.sequences import Sequence
@@ -154,7 +154,7 @@ class MultiAdapterPolicy:
             p.requires_grad_(True)
 
     def release_free_heap(self) -> None:
-        """This process's free heap pages back to the OS (`marl.heap`); between updates."""
+        """This process's free heap pages back to the OS (`marl.runtime.heap`); between updates."""
         heap.release_free_heap()
 
     def target_modules(self, policy: str) -> list[str]:

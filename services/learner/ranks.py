@@ -27,10 +27,10 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from marl import heap
-from marl.config import LoraSpec, OptimSpec, RunSpec
-from marl.devices import resolve_device
-from marl.processes import free_port, how_it_ended
+from marl.models.devices import resolve_device
+from marl.runtime import heap
+from marl.runtime.processes import free_port, how_it_ended
+from marl.spec.run import LoraSpec, OptimSpec, RunSpec
 from services.learner.errors import RunFailed
 from services.learner.threads import ThreadBurst
 
@@ -56,7 +56,7 @@ class PolicyHandle(Protocol):
     def target_modules(self, policy: str) -> list[str]: ...
 
     def release_free_heap(self) -> None:
-        """Hand free heap pages back to the OS (`marl.heap`) in every process that holds
+        """Hand free heap pages back to the OS (`marl.runtime.heap`) in every process that holds
         the policy and in this one; between updates."""
         ...
 

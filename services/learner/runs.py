@@ -21,7 +21,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from marl import streams
+from marl.runtime import streams
 
 QUEUE = "marl:runs:queue"
 INDEX = "marl:runs"

@@ -15,18 +15,18 @@ from typing import Any
 import grpc
 import redis.asyncio as aioredis
 
-from marl import replicas, streams
-from marl.aio_tasks import cancel_until_done, raise_if_cancelled
-from marl.config import RunSpec, SpecError, dump_spec, load_spec_text
 from marl.data import load_problems
-from marl.heap import LEARNER_MMAP_THRESHOLD, keep_freed_heap_until_trimmed
-from marl.http_server import HttpServer
-from marl.metrics_export import extra_sinks
-from marl.model_id import base_model_id
-from marl.safe_input import shorten
-from marl.serving import ServiceHost, configure_logging, serve_until_stopped
-from marl.torch_thread import TorchThread
-from marl.v1 import learner_pb2, learner_pb2_grpc
+from marl.models.identity import base_model_id
+from marl.protocol.v1 import learner_pb2, learner_pb2_grpc
+from marl.runtime import replicas, streams
+from marl.runtime.aio_tasks import cancel_until_done, raise_if_cancelled
+from marl.runtime.heap import LEARNER_MMAP_THRESHOLD, keep_freed_heap_until_trimmed
+from marl.runtime.http_server import HttpServer
+from marl.runtime.metric_sinks import extra_sinks
+from marl.runtime.serving import ServiceHost, configure_logging, serve_until_stopped
+from marl.runtime.torch_thread import TorchThread
+from marl.spec.run import RunSpec, SpecError, dump_spec, load_spec_text
+from marl.spec.safe_input import shorten
 from marl.workflows import policy_of_role
 from services.learner.runs import LEASE_S, TERMINAL, RunStore, new_run_id
 from services.learner.trainer import RunCancelled, RunExecutor, RunFailed

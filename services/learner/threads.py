@@ -2,7 +2,7 @@
 
 With `train.max_staleness` >= 1 on one machine, the inference replica generates the
 next steps' rollouts while the learner trains, so the two get disjoint shares of the
-cores (`marl.launcher.service_threads`): OpenMP pools that spin on each other's cores
+cores (`marl.local.launcher.service_threads`): OpenMP pools that spin on each other's cores
 cost more than they give. But generation usually ends well before the update does
 (demo model, 2 cores, K = 1: the next step's rollouts are in after ~40 % of Voting's
 update and ~63 % of Single's), and from then on the inference share idles. `ThreadBurst` hands it to the

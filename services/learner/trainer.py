@@ -40,13 +40,13 @@ from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 
-from marl import trace
-from marl.config import RunSpec, dump_spec
 from marl.data import load_problems
 from marl.diagnostics.alarms import AlarmWatch
 from marl.diagnostics.signatures import parallel_roles, role_signatures
-from marl.model_id import base_model_id
-from marl.torch_thread import TorchThread
+from marl.models.identity import base_model_id
+from marl.runtime import trace
+from marl.runtime.torch_thread import TorchThread
+from marl.spec.run import RunSpec, dump_spec
 from marl.workflows import policy_of_role
 from services.learner.adapter_sync import AdapterSync, Published
 from services.learner.checkpoint import Checkpointer
@@ -98,7 +98,7 @@ def trace_phases(
     """A logged step's phases as trace spans (time.monotonic() seconds): the step, its
     rollout wait, update and push (one step ahead: the snapshot), and apart, on a lane of
     its own, its rollouts' flight (from `released`, its tasks leaving for the workers,
-    which may be before the step began). `marl.trace_summary` reads them back."""
+    which may be before the step began). `marl.monitor.trace_summary` reads them back."""
     for name, start, stop in (
         ("step", t0, end), ("rollout wait", t0, t1), ("update", t1, t2), ("push", t2, t3)
     ):
@@ -114,7 +114,7 @@ def grpo_call(policy: PolicyHandle, *call: Any) -> Any:
 
 
 def trim_heap(policy: PolicyHandle) -> None:
-    """The heap trim (`marl.heap`) of the processes that hold the policy and of the server,
+    """The heap trim (`marl.runtime.heap`) of the processes that hold the policy and of the server,
     run on the torch thread so that it never overlaps an update: one step ahead, a step's
     record is written while the next update runs, and a trim then handed back the pages of
     the activations that update was freeing and reallocating, each to be faulted in again

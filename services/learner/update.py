@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from marl.config import RunSpec, SpecError, response_cap
 from marl.diagnostics.signatures import parallel_roles
 from marl.rollout import Rollout
+from marl.spec.run import RunSpec, SpecError, response_cap
 from services.learner import diagnostics, fsdp, role_rewards
 from services.learner.grpo import (
     LossStats,

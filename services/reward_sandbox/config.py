@@ -1,4 +1,4 @@
-"""The sandbox server's settings, defined with every other service's in `marl.service_config`.
+"""The sandbox server's settings, defined with every other service's in `marl.spec.services`.
 
 Kept as a module so the sandbox's own code and tests import its settings from
 next door; the model itself lives in one place so `marl serve sandbox
@@ -10,7 +10,7 @@ that names the field.
 
 from __future__ import annotations
 
-from marl.service_config import MiB, SandboxConfig, load_sandbox
+from marl.spec.services import MiB, SandboxConfig, load_sandbox
 
 __all__ = ["MiB", "SandboxConfig", "load_config"]
 

@@ -41,8 +41,8 @@ from typing import Any
 
 from aiohttp import web
 
-from marl.http_server import HttpServer, json_response, read_json_object
-from marl.v1 import sandbox_pb2
+from marl.protocol.v1 import sandbox_pb2
+from marl.runtime.http_server import HttpServer, json_response, read_json_object
 
 from . import jobspec
 from .executor import TestOutcome

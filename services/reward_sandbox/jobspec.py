@@ -21,8 +21,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from marl.safe_input import too_deep
-from marl.v1 import sandbox_pb2
+from marl.protocol.v1 import sandbox_pb2
+from marl.spec.safe_input import too_deep
 
 from .config import SandboxConfig
 

@@ -23,10 +23,10 @@ import tempfile
 
 from grpc_health.v1 import health_pb2
 
-from marl.http_server import HttpServer
-from marl.service_config import load_sandbox
-from marl.serving import ServiceHost, configure_logging, serve_until_stopped
-from marl.v1 import sandbox_pb2, sandbox_pb2_grpc
+from marl.protocol.v1 import sandbox_pb2, sandbox_pb2_grpc
+from marl.runtime.http_server import HttpServer
+from marl.runtime.serving import ServiceHost, configure_logging, serve_until_stopped
+from marl.spec.services import load_sandbox
 
 from . import http_api, syscalls
 from .config import SandboxConfig
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.reward_sandbox.server")
     parser.add_argument("--port", type=int, default=None, help="default: the config's, else free")
     parser.add_argument("--host", default=None, help="default: the config's, else 127.0.0.1")
-    parser.add_argument("--config", default=None, help="YAML with marl.service_config fields")
+    parser.add_argument("--config", default=None, help="YAML with marl.spec.services fields")
     parser.add_argument("--http-port", type=int, default=None,
                         help="serve SandboxFusion's POST /run_code on this port (0: a free one)")
     args = parser.parse_args(argv)

@@ -18,8 +18,8 @@ from typing import Any
 
 import grpc
 
-from marl.prometheus_metrics import SANDBOX_VERDICTS
-from marl.v1 import sandbox_pb2, sandbox_pb2_grpc
+from marl.protocol.v1 import sandbox_pb2, sandbox_pb2_grpc
+from marl.runtime.prometheus_metrics import SANDBOX_VERDICTS
 
 from . import jobspec, tiers
 from .config import SandboxConfig

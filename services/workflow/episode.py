@@ -26,9 +26,9 @@ from typing import Any, Protocol
 
 import grpc
 
+from marl.protocol.rpc_codes import SERVER_GONE
+from marl.protocol.v1 import common_pb2, inference_pb2
 from marl.rollout import AdapterRef, Task, Turn
-from marl.rpc_codes import SERVER_GONE
-from marl.v1 import common_pb2, inference_pb2
 from marl.workflows.base import Caps, EpisodeError
 
 GENERATE_DEADLINE_S = 600.0

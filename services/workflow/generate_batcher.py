@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from marl.v1 import inference_pb2, inference_pb2_grpc
+from marl.protocol.v1 import inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import aiohttp
 
-from marl import replicas
 from marl.rollout import AdapterRef, Task, Turn
+from marl.runtime import replicas
 from marl.workflows.base import EpisodeError
 
 

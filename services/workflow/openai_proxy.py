@@ -20,7 +20,7 @@ the agent runs them and sends the results as `tool` messages, which are prompt
 tokens of its next call, never trained on. What would change which tokens are
 recorded is refused with a 400 naming the field (`n` > 1, streaming, a forced
 `tool_choice`, and whatever the inference endpoint refuses, see
-`marl.openai_protocol`). `/v1/completions` is not offered: a role turn is a chat.
+`marl.protocol.openai`). `/v1/completions` is not offered: a role turn is a chat.
 
 A turn that cannot run (its prompt over the cap, no replica) is answered with
 a 503 the client does not retry, and is remembered: `raise_failure` (called by
@@ -44,8 +44,8 @@ from typing import Any
 
 from aiohttp import web
 
-from marl import openai_protocol as oa
-from marl.http_server import HttpServer, json_response, read_json_object
+from marl.protocol import openai as oa
+from marl.runtime.http_server import HttpServer, json_response, read_json_object
 
 _TOKEN_ATTR = "_openai_proxy_token"
 _FAILURE_ATTR = "_openai_proxy_failure"

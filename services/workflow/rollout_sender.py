@@ -28,8 +28,8 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from marl import streams, trace
 from marl.rollout import Rollout
+from marl.runtime import streams, trace
 
 log = logging.getLogger(__name__)
 

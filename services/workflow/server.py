@@ -13,13 +13,13 @@ from typing import Any
 import grpc
 from pydantic import TypeAdapter, ValidationError
 
-from marl import replicas, streams
-from marl.http_server import HttpServer
-from marl.prometheus_metrics import INFLIGHT_EPISODES, on_scrape, stream_lag_hook
+from marl.protocol.v1 import workflow_pb2, workflow_pb2_grpc
 from marl.rollout import Task
-from marl.safe_input import check_path, load_json, shorten
-from marl.serving import ServiceHost, configure_logging, serve_until_stopped
-from marl.v1 import workflow_pb2, workflow_pb2_grpc
+from marl.runtime import replicas, streams
+from marl.runtime.http_server import HttpServer
+from marl.runtime.prometheus_metrics import INFLIGHT_EPISODES, on_scrape, stream_lag_hook
+from marl.runtime.serving import ServiceHost, configure_logging, serve_until_stopped
+from marl.spec.safe_input import check_path, load_json, shorten
 from marl.workflows import resolve
 from services.workflow.worker import EpisodeRunner, work_loop
 

@@ -12,7 +12,7 @@ it. A task is dead-lettered for failing, not for outliving its workers: a delive
 to a worker that died holding the task, or that handed it back on a clean stop,
 does not count toward `max_deliveries`; a poison task that kills every worker it
 reaches is still dead-lettered, after `streams.MAX_HOLDER_DEATHS` such deaths
-(marl/streams.py says how its companions are spared). Redis errors (a restart) are logged and retried with backoff. An episode that could not run (see `could_not_run`: inference
+(marl/runtime/streams.py says how its companions are spared). Redis errors (a restart) are logged and retried with backoff. An episode that could not run (see `could_not_run`: inference
 unreachable, no replica, the sandbox down, a prompt over its cap) returns a
 rollout with `error` set, which the learner leaves out of training, so a step
 never waits for a task that cannot succeed. Any other exception is a bug: it
@@ -37,16 +37,16 @@ import grpc
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from marl import auth, replicas, streams, trace
-from marl.aio_tasks import cancel_until_done, raise_if_cancelled
-from marl.config import SpecError, WorkflowCaps
-from marl.gc_pauses import freeze_long_lived
+from marl.protocol.rpc_codes import NO_ANSWER
+from marl.protocol.v1 import inference_pb2_grpc
 from marl.rewards import functions as reward_functions
 from marl.rewards.code import SandboxFailure
 from marl.rewards.functions import RewardError, Scored
 from marl.rollout import Rollout, Task
-from marl.rpc_codes import NO_ANSWER
-from marl.v1 import inference_pb2_grpc
+from marl.runtime import auth, replicas, streams, trace
+from marl.runtime.aio_tasks import cancel_until_done, raise_if_cancelled
+from marl.runtime.gc_pauses import freeze_long_lived
+from marl.spec.run import SpecError, WorkflowCaps
 from marl.workflows import EpisodeError, Workflow, resolve
 from services.workflow import openai_proxy
 from services.workflow.episode import NONE_REGISTERED, Episode, NoReplica, Renders
@@ -153,7 +153,7 @@ class EpisodeRunner:
     def context(self, model_path: str) -> int | None:
         """The model's context window, from its config.json (None if it has none to read)."""
         if model_path not in self._contexts:
-            from marl.model_limits import model_limits
+            from marl.models.limits import model_limits
 
             try:
                 self._contexts[model_path] = model_limits(model_path).context
