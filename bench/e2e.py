@@ -317,11 +317,9 @@ async def engine_alone(out: Path, args: argparse.Namespace, model_dir: str) -> E
     from marl.spec.services import load_inference
     from services.inference.factory import make_engine
 
-    replica = load_inference()  # what the runs' replicas read: defaults, MARL_INFERENCE_*
-    engine = await asyncio.to_thread(
-        make_engine, args.engine, model_dir, replica.dtype, args.rank, replica.vllm_options(),
-        replica.device,
-    )
+    # what the runs' replicas read (defaults, MARL_INFERENCE_*), on this bench's model
+    replica = load_inference(engine=args.engine, model=model_dir, max_lora_rank=args.rank)
+    engine = await asyncio.to_thread(make_engine, replica)
     final = load_checkpoint(str(out), ["shared"])["shared"]
     await engine.load_adapter(AdapterWeights(
         "bench/final@0", 1, final.rank, final.alpha, final.target_modules, final.state

@@ -133,11 +133,12 @@ async def timed_batch(engine: Engine, requests: list[GenerationRequest]) -> floa
 
 
 async def throughput(args: argparse.Namespace, model_path: Path) -> dict[str, float]:
+    from marl.spec.services import InferenceConfig
     from services.inference.factory import make_engine
 
-    engine = await asyncio.to_thread(
-        make_engine, args.engine, str(model_path), args.dtype, args.rank
-    )
+    cfg = InferenceConfig(engine=args.engine, model=str(model_path), dtype=args.dtype,
+                          max_lora_rank=args.rank)
+    engine = await asyncio.to_thread(make_engine, cfg)
     shapes = lora_shapes(model_path, args.rank)
     keys = []
     for i in range(4):
@@ -211,9 +212,10 @@ def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
 
 def start_replica(args: argparse.Namespace, model_path: Path, port: int) -> subprocess.Popen[bytes]:
     code = (
-        "import sys; from services.inference.server import run; "
-        "run(int(sys.argv[1]), sys.argv[2], engine=sys.argv[3], dtype=sys.argv[4], "
-        "max_lora_rank=int(sys.argv[5]))"
+        "import sys; from marl.spec.services import InferenceConfig; "
+        "from services.inference.server import run; "
+        "run(InferenceConfig(port=int(sys.argv[1]), model=sys.argv[2], engine=sys.argv[3], "
+        "dtype=sys.argv[4], max_lora_rank=int(sys.argv[5])))"
     )
     cmd = [sys.executable, "-c", code, str(port), str(model_path), args.engine, args.dtype]
     return subprocess.Popen(
@@ -287,9 +289,11 @@ async def staggered(args: argparse.Namespace, model_path: Path) -> dict[str, flo
     request with its own budget (so rows finish apart), with requests joining the running
     batch and with requests waiting for it to end; interleaved rounds, tok/s medians, the
     ratio `paired_ratio`."""
+    from marl.spec.services import InferenceConfig
     from services.inference.transformers_engine import TransformersEngine
 
-    engine = await asyncio.to_thread(TransformersEngine, str(model_path), args.dtype)
+    cfg = InferenceConfig(model=str(model_path), dtype=args.dtype)
+    engine = await asyncio.to_thread(TransformersEngine, cfg)
     engine.eos_token_ids = []  # random weights: budgets, not a sampled EOS, end the rows
     shapes = lora_shapes(model_path, args.rank)
     key = "bench/staggered@1"

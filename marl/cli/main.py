@@ -26,31 +26,13 @@ DEFAULT_LEARNER = "127.0.0.1:50051"
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Typed settings (`marl.spec.services`): defaults < --config < MARL_<SERVICE>_* < flags."""
-    from marl.spec.services import load_service_config
+    from marl.spec.services import MODELS, flag_values, load_service_config
 
-    flags = {"port": args.port, "host": args.host}
-    if args.service in ("inference", "workflow", "learner"):
-        flags["redis"] = args.redis
-    flags["http_port"] = args.http_port
-    flags["trace_dir"] = args.trace_dir
-    if args.service == "inference":
-        flags.update(model=args.model, engine=args.engine, max_lora_rank=args.max_lora_rank,
-                     max_loras=args.max_loras)
-    elif args.service == "workflow":
-        flags.update(
-            sandbox=args.sandbox,
-            concurrency=args.concurrency,
-            claim_idle_s=args.claim_idle_s,
-            heartbeat_ttl_s=args.heartbeat_ttl_s,
-            max_deliveries=args.max_deliveries,
-        )
-    elif args.service == "learner":
-        flags["runs_dir"] = args.runs_dir
     try:
-        cfg = load_service_config(args.service, args.config, flags)
+        cfg = load_service_config(args.service, args.config, flag_values(args, args.service))
     except ValueError as err:
         raise UserError(str(err)) from None
-    if args.service in ("inference", "workflow", "learner") and not cfg.redis:
+    if "redis" in MODELS[args.service].model_fields and not cfg.redis:
         raise UserError(f"marl serve {args.service}: --redis URL is required")
     if cfg.trace_dir is not None:
         from marl.runtime import trace
@@ -61,52 +43,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         if not cfg.model:
             raise UserError("marl serve inference: --model DIR is required")
-        inference.run(
-            cfg.port,
-            cfg.model,
-            host=cfg.host,
-            engine=cfg.engine,
-            dtype=cfg.dtype,
-            redis_url=cfg.redis,
-            retention=cfg.retention,
-            max_lora_rank=cfg.max_lora_rank,
-            http_port=cfg.http_port,
-            vllm_options=cfg.vllm_options(),
-            device=cfg.device,
-        )
+        inference.run(cfg)
     elif args.service == "workflow":
         from services.workflow import server as workflow
 
-        workflow.run(
-            cfg.port,
-            cfg.redis,
-            host=cfg.host,
-            sandbox=cfg.sandbox,
-            concurrency=cfg.concurrency,
-            http_port=cfg.http_port,
-            claim_idle_s=cfg.claim_idle_s,
-            heartbeat_ttl_s=cfg.heartbeat_ttl_s,
-            max_deliveries=cfg.max_deliveries,
-            drain_s=cfg.drain_s,
-            replica_wait_s=cfg.replica_wait_s,
-        )
+        workflow.run(cfg)
     elif args.service == "learner":
         from services.learner import server as learner
 
-        learner.run(
-            cfg.port,
-            cfg.redis,
-            host=cfg.host,
-            runs_dir=cfg.runs_dir,
-            http_port=cfg.http_port,
-            max_queued_tasks=cfg.max_queued_tasks,
-            burst_threads=cfg.burst_threads,
-            retention_s=cfg.retention_s,
-        )
+        learner.run(cfg)
     else:
         from services.reward_sandbox import server as sandbox
 
-        sandbox.run(cfg.port, host=cfg.host, config_path=args.config, http_port=cfg.http_port)
+        sandbox.run(cfg)
     return 0
 
 
@@ -298,6 +247,22 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- parser
 
 
+def add_serve_parser(sub: Any) -> None:
+    """`marl serve SERVICE`: `--config FILE` and one flag per field of the service's model."""
+    from marl.spec.services import MODELS, SERVICES, add_flags
+
+    p = sub.add_parser("serve", help="run one service")
+    services = p.add_subparsers(dest="service", required=True, metavar="SERVICE")
+    for service in SERVICES:
+        doc = (MODELS[service].__doc__ or "").strip()
+        s = services.add_parser(service, help=doc.partition(": ")[2] or doc)
+        s.add_argument(
+            "--config", default=None, help="YAML of the service's settings (marl.spec.services)"
+        )
+        add_flags(s, service)
+    p.set_defaults(fn=cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (older than the limit; split it when next changed)
     parser = argparse.ArgumentParser(
         prog="marl", description=__doc__.splitlines()[0] if __doc__ else None
@@ -338,60 +303,7 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (older than the 
                    help="steps left out of the medians at the start of each run (warm-up)")
     p.set_defaults(fn=cmd_trace)
 
-    p = sub.add_parser("serve", help="run one service")
-    p.add_argument("service", choices=["inference", "workflow", "learner", "sandbox"])
-    p.add_argument("--port", type=int, default=None)
-    p.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1)")
-    p.add_argument("--redis", default=None, help="Redis URL, e.g. redis://127.0.0.1:6379/0")
-    p.add_argument(
-        "--config", default=None, help="YAML of the service's settings (marl.spec.services)"
-    )
-    p.add_argument("--model", default=None, help="inference: base model directory")
-    p.add_argument("--engine", default=None, choices=ENGINE_NAMES)
-    p.add_argument(
-        "--max-lora-rank", type=int, default=None, help="inference: largest adapter rank served"
-    )
-    p.add_argument(
-        "--max-loras", type=int, default=None,
-        help="inference (vLLM): adapter versions one batch can mix",
-    )
-    p.add_argument("--sandbox", default=None, help="workflow: sandbox address for code rewards")
-    p.add_argument(
-        "--concurrency", type=int, default=None, help="workflow: episodes the worker runs at once"
-    )
-    p.add_argument(
-        "--claim-idle-s",
-        type=float,
-        default=None,
-        help="workflow: claim a task untouched this long even from a live (hung) worker",
-    )
-    p.add_argument(
-        "--heartbeat-ttl-s",
-        type=float,
-        default=None,
-        help="workflow: a worker silent this long is dead and its tasks are claimed",
-    )
-    p.add_argument(
-        "--max-deliveries",
-        type=int,
-        default=None,
-        help="workflow: deliveries of a task before it is dead-lettered",
-    )
-    p.add_argument("--runs-dir", default=None, help="learner: where run directories go")
-    p.add_argument(
-        "--http-port",
-        type=int,
-        default=None,
-        help="HTTP port: Prometheus /metrics; inference adds OpenAI-compatible /v1, sandbox "
-        "SandboxFusion /run_code (0: free port)",
-    )
-    p.add_argument(
-        "--trace-dir",
-        default=None,
-        help="append this process's spans (steps, episodes, decode steps...) to "
-        "DIR/<service>-<pid>.jsonl for `marl trace DIR` (marl.runtime.trace)",
-    )
-    p.set_defaults(fn=cmd_serve)
+    add_serve_parser(sub)
 
     p = sub.add_parser("submit", help="submit a run spec to the learner; prints the run id")
     p.add_argument("spec")

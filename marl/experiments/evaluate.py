@@ -280,6 +280,7 @@ async def evaluate(
     from marl.data import load_problems
     from marl.models.identity import base_model_id
     from marl.rollout import AdapterRef
+    from marl.spec.services import LearnerConfig
     from services.learner.episodes import Episodes
     from services.learner.validator import Validator
 
@@ -307,7 +308,8 @@ async def evaluate(
                 self.rollouts = await super().run(problems, step, kind, *more)
                 return self.rollouts
 
-        episodes = Recorded(eval_id, spec, r, "eval", lambda: refs, never_cancelled)
+        queued = LearnerConfig().max_queued_tasks  # the bound a learner has by default
+        episodes = Recorded(eval_id, spec, r, "eval", lambda: refs, never_cancelled, queued)
         await episodes.open(fresh=True)
         problems = load_problems(spec.data, "val", spec.seed)[: spec.train.val_problems]
         at = step if step is not None else max((s.step for s in routing.values()), default=0)

@@ -5,7 +5,8 @@ chart's `<service>.config` values are these fields one to one (the chart's
 `values.schema.json` carries the same names and bounds, and a test holds the
 two together). Precedence, lowest first: the field's default, the YAML file,
 the environment (`MARL_<SERVICE>_<FIELD>`, e.g. `MARL_SANDBOX_MAX_CONCURRENCY`),
-then command-line flags. The environment layer exists so a Kubernetes Secret
+then command-line flags (`add_flags`: one `--field-name` per field, made from the
+model, so a field's default, bounds and help are written here only). The environment layer exists so a Kubernetes Secret
 can supply a Redis URL that carries a password without it ever landing in a
 ConfigMap. Only variables that name a field are read: `MARL_SANDBOX_SABOTAGE`
 and other switches stay theirs.
@@ -16,19 +17,22 @@ Nothing here imports torch or grpc: validating a config must stay cheap.
 
 from __future__ import annotations
 
+import argparse
 import os
+import types
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
 
 from marl.spec.run import EngineName
 
 MiB = 1 << 20
 
 ServiceName = Literal["inference", "workflow", "learner", "sandbox"]
-SERVICES: tuple[ServiceName, ...] = ("inference", "workflow", "learner", "sandbox")
+SERVICES: tuple[ServiceName, ...] = get_args(ServiceName)
 
 
 class _ServiceConfig(BaseModel):
@@ -67,7 +71,8 @@ class InferenceConfig(_RedisConfig):
     max_lora_rank: int = Field(default=64, ge=1, le=1024)
     """Largest adapter rank this replica accepts (vLLM sizes its LoRA buffers by it)."""
     http_port: int | None = Field(default=None, ge=0, le=65535)
-    """Port of the HTTP (OpenAI-compatible) front end; none when unset."""
+    """Port of the HTTP front end (OpenAI-compatible /v1, Prometheus /metrics); 0 picks a free
+    one; none when unset."""
     max_loras: int = Field(default=4, ge=1, le=256)
     """vLLM: adapter versions that can share one batch. A run may have its adapter count
     (one under Shared-Policy, one per role type under Isolated-Policy) times
@@ -85,6 +90,12 @@ class InferenceConfig(_RedisConfig):
     """vLLM: GPUs one replica spans."""
     enforce_eager: bool = False
     """vLLM: run without CUDA graphs (less memory and a faster start, slower decoding)."""
+
+    def model_dir(self) -> str:
+        """`model`, which an engine needs: a ValueError naming the field when it is unset."""
+        if not self.model:
+            raise ValueError("model: the base model's directory is required (--model DIR)")
+        return self.model
 
     def vllm_options(self) -> dict[str, Any]:
         """The settings only the vLLM engine reads, as its keyword arguments."""
@@ -106,7 +117,7 @@ class WorkflowConfig(_RedisConfig):
     concurrency: int = Field(default=512, ge=1, le=100_000)
     """Episodes this worker runs at once."""
     http_port: int | None = Field(default=None, ge=0, le=65535)
-    """Port of the HTTP server (Prometheus /metrics); none when unset."""
+    """Port of the HTTP server (Prometheus /metrics); 0 picks a free one; none when unset."""
     heartbeat_ttl_s: float = Field(default=5.0, ge=0.5, le=600)
     """Life of the worker's liveness key (renewed every second or so): this long after a
     worker dies, its tasks are claimed by another."""
@@ -152,7 +163,7 @@ class LearnerConfig(_RedisConfig):
     generation then leaves idle). 0: the learner's own threads (OMP_NUM_THREADS) throughout;
     leave it so where the learner has cores of its own (a pod with a CPU limit)."""
     http_port: int | None = Field(default=None, ge=0, le=65535)
-    """Port of the HTTP server (Prometheus /metrics); none when unset."""
+    """Port of the HTTP server (Prometheus /metrics); 0 picks a free one; none when unset."""
     retention_s: float = Field(default=7 * 24 * 3600, ge=0, allow_inf_nan=False)
     """A finished run's Redis state (its record, metrics stream, rollouts stream) expires
     this long after the run ends, and the run leaves `marl runs`; its directory on disk
@@ -163,7 +174,8 @@ class SandboxConfig(_ServiceConfig):
     """`marl serve sandbox`: runs untrusted code against tests under the strongest tier it can."""
 
     http_port: int | None = Field(default=None, ge=0, le=65535)
-    """Port of the HTTP (SandboxFusion-compatible) front end; none when unset."""
+    """Port of the HTTP front end (SandboxFusion-compatible POST /run_code, Prometheus /metrics);
+    0 picks a free one; none when unset."""
     isolation: Literal["auto", "namespaces", "seccomp", "rlimits"] = "auto"
     """Strongest tier to try; `auto` takes the strongest the kernel allows."""
     max_concurrency: int = Field(default_factory=lambda: max(1, os.cpu_count() or 1), ge=1, le=256)
@@ -217,6 +229,44 @@ MODELS: dict[ServiceName, type[_ServiceConfig]] = {
 def env_name(service: ServiceName, field: str) -> str:
     """The variable that sets `field` of `service`, e.g. MARL_WORKFLOW_CONCURRENCY."""
     return f"MARL_{service}_{field}".upper()
+
+
+def _flag_kind(annotation: Any) -> tuple[type, list[Any] | None]:
+    """A field's type as argparse reads it, and its choices (a `Literal`'s values)."""
+    if get_origin(annotation) in (Union, types.UnionType):  # `int | None`: a flag sets the int
+        (annotation,) = [a for a in get_args(annotation) if a is not type(None)]
+    if get_origin(annotation) is Literal:
+        choices = list(get_args(annotation))
+        return type(choices[0]), choices
+    assert annotation in (str, int, float, bool), f"no flag for a field of type {annotation}"
+    return annotation, None
+
+
+def _flag_help(info: FieldInfo) -> str:
+    text = " ".join((info.description or "").split())
+    if info.default_factory is None and info.default not in (None, ""):
+        text += f" (default: {info.default})"
+    return text.replace("%", "%%")  # argparse formats help with %
+
+
+def add_flags(parser: argparse.ArgumentParser, service: ServiceName) -> None:
+    """`--field-name` for every field of the service's model: its type, choices and help
+    (the field's docstring and default) are the model's. Every flag defaults to None, so a
+    flag not given leaves the value to the file, the environment or the model."""
+    for name, info in MODELS[service].model_fields.items():
+        kind, choices = _flag_kind(info.annotation)
+        flag = "--" + name.replace("_", "-")
+        if kind is bool:
+            parser.add_argument(flag, dest=name, default=None, help=_flag_help(info),
+                                action=argparse.BooleanOptionalAction)
+        else:
+            parser.add_argument(flag, dest=name, default=None, help=_flag_help(info),
+                                type=kind, choices=choices)
+
+
+def flag_values(args: argparse.Namespace, service: ServiceName) -> dict[str, Any]:
+    """The fields `add_flags` parsed, as `load_service_config`'s overrides (None: not given)."""
+    return {name: getattr(args, name) for name in MODELS[service].model_fields}
 
 
 def read_yaml(path: str) -> dict[str, Any]:

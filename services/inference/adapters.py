@@ -44,7 +44,7 @@ class LoadedVersion:
 
 
 class AdapterRegistry:
-    def __init__(self, unload: Callable[[str], Awaitable[None]], retention: int = 2):
+    def __init__(self, unload: Callable[[str], Awaitable[None]], retention: int):
         assert retention >= 1
         self._unload = unload
         self.retention = retention

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from marl.spec.run import EngineName
+from marl.spec.services import InferenceConfig
 from services.inference.engine import Engine
 
 
@@ -14,16 +12,10 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def make_engine(
-    name: EngineName,
-    model_path: str,
-    dtype: str = "float32",
-    max_lora_rank: int = 64,
-    vllm_options: dict[str, Any] | None = None,
-    device: str = "auto",
-) -> Engine:
-    """`vllm_options`: InferenceConfig.vllm_options(), read by the vLLM engine only;
-    `device` (auto, cpu, cuda): read by the transformers engine only."""
+def make_engine(cfg: InferenceConfig) -> Engine:
+    """The engine `cfg.engine` names (`auto`: vLLM when installed) for the model `cfg.model`.
+    The vLLM settings are read by the vLLM engine only, `device` by the transformers one."""
+    name = cfg.engine
     if name == "auto":
         name = "vllm" if vllm_available() else "transformers"
     if name == "vllm":
@@ -34,11 +26,7 @@ def make_engine(
             )
         from services.inference.vllm_engine import VLLMEngine
 
-        return VLLMEngine(
-            model_path, dtype=dtype, max_lora_rank=max_lora_rank, **(vllm_options or {})
-        )
+        return VLLMEngine(cfg)
     from services.inference.transformers_engine import TransformersEngine
 
-    return TransformersEngine(
-        model_path, dtype=dtype, max_lora_rank=max(max_lora_rank, 256), device=device
-    )
+    return TransformersEngine(cfg)

@@ -35,6 +35,7 @@ from marl.runtime.serving import (
     serve_until_stopped,
     unexpected_details,
 )
+from marl.spec.services import InferenceConfig
 from services.inference.adapters import (
     MAX_KEEP_VERSIONS,
     AdapterNotLoaded,
@@ -51,7 +52,7 @@ from services.inference.engine import (
     model_limits,
     room,
 )
-from services.inference.factory import EngineName, make_engine
+from services.inference.factory import make_engine
 
 log = logging.getLogger(__name__)
 
@@ -399,21 +400,9 @@ async def await_current_adapters(
         await asyncio.sleep(JOIN_CHECK_S)
 
 
-async def _serve(
-    port: int,
-    host: str,
-    model_path: str,
-    engine_name: EngineName,
-    dtype: str,
-    redis_url: str | None,
-    retention: int,
-    max_lora_rank: int,
-    http_port: int | None = None,
-    vllm_options: dict[str, Any] | None = None,
-    device: str = "auto",
-) -> None:
+async def _serve(cfg: InferenceConfig, model_path: str) -> None:
     service_name = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
-    server = ServiceHost([service_name], host, port)
+    server = ServiceHost([service_name], cfg.host, cfg.port)
     replica_id = f"inference-{uuid.uuid4().hex[:8]}"
     service = InferenceService(replica_id, model_limits(model_path))
     inference_pb2_grpc.add_InferenceServicer_to_server(service, server.server)
@@ -424,27 +413,25 @@ async def _serve(
         lambda: 0 if service._registry is None
         else sum(v.in_flight for v in service._registry.all())
     )
-    redis_client = streams.connect(redis_url) if redis_url else None
+    redis_client = streams.connect(cfg.redis) if cfg.redis else None
     # model_path: what workers may load a tokenizer from (never a caller's path)
     info: dict[str, Any] = {"address": server.address,
                             "model_path": os.path.realpath(model_path)}
     http = openai = None
-    if http_port is not None:  # OpenAI's /v1 API, served by the same engine and registry
+    if cfg.http_port is not None:  # OpenAI's /v1 API, served by the same engine and registry
         from services.inference.openai_api import OpenAIApi
 
-        http = HttpServer(host, http_port)
+        http = HttpServer(cfg.host, cfg.http_port)
         openai = OpenAIApi(service, model_path)
         openai.add_routes(http)
         await http.start()
         info["http_address"] = http.address
 
     async def ready() -> None:
-        engine = await asyncio.to_thread(
-            make_engine, engine_name, model_path, dtype, max_lora_rank, vllm_options, device
-        )
+        engine = await asyncio.to_thread(make_engine, cfg)
         if openai is not None:
             await openai.load_tokenizer()
-        service.attach(engine, AdapterRegistry(engine.unload_adapter, retention=retention))
+        service.attach(engine, AdapterRegistry(engine.unload_adapter, retention=cfg.retention))
         info.update(base_model=engine.base_model, engine=engine.name,
                     lora_slots=engine.lora_slots)
         if redis_client is not None:
@@ -478,36 +465,11 @@ async def _serve(
     await serve_until_stopped(server, ready=ready, background=background, on_stop=on_stop)
 
 
-def run(
-    port: int,
-    model_path: str,
-    host: str = "127.0.0.1",
-    engine: EngineName = "auto",
-    dtype: str = "float32",
-    redis_url: str | None = None,
-    retention: int = 2,
-    max_lora_rank: int = 64,
-    http_port: int | None = None,
-    vllm_options: dict[str, Any] | None = None,
-    device: str = "auto",
-) -> None:
-    """`vllm_options`: InferenceConfig.vllm_options() (GPU memory share, tensor
-    parallelism, eager mode, LoRA slots...), ignored by the transformers engine;
-    `device`: where the transformers engine runs (auto: CUDA when present)."""
+def run(cfg: InferenceConfig) -> None:
+    """Serve `cfg.model` until SIGTERM/SIGINT; blocking. The vLLM settings (GPU memory
+    share, tensor parallelism, eager mode, LoRA slots...) are ignored by the transformers
+    engine, `device` by vLLM."""
+    model_path = cfg.model_dir()
     configure_logging("inference")
     keep_freed_heap_until_trimmed()  # a batch's freed blocks are reused, and trimmed after it
-    asyncio.run(
-        _serve(
-            port,
-            host,
-            model_path,
-            engine,
-            dtype,
-            redis_url,
-            retention,
-            max_lora_rank,
-            http_port,
-            vllm_options,
-            device,
-        )
-    )
+    asyncio.run(_serve(cfg, model_path))

@@ -30,6 +30,7 @@ from marl.models.identity import base_model_id
 from marl.runtime import trace
 from marl.runtime.heap import release_free_heap
 from marl.runtime.torch_thread import TorchThread
+from marl.spec.services import InferenceConfig
 from services.inference.engine import AdapterWeights, GenerationRequest, GenerationResult
 from services.inference.multi_lora import MultiLoRA
 from services.inference.running_batch import RunningBatch, make_row
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 BASE = "__base__"
 """Engine-level key for the bare base model (benchmarks); the gRPC server never routes to it."""
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+RANK_FLOOR = 256
+"""Adapter ranks this engine takes even when `max_lora_rank` is lower (it sizes nothing by it)."""
 
 
 @dataclass
@@ -101,20 +104,20 @@ class TransformersEngine:
 
     def __init__(
         self,
-        model_path: str,
-        dtype: str = "float32",
+        cfg: InferenceConfig,
         max_batch: int = 256,
-        max_lora_rank: int = 256,
         batch_wait_s: float = 0.005,
         max_batch_wait_s: float = 0.05,
-        device: str = "auto",
         join_running: bool = True,
     ):
-        """`device`: auto (the first GPU when torch sees one), cpu or cuda. `join_running`
-        False: requests wait until the running batch has finished (benchmarks compare)."""
+        """`cfg`: the model, its dtype, the device (auto: the first GPU when torch sees one)
+        and the largest adapter rank (this engine sizes nothing by it, so it takes ranks up
+        to `RANK_FLOOR` whatever the config says). `join_running` False: requests wait until
+        the running batch has finished (benchmarks compare)."""
+        model_path = cfg.model_dir()
         self.model_path = model_path
         self.base_model = base_model_id(model_path)
-        self.max_lora_rank = max_lora_rank
+        self.max_lora_rank = max(cfg.max_lora_rank, RANK_FLOOR)
         self.max_batch = max_batch
         self.batch_wait_s = batch_wait_s
         self.max_batch_wait_s = max_batch_wait_s
@@ -123,9 +126,9 @@ class TransformersEngine:
         eos = tok.eos_token_id
         self.eos_token_ids = [int(eos)] if eos is not None else []
         self.pad_token_id = int(tok.pad_token_id if tok.pad_token_id is not None else eos or 0)
-        self.device = torch.device(resolve_device(device, field="device"))
+        self.device = torch.device(resolve_device(cfg.device, field="device"))
         self._thread = TorchThread("engine")
-        self.base = self._thread.call(self._load_base, model_path, _DTYPES[dtype])
+        self.base = self._thread.call(self._load_base, model_path, _DTYPES[cfg.dtype])
         self.lora = MultiLoRA(self.base)
         self._batch = RunningBatch(self.base, self.lora, self.pad_token_id)
         self._inbox: collections.deque[_Pending] = collections.deque()

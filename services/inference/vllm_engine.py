@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from marl.models.identity import base_model_id
 from marl.runtime import trace
 from marl.runtime.heap import release_free_heap
+from marl.spec.services import InferenceConfig
 from services.inference.engine import AdapterWeights, GenerationRequest, GenerationResult
 
 if TYPE_CHECKING:
@@ -227,23 +228,11 @@ class VLLMEngine:
 
     name = "vllm"
 
-    def __init__(
-        self,
-        model_path: str,
-        dtype: str = "float32",
-        max_loras: int = 4,
-        max_lora_rank: int = 64,
-        max_cpu_loras: int | None = None,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        gpu_memory_utilization: float = 0.8,
-        tensor_parallel_size: int = 1,
-        enforce_eager: bool = False,
-        seed: int = 0,
-    ):
-        """Start the engine; blocks until vLLM is ready (on CPU that takes a while).
+    def __init__(self, cfg: InferenceConfig, max_cpu_loras: int | None = None, seed: int = 0):
+        """Start the engine on `cfg.model`; blocks until vLLM is ready (on CPU that takes a
+        while).
 
-        `max_loras` adapters can share one batch; `max_cpu_loras` (default
+        `cfg.max_loras` adapters can share one batch; `max_cpu_loras` (default
         4 × max_loras) stay cached, the rest are re-read from their dir on use.
         """
         _cpu_env_defaults()
@@ -251,29 +240,31 @@ class VLLMEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
 
+        model_path = cfg.model_dir()
+        max_loras = cfg.max_loras
         self.model_path = model_path
         self.base_model = base_model_id(model_path)
-        self.max_lora_rank = supported_rank(max_lora_rank)
+        self.max_lora_rank = supported_rank(cfg.max_lora_rank)
         self.lora_slots: int | None = max_loras
         args = AsyncEngineArgs(
             model=model_path,
-            dtype=dtype,
+            dtype=cfg.dtype,
             seed=seed,
             enable_lora=True,
             max_loras=max_loras,
             max_lora_rank=self.max_lora_rank,
             max_cpu_loras=max_cpu_loras or 4 * max_loras,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
             # The sampled token's log-prob under the distribution it was drawn
             # from (after temperature and top-p), as GRPO's ratio expects.
             logprobs_mode="processed_logprobs",
             # Ignore the checkpoint's generation_config.json: its sampling
             # defaults (top_k, repetition penalty) must not apply to rollouts.
             generation_config="vllm",
-            gpu_memory_utilization=gpu_memory_utilization,
-            tensor_parallel_size=tensor_parallel_size,
-            enforce_eager=enforce_eager,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            enforce_eager=cfg.enforce_eager,
             enable_log_requests=False,
             disable_log_stats=True,
             **(

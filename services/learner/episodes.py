@@ -65,7 +65,7 @@ class Episodes:
         consumer: str,
         adapters: Callable[[], dict[str, AdapterRef]],
         check_cancel: Callable[[], Awaitable[None]],
-        max_queued_tasks: int = 4096,
+        max_queued_tasks: int,
     ):
         self.run_id = run_id
         self.spec = spec

@@ -27,14 +27,13 @@ from marl.runtime.serving import ServiceHost, configure_logging, serve_until_sto
 from marl.runtime.torch_thread import TorchThread
 from marl.spec.run import RunSpec, SpecError, dump_spec, load_spec_text
 from marl.spec.safe_input import shorten
+from marl.spec.services import LearnerConfig
 from marl.workflows import policy_of_role
 from services.learner.runs import LEASE_S, TERMINAL, RunStore, new_run_id
 from services.learner.trainer import RunCancelled, RunExecutor, RunFailed
 
 log = logging.getLogger(__name__)
 
-DEFAULT_RETENTION_S = 7 * 24 * 3600.0
-"""How long a finished run's Redis state is kept (the learner config's `retention_s`)."""
 SWEEP_PERIOD_S = 60.0
 """How often a learner forgets the finished runs past their retention."""
 
@@ -151,10 +150,7 @@ def missing_lora_targets(model_path: str, targets: list[str] | str) -> list[str]
 
 
 class LearnerService(learner_pb2_grpc.LearnerServicer):
-    def __init__(
-        self, r: aioredis.Redis, store: RunStore, runs_dir: Path,
-        retention_s: float = DEFAULT_RETENTION_S,
-    ):
+    def __init__(self, r: aioredis.Redis, store: RunStore, runs_dir: Path, retention_s: float):
         self.r = r
         self.store = store
         self.runs_dir = runs_dir
@@ -275,15 +271,11 @@ async def _keep_lease(store: RunStore, run_id: str, learner_id: str) -> None:
 
 
 async def run_loop(
-    r: aioredis.Redis,
-    store: RunStore,
-    learner_id: str,
-    max_queued_tasks: int = 4096,
-    burst_threads: int = 0,
-    retention_s: float = DEFAULT_RETENTION_S,
+    r: aioredis.Redis, store: RunStore, learner_id: str, cfg: LearnerConfig
 ) -> None:
     """Take queued runs, and runs whose learner died, one at a time and train them; a run
-    that ends has its Redis state expire after `retention_s` (0: kept)."""
+    that ends has its Redis state expire after `cfg.retention_s` (0: kept)."""
+    retention_s = cfg.retention_s
     torch_thread = TorchThread("learner")
     while True:
         taken = await _next_run(store, learner_id)
@@ -308,9 +300,9 @@ async def run_loop(
                 learner_id,
                 takeover,
                 extra_sinks=sinks,
-                max_queued_tasks=max_queued_tasks,
+                max_queued_tasks=cfg.max_queued_tasks,
                 torch_thread=torch_thread,
-                burst_threads=burst_threads,
+                burst_threads=cfg.burst_threads,
             )
             await executor.execute()
         except RunCancelled:
@@ -347,26 +339,17 @@ async def sweep_loop(store: RunStore, period_s: float = SWEEP_PERIOD_S) -> None:
         await asyncio.sleep(period_s)
 
 
-async def _serve(
-    port: int,
-    host: str,
-    redis_url: str,
-    runs_dir: Path,
-    http_port: int | None = None,
-    max_queued_tasks: int = 4096,
-    burst_threads: int = 0,
-    retention_s: float = DEFAULT_RETENTION_S,
-) -> None:
+async def _serve(cfg: LearnerConfig, runs_dir: Path) -> None:
     name = learner_pb2.DESCRIPTOR.services_by_name["Learner"].full_name
-    server = ServiceHost([name], host, port)
+    server = ServiceHost([name], cfg.host, cfg.port)
     http = None
-    if http_port is not None:  # Prometheus /metrics
-        http = HttpServer(host, http_port)
+    if cfg.http_port is not None:  # Prometheus /metrics
+        http = HttpServer(cfg.host, cfg.http_port)
         await http.start()
-    r = streams.connect(redis_url)
+    r = streams.connect(cfg.redis)
     store = RunStore(r)
     learner_pb2_grpc.add_LearnerServicer_to_server(
-        LearnerService(r, store, runs_dir, retention_s), server.server
+        LearnerService(r, store, runs_dir, cfg.retention_s), server.server
     )
     learner_id = f"learner-{uuid.uuid4().hex[:8]}"
 
@@ -374,7 +357,7 @@ async def _serve(
         await r.ping()
 
     async def loop() -> None:
-        await run_loop(r, store, learner_id, max_queued_tasks, burst_threads, retention_s)
+        await run_loop(r, store, learner_id, cfg)
 
     async def sweep() -> None:
         await sweep_loop(store)
@@ -387,27 +370,8 @@ async def _serve(
     await serve_until_stopped(server, ready=ready, background=[loop, sweep], on_stop=on_stop)
 
 
-def run(
-    port: int,
-    redis_url: str,
-    host: str = "127.0.0.1",
-    runs_dir: str = "runs",
-    http_port: int | None = None,
-    max_queued_tasks: int = 4096,
-    burst_threads: int = 0,
-    retention_s: float = DEFAULT_RETENTION_S,
-) -> None:
+def run(cfg: LearnerConfig) -> None:
+    """Serve the Runs API and train the runs it takes until SIGTERM/SIGINT; blocking."""
     configure_logging("learner")
     keep_freed_heap_until_trimmed(LEARNER_MMAP_THRESHOLD)  # reused within a step, trimmed after
-    asyncio.run(
-        _serve(
-            port,
-            host,
-            redis_url,
-            Path(runs_dir).resolve(),
-            http_port,
-            max_queued_tasks,
-            burst_threads,
-            retention_s,
-        )
-    )
+    asyncio.run(_serve(cfg, Path(cfg.runs_dir).resolve()))

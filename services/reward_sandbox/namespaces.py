@@ -51,8 +51,8 @@ class RootPlan(NamedTuple):
     skeleton: list[str]
     """Directories to create in the new root, parents first (mount points and their parents)."""
     devices: list[str]
-    tmp_bytes: int = 64 * 1024 * 1024
-    tmp_inodes: int = 2048
+    tmp_bytes: int
+    tmp_inodes: int
 
     def to_json(self) -> dict[str, object]:
         return self._asdict()

@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2
 from marl.protocol.v1 import sandbox_pb2, sandbox_pb2_grpc
 from marl.runtime.http_server import HttpServer
 from marl.runtime.serving import ServiceHost, configure_logging, serve_until_stopped
-from marl.spec.services import load_sandbox
+from marl.spec.services import add_flags, flag_values, load_sandbox
 
 from . import http_api, syscalls
 from .config import SandboxConfig
@@ -91,24 +91,25 @@ async def serve(cfg: SandboxConfig, host: str, port: int) -> None:
     await serve_until_stopped(service_host, ready=ready, on_stop=on_stop)
 
 
-def run(port: int | None = None, host: str | None = None, config_path: str | None = None,
-        http_port: int | None = None) -> None:
-    """Serve until SIGTERM/SIGINT; blocking. Arguments win over the file and MARL_SANDBOX_*."""
-    cfg = load_sandbox(config_path, port=port, host=host, http_port=http_port)
+def run(cfg: SandboxConfig) -> None:
+    """Serve until SIGTERM/SIGINT; blocking."""
     configure_logging("sandbox")
     asyncio.run(serve(cfg, cfg.host, cfg.port))
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m services.reward_sandbox.server`: `marl serve sandbox` without the marl CLI."""
     parser = argparse.ArgumentParser(prog="python -m services.reward_sandbox.server")
-    parser.add_argument("--port", type=int, default=None, help="default: the config's, else free")
-    parser.add_argument("--host", default=None, help="default: the config's, else 127.0.0.1")
     parser.add_argument("--config", default=None, help="YAML with marl.spec.services fields")
-    parser.add_argument("--http-port", type=int, default=None,
-                        help="serve SandboxFusion's POST /run_code on this port (0: a free one)")
+    add_flags(parser, "sandbox")
     args = parser.parse_args(argv)
     try:
-        run(args.port, args.host, args.config, args.http_port)
+        cfg = load_sandbox(args.config, **flag_values(args, "sandbox"))
+        if cfg.trace_dir is not None:  # as `marl serve` does
+            from marl.runtime import trace
+
+            trace.configure("sandbox", cfg.trace_dir)
+        run(cfg)
     except ValueError as e:
         print(f"error: {e}")
         return 2

@@ -20,6 +20,7 @@ from marl.runtime.http_server import HttpServer
 from marl.runtime.prometheus_metrics import INFLIGHT_EPISODES, on_scrape, stream_lag_hook
 from marl.runtime.serving import ServiceHost, configure_logging, serve_until_stopped
 from marl.spec.safe_input import check_path, load_json, shorten
+from marl.spec.services import WorkflowConfig
 from marl.workflows import resolve
 from services.workflow.worker import EpisodeRunner, work_loop
 
@@ -117,30 +118,18 @@ class WorkflowService(workflow_pb2_grpc.WorkflowServicer):
         )
 
 
-async def _serve(
-    port: int,
-    host: str,
-    redis_url: str,
-    sandbox: str | None,
-    concurrency: int,
-    http_port: int | None = None,
-    claim_idle_s: float = 120.0,
-    heartbeat_ttl_s: float = 5.0,
-    max_deliveries: int = 5,
-    drain_s: float = 20.0,
-    replica_wait_s: float = 100.0,
-) -> None:
+async def _serve(cfg: WorkflowConfig) -> None:
     name = workflow_pb2.DESCRIPTOR.services_by_name["Workflow"].full_name
-    server = ServiceHost([name], host, port)
-    r = streams.connect(redis_url)
+    server = ServiceHost([name], cfg.host, cfg.port)
+    r = streams.connect(cfg.redis)
     # host and pid make a consumer in XINFO traceable to its pod and process
     worker_id = f"workflow-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    runner = EpisodeRunner(r, worker_id, sandbox, replica_wait_s)
+    runner = EpisodeRunner(r, worker_id, cfg.sandbox, replica_wait_s=cfg.replica_wait_s)
     workflow_pb2_grpc.add_WorkflowServicer_to_server(WorkflowService(runner), server.server)
     INFLIGHT_EPISODES.set_function(lambda: runner.stats.in_flight)
     http = None
-    if http_port is not None:  # Prometheus /metrics
-        http = HttpServer(host, http_port)
+    if cfg.http_port is not None:  # Prometheus /metrics
+        http = HttpServer(cfg.host, cfg.http_port)
         on_scrape(http.app, stream_lag_hook(r, streams.TASKS, streams.WORKERS_GROUP))
         await http.start()
 
@@ -151,15 +140,7 @@ async def _serve(
         await asyncio.to_thread(math_reward.warm_up)
 
     async def loop() -> None:
-        await work_loop(
-            runner,
-            concurrency=concurrency,
-            claim_idle_s=claim_idle_s,
-            heartbeat_ttl_s=heartbeat_ttl_s,
-            max_deliveries=max_deliveries,
-            stopping=lambda: server.stopping,
-            drain_s=drain_s,
-        )
+        await work_loop(runner, cfg, stopping=lambda: server.stopping)
 
     async def on_stop() -> None:
         if http is not None:
@@ -168,27 +149,11 @@ async def _serve(
         await r.aclose()
 
     await serve_until_stopped(
-        server, ready=ready, background=[loop], on_stop=on_stop, drain_s=drain_s + 1.0
+        server, ready=ready, background=[loop], on_stop=on_stop, drain_s=cfg.drain_s + 1.0
     )
 
 
-def run(
-    port: int,
-    redis_url: str,
-    host: str = "127.0.0.1",
-    sandbox: str | None = None,
-    concurrency: int = 512,
-    http_port: int | None = None,
-    claim_idle_s: float = 120.0,
-    heartbeat_ttl_s: float = 5.0,
-    max_deliveries: int = 5,
-    drain_s: float = 20.0,
-    replica_wait_s: float = 100.0,
-) -> None:
+def run(cfg: WorkflowConfig) -> None:
+    """Serve until SIGTERM/SIGINT, taking tasks from `cfg.redis`; blocking."""
     configure_logging("workflow")
-    asyncio.run(
-        _serve(
-            port, host, redis_url, sandbox, concurrency, http_port,
-            claim_idle_s, heartbeat_ttl_s, max_deliveries, drain_s, replica_wait_s,
-        )
-    )
+    asyncio.run(_serve(cfg))

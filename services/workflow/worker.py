@@ -47,6 +47,7 @@ from marl.runtime import auth, replicas, streams, trace
 from marl.runtime.aio_tasks import cancel_until_done, raise_if_cancelled
 from marl.runtime.gc_pauses import freeze_long_lived
 from marl.spec.run import SpecError, WorkflowCaps
+from marl.spec.services import WorkflowConfig
 from marl.workflows import EpisodeError, Workflow, resolve
 from services.workflow import openai_proxy
 from services.workflow.episode import NONE_REGISTERED, Episode, NoReplica, Renders
@@ -85,8 +86,8 @@ class Stats:
 class EpisodeRunner:
     """Runs one task to a rollout; shared by the Redis loop and the RunEpisode RPC."""
 
-    def __init__(self, redis: Any, worker_id: str, sandbox_address: str | None = None,
-                 replica_wait_s: float = 0.0):
+    def __init__(self, redis: Any, worker_id: str, sandbox_address: str | None = None, *,
+                 replica_wait_s: float):
         self.redis = redis
         self.replica_wait_s = replica_wait_s
         """How long a turn no replica takes waits for one (`Episode.replica_wait_s`)."""
@@ -455,16 +456,16 @@ def import_tokenizers() -> None:
 
 async def work_loop(  # noqa: C901, PLR0915 (older than the limit; split it when next changed)
     runner: EpisodeRunner,
-    concurrency: int = 512,
-    claim_idle_s: float = 120.0,
-    heartbeat_ttl_s: float = 5.0,
-    max_deliveries: int = 5,
+    cfg: WorkflowConfig,
     stopping: Callable[[], bool] = lambda: False,
-    drain_s: float = 20.0,
 ) -> None:
     """Run tasks from the stream until cancelled, or until `stopping()`: then take no new
-    task, let the episodes under way finish for up to `drain_s` (their rollouts are sent),
-    and hand back what is left at once (another worker claims it without waiting)."""
+    task, let the episodes under way finish for up to `cfg.drain_s` (their rollouts are
+    sent), and hand back what is left at once (another worker claims it without waiting).
+    `cfg`'s concurrency, heartbeat, claim and delivery settings shape the loop."""
+    concurrency, drain_s = cfg.concurrency, cfg.drain_s
+    claim_idle_s, heartbeat_ttl_s = cfg.claim_idle_s, cfg.heartbeat_ttl_s
+    max_deliveries = cfg.max_deliveries
     r = runner.redis
     worker_id = runner.worker_id
     running: set[asyncio.Task[None]] = set()

@@ -127,16 +127,20 @@ def greedy(prompt: list[int], key: str, max_tokens: int = 12, **kw: Any) -> Gene
 
 
 def _start_transformers(path: Path) -> Engine:
+    from marl.spec.services import InferenceConfig
     from services.inference.transformers_engine import TransformersEngine
 
-    return TransformersEngine(str(path), dtype="float32", max_batch=256)  # type: ignore[return-value]
+    cfg = InferenceConfig(model=str(path), dtype="float32")
+    return TransformersEngine(cfg, max_batch=256)  # type: ignore[return-value]
 
 
 def _start_vllm(path: Path) -> Engine:
     pytest.importorskip("vllm", reason="vllm is not installed; run scripts/setup_vllm_env.sh")
+    from marl.spec.services import InferenceConfig
     from services.inference.vllm_engine import VLLMEngine
 
-    return VLLMEngine(str(path), dtype="float32", max_loras=4, max_lora_rank=16, max_model_len=256)
+    return VLLMEngine(InferenceConfig(model=str(path), dtype="float32", max_loras=4,
+                                      max_lora_rank=16, max_model_len=256))
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

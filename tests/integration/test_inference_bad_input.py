@@ -198,9 +198,10 @@ def test_check_request_names_each_field() -> None:
 def test_engine_failure_stays_with_its_own_request() -> None:
     """A request that fails inside the engine (here: one that skipped the checks) fails
     alone; the requests batched with it are decoded."""
+    from marl.spec.services import InferenceConfig
     from services.inference.transformers_engine import BASE, TransformersEngine
 
-    engine = TransformersEngine(str(demo_model_dir()), batch_wait_s=0.05)
+    engine = TransformersEngine(InferenceConfig(model=str(demo_model_dir())), batch_wait_s=0.05)
     vocab = engine.base.config.vocab_size
 
     async def run() -> list[Any]:

@@ -30,7 +30,7 @@ async def test_old_versions_unload_only_when_idle() -> None:
 async def test_unknown_version_names_what_is_loaded() -> None:
     async def unload(key: str) -> None: ...
 
-    reg = AdapterRegistry(unload)
+    reg = AdapterRegistry(unload, retention=2)
     await reg.added(LoadedVersion("r/p", 3, reg.next_int_id(), "a"))
     with pytest.raises(AdapterNotLoaded, match=r"r/p@4 is not loaded.*\[3\]"):
         reg.acquire("r/p", 4)

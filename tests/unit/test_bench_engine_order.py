@@ -78,9 +78,10 @@ def test_replay_waits_for_a_stage_before_the_next_and_runs_episodes_together() -
 def test_replay_on_the_real_engine_counts_what_it_generated() -> None:
     """The transformers engine on the demo model: Voting-shaped episodes through it in the
     workflow's order; the count is the tokens the engine returned."""
+    from marl.spec.services import InferenceConfig
     from services.inference.transformers_engine import BASE, TransformersEngine
 
-    engine = TransformersEngine(str(demo_model_dir()), batch_wait_s=0.005)
+    engine = TransformersEngine(InferenceConfig(model=str(demo_model_dir())), batch_wait_s=0.005)
     returned: list[int] = []
 
     async def generate(request: GenerationRequest) -> Any:

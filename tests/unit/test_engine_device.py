@@ -11,7 +11,7 @@ import torch
 
 from marl.models.demo import demo_model_dir
 from marl.models.devices import resolve_device
-from marl.spec.services import load_service_config
+from marl.spec.services import InferenceConfig, load_service_config
 from services.inference.engine import GenerationRequest, GenerationResult
 from services.inference.running_batch import decode_all
 from services.inference.transformers_engine import BASE, TransformersEngine
@@ -38,7 +38,7 @@ def test_cuda_without_a_gpu_says_what_to_do() -> None:
 
 
 def test_engine_on_the_cpu_decodes_on_its_device() -> None:
-    engine = TransformersEngine(str(demo_model_dir()), device="cpu")
+    engine = TransformersEngine(InferenceConfig(model=str(demo_model_dir()), device="cpu"))
     assert next(engine.base.parameters()).device == torch.device("cpu")
     request = GenerationRequest([1, 2, 3], BASE, max_tokens=4, seed=7)
     first, again = (
@@ -53,7 +53,7 @@ def test_heap_trim_runs_between_decode_steps_on_the_engine_thread() -> None:
     """A trim asked for while a request decodes runs on the engine's thread, which takes it
     between two decode steps, never beside one (where it would fault back in the pages the
     step reuses)."""
-    engine = TransformersEngine(str(demo_model_dir()), device="cpu")
+    engine = TransformersEngine(InferenceConfig(model=str(demo_model_dir()), device="cpu"))
     trims: list[str] = []
 
     def trim() -> bool:

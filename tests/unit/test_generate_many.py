@@ -39,7 +39,7 @@ async def replies(n: int, max_tokens: int, first: int = 1, version: int = 1, joi
     async def unload(key: str) -> None:
         pass
 
-    registry = AdapterRegistry(unload)
+    registry = AdapterRegistry(unload, retention=2)
     await registry.added(LoadedVersion("run/p", 1, 1, "0" * 64))
     service.attach(EchoEngine(), registry)  # type: ignore[arg-type]
     many = inference_pb2.GenerateManyRequest(requests=[

@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 
 from marl.runtime import streams
 from marl.spec.run import RunSpec, dump_spec
+from marl.spec.services import LearnerConfig
 from services.learner import server
 from services.learner.metrics import RunRecordSink, StreamSink
 from services.learner.runs import (
@@ -100,7 +101,7 @@ async def run_many(
         run_id = f"{name}-{n:04d}"
         await store.create(run_id, dump_spec(spec), str(tmp_path / run_id), STEPS)
         ids.append(run_id)
-    loop = asyncio.create_task(server.run_loop(r, store, "learner-t", retention_s=retention_s))
+    loop = asyncio.create_task(server.run_loop(r, store, "learner-t", LearnerConfig(retention_s=retention_s)))
     ended: set[str] = set()
     try:
         deadline = time.monotonic() + 400

@@ -121,10 +121,11 @@ def test_a_stop_token_ends_its_row_only(
 def test_engine_admits_a_request_into_a_running_batch(tiny_model_dir: object) -> None:
     """A short request sent while a long one decodes returns first; an adapter load is
     served between two decode steps, not after the batch."""
+    from marl.spec.services import InferenceConfig
     from services.inference.engine import AdapterWeights
     from services.inference.transformers_engine import BASE, TransformersEngine
 
-    engine = TransformersEngine(str(tiny_model_dir), device="cpu")
+    engine = TransformersEngine(InferenceConfig(model=str(tiny_model_dir), device="cpu"))
     engine.eos_token_ids = []
     long_req = GenerationRequest([5, 6, 7], BASE, max_tokens=400, temperature=0.0)
     state = adapter(engine.base, 4, seed=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -187,3 +188,34 @@ def test_trace_dir_from_the_config_file_or_the_environment_turns_tracing_on(
         assert started == [True, True]
     finally:
         trace.configure("test", None)
+
+
+def test_cli_serve_flags_beat_the_environment_and_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every field is a flag of `marl serve` (made from the model), layered last."""
+    from services.inference import server as inference
+    from services.workflow import server as workflow
+
+    started: list[Any] = []
+    monkeypatch.setattr(workflow, "run", started.append)
+    monkeypatch.setattr(inference, "run", started.append)
+    f = tmp_path / "wf.yaml"
+    f.write_text("redis: redis://x\nconcurrency: 8\nsandbox: sb:1\n")
+    monkeypatch.setenv("MARL_WORKFLOW_CONCURRENCY", "16")
+    monkeypatch.setenv("MARL_WORKFLOW_DRAIN_S", "3")
+    argv = ["serve", "workflow", "--config", str(f), "--concurrency", "9", "--replica-wait-s", "5"]
+    assert cli.main(argv) == 0
+    cfg = started.pop()
+    assert (cfg.concurrency, cfg.sandbox, cfg.drain_s, cfg.replica_wait_s) == (9, "sb:1", 3.0, 5.0)
+    argv = ["serve", "inference", "--redis", "redis://x", "--model", "m", "--enforce-eager",
+            "--gpu-memory-utilization", "0.4", "--engine", "transformers"]
+    assert cli.main(argv) == 0
+    cfg = started.pop()
+    assert (cfg.enforce_eager, cfg.gpu_memory_utilization, cfg.engine) == (True, 0.4, "transformers")
+
+
+def test_cli_serve_refuses_another_services_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "learner", "--redis", "redis://x", "--model", "m"])
+    assert exit_.value.code == 2 and "--model" in capsys.readouterr().err

@@ -19,6 +19,7 @@ from marl.models.demo import demo_model_dir
 from marl.rollout import AdapterRef, Rollout, Task
 from marl.runtime import replicas, streams
 from marl.spec.run import RunSpec
+from marl.spec.services import LearnerConfig, WorkflowConfig
 from services.workflow import worker
 
 
@@ -147,7 +148,7 @@ class FailingRunner(worker.EpisodeRunner):
     """A worker whose every episode hits a bug."""
 
     def __init__(self, redis: object, worker_id: str):
-        super().__init__(redis, worker_id)
+        super().__init__(redis, worker_id, replica_wait_s=0)
         self.attempts = 0
 
     async def run(self, task: Task) -> Rollout:
@@ -199,7 +200,9 @@ async def test_a_worker_importing_its_tokenizer_library_beats_and_takes_no_task(
     await streams.ensure_group(r, streams.TASKS, streams.WORKERS_GROUP)
     await streams.add(r, streams.TASKS, task.to_dict())
     runner = FailingRunner(r, "w1")
-    loop = asyncio.create_task(worker.work_loop(runner, concurrency=4, heartbeat_ttl_s=0.5))
+    loop = asyncio.create_task(
+        worker.work_loop(runner, WorkflowConfig(concurrency=4, heartbeat_ttl_s=0.5))
+    )
     try:
         assert await asyncio.to_thread(importing.wait, 10)
         await asyncio.sleep(1.5)  # three TTLs
@@ -311,7 +314,8 @@ async def test_a_step_whose_rollouts_are_all_in_still_sends_the_next_steps_tasks
     def problems(step: int) -> list[Problem]:
         return [Problem(id=f"p{step}", prompt="q", answer="1")]
 
-    episodes = Episodes("run-a", spec, r, "learner-a", lambda: adapters, never_cancelled)
+    episodes = Episodes("run-a", spec, r, "learner-a", lambda: adapters, never_cancelled,
+                        max_queued_tasks=LearnerConfig().max_queued_tasks)
     await episodes.open(fresh=True)
     try:
         step0 = episodes.submit(problems(0), 0, "train")
@@ -344,7 +348,8 @@ async def test_reading_ahead_stops_when_told_and_leaves_the_rest_to_the_gather(
     r = streams.connect(redis_url)
     spec = RunSpec.model_validate({"grpo": {"group_size": 2}, "train": {"step_timeout_s": 0.1}})
     adapters = {"generator": AdapterRef("run-s/generator", 1)}
-    episodes = Episodes("run-s", spec, r, "learner-s", lambda: adapters, never_cancelled)
+    episodes = Episodes("run-s", spec, r, "learner-s", lambda: adapters, never_cancelled,
+                        max_queued_tasks=LearnerConfig().max_queued_tasks)
     await episodes.open(fresh=True)
     try:
         pending = episodes.submit([Problem(id="p", prompt="q", answer="1")], 0, "train")
@@ -384,7 +389,8 @@ async def test_tasks_naming_a_version_still_being_pushed_wait_for_its_ack(
     r = streams.connect(redis_url)
     spec = RunSpec.model_validate({"grpo": {"group_size": 2}})
     adapters = {"generator": AdapterRef("run-g/generator", 1)}
-    episodes = Episodes("run-g", spec, r, "learner-g", lambda: adapters, never_cancelled)
+    episodes = Episodes("run-g", spec, r, "learner-g", lambda: adapters, never_cancelled,
+                        max_queued_tasks=LearnerConfig().max_queued_tasks)
     await episodes.open(fresh=True)
 
     async def in_stream() -> list[int]:
@@ -417,7 +423,7 @@ async def test_a_worker_loads_the_tokenizer_of_an_announced_model_before_any_tas
     tokenizer while it waits for work, and a task's first episode finds it loaded."""
     model = os.path.realpath(demo_model_dir())
     r = streams.connect(redis_url)
-    runner = worker.EpisodeRunner(r, "w1")
+    runner = worker.EpisodeRunner(r, "w1", replica_wait_s=0)
     await replicas.announce(r, "inference", "i0", {"address": "127.0.0.1:1", "serving": False,
                                                    "model_path": model})
     try:

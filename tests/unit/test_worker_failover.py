@@ -53,7 +53,7 @@ async def test_a_turn_every_listed_replica_refused_goes_to_one_that_joined_since
 ) -> None:
     r = streams.connect(redis_url)
     answers = Answers()
-    runner = EpisodeRunner(r, "w-test")
+    runner = EpisodeRunner(r, "w-test", replica_wait_s=0)
     runner._tokenizers[""] = CharTokenizer()
     try:
         async with serving(answers, inference_pb2_grpc.add_InferenceServicer_to_server) as up:
@@ -232,7 +232,7 @@ async def test_an_episode_whose_task_was_taken_back_stops_with_its_turns_in_flig
     monkeypatch.setattr(worker, "import_tokenizers", lambda: None)
     r = streams.connect(redis_url)
     slow = SlowAnswers(30.0)
-    runner = EpisodeRunner(r, "w-test")
+    runner = EpisodeRunner(r, "w-test", replica_wait_s=0)
     runner._tokenizers[""] = CharTokenizer()
     try:
         async with serving(slow, inference_pb2_grpc.add_InferenceServicer_to_server) as up:

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+from marl.spec.services import WorkflowConfig
 from services.workflow import worker
 
 
@@ -15,7 +16,9 @@ async def working(runner: worker.EpisodeRunner, **options: Any) -> AsyncIterator
     """`worker.work_loop(runner, ...)` (4 at once, a 2 s heartbeat unless `options` say
     otherwise) until the block ends; then it is cancelled and `runner` closed."""
     loop = asyncio.create_task(
-        worker.work_loop(runner, **{"concurrency": 4, "heartbeat_ttl_s": 2.0, **options})
+        worker.work_loop(
+            runner, WorkflowConfig(**{"concurrency": 4, "heartbeat_ttl_s": 2.0, **options})
+        )
     )
     try:
         yield loop
