@@ -17,6 +17,7 @@ import grpc
 from marl.clients.runs import LearnerUnavailable, RunNotFound, RunRefused, RunsClient
 from marl.spec.errors import UserError
 from marl.spec.run import ENGINE_NAMES, SpecError
+from marl.spec.services import InferenceConfig
 
 DEFAULT_LEARNER = "127.0.0.1:50051"
 
@@ -281,7 +282,9 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (older than the 
     p = sub.add_parser("up", help="start every service locally until Ctrl-C")
     p.add_argument("--dir", default="marl-up", help="where endpoints.json, logs and runs go")
     p.add_argument("--model", default=None, help="base model dir (default: the demo model)")
-    p.add_argument("--engine", default="auto", choices=ENGINE_NAMES)
+    p.add_argument(
+        "--engine", default=InferenceConfig.model_fields["engine"].default, choices=ENGINE_NAMES
+    )
     p.add_argument(
         "--cores", type=int, default=None, help="CPU cores the services' torch threads share (2)"
     )

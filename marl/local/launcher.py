@@ -91,7 +91,8 @@ class Cluster:
     workflow_replicas: int = 1
     sandbox_replicas: int = 1
     learner: bool = True
-    max_lora_rank: int = 64
+    max_lora_rank: int | None = None
+    """The largest LoRA rank the replicas take (None: the inference config's)."""
     max_loras: int | None = None
     """vLLM's LoRA slots per batch (None: the inference config's); for a cluster started
     for known runs, `adapter_versions_in_flight` of each. The transformers engine has no
@@ -206,7 +207,7 @@ class Cluster:
         assert self.redis_url is not None
         return [
             *("--redis", self.redis_url, "--model", self.model_path, "--engine", self.engine),
-            *("--max-lora-rank", str(self.max_lora_rank)),
+            *(() if self.max_lora_rank is None else ("--max-lora-rank", str(self.max_lora_rank))),
             *(() if self.max_loras is None else ("--max-loras", str(self.max_loras))),
         ]
 

@@ -204,7 +204,7 @@ class StopWatchdog:
 class ServiceHost:
     """One grpc.aio server with health and reflection for a set of services."""
 
-    def __init__(self, service_names: Iterable[str], host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, service_names: Iterable[str], host: str, port: int):
         interceptors = [*auth.server_interceptors(), GrpcMetrics(), BoundedErrors()]
         self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         self.health = health.aio.HealthServicer()

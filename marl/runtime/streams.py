@@ -300,7 +300,8 @@ async def claim_dead(  # noqa: C901 (older than the limit; split it when next ch
     group: str,
     consumer: str,
     count: int = 16,
-    max_deliveries: int = 5,
+    *,
+    max_deliveries: int,
     min_idle_ms: int = 1000,
     on_dead: DeadLetter | None = None,
 ) -> list[Entry]:
@@ -444,7 +445,8 @@ async def claim_stale(
     consumer: str,
     min_idle_ms: int,
     count: int = 16,
-    max_deliveries: int = 5,
+    *,
+    max_deliveries: int,
     on_dead: DeadLetter | None = None,
 ) -> list[Entry]:
     """Take over entries idle longer than `min_idle_ms` whoever holds them (a live but hung

@@ -24,7 +24,7 @@ async def test_consume_ack_claim_and_dead_letter(redis_url: str) -> None:
         await streams.ack(r, "s", "g", got[0].id)
         assert await streams.lag(r, "s", "g") == 2  # one pending, one never delivered
         # c1 "dies" holding entry 1; c2 claims it
-        claimed = await streams.claim_stale(r, "s", "g", "c2", min_idle_ms=0)
+        claimed = await streams.claim_stale(r, "s", "g", "c2", min_idle_ms=0, max_deliveries=5)
         assert [e.data["i"] for e in claimed] == [1]
         assert claimed[0].deliveries == 2
         # past max_deliveries the entry goes to the dead-letter stream

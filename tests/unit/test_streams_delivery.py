@@ -35,15 +35,15 @@ async def test_dead_consumer_entries_are_claimed_and_a_live_ones_are_kept(redis_
         assert len(await streams.read_group(r, "s", "g", "doomed", count=2, block_ms=10)) == 2
         await asyncio.sleep(0.3)
         # both alive: nothing moves, however idle their entries
-        assert await streams.claim_dead(r, "s", "g", "rescuer", min_idle_ms=100) == []
+        assert await streams.claim_dead(r, "s", "g", "rescuer", min_idle_ms=100, max_deliveries=5) == []
         await asyncio.sleep(0.4)  # doomed's key expired: it is dead
         t0 = time.monotonic()
-        got = await streams.claim_dead(r, "s", "g", "rescuer", min_idle_ms=100)
+        got = await streams.claim_dead(r, "s", "g", "rescuer", min_idle_ms=100, max_deliveries=5)
         assert time.monotonic() - t0 < 1.0
         assert sorted(e.data["i"] for e in got) == [2, 3]
         assert all(e.deliveries == 2 for e in got)
         # a second claimer finds them fresh (XCLAIM reset their idle time): no double claim
-        assert await streams.claim_dead(r, "s", "g", "other", min_idle_ms=100) == []
+        assert await streams.claim_dead(r, "s", "g", "other", min_idle_ms=100, max_deliveries=5) == []
         summary = await r.xpending("s", "g")
         owners = {c["name"]: int(c["pending"]) for c in summary["consumers"]}
         assert owners == {"slow": 2, "rescuer": 2}
@@ -67,7 +67,7 @@ async def test_released_entry_is_retried_then_dead_lettered(redis_url: str) -> N
         for _ in range(5):
             await streams.release(r, "s", "g", entry.id)  # the handler failed
             # not at once: a released entry waits min_idle_ms before its retry
-            assert await streams.claim_dead(r, "s", "g", "w", min_idle_ms=200) == []
+            assert await streams.claim_dead(r, "s", "g", "w", min_idle_ms=200, max_deliveries=5) == []
             await asyncio.sleep(0.25)
             got = await streams.claim_dead(
                 r, "s", "g", "w", min_idle_ms=200, max_deliveries=3, on_dead=on_dead
@@ -94,7 +94,7 @@ async def test_a_deleted_pending_entry_is_acknowledged_not_claimed_forever(
         await streams.read_group(r, "s", "g", "gone", block_ms=10)
         await r.xdel("s", entry_id)
         await asyncio.sleep(0.05)
-        assert await streams.claim_dead(r, "s", "g", "w", min_idle_ms=10) == []
+        assert await streams.claim_dead(r, "s", "g", "w", min_idle_ms=10, max_deliveries=5) == []
         assert (await r.xpending("s", "g"))["pending"] == 0
     finally:
         await r.aclose()
