@@ -196,6 +196,11 @@ def build() -> dict[str, Any]:
     learner = obj(
         {
             "image": IMAGE,
+            "replicas": integer(
+                "Learner pods; each takes runs from the shared queue and trains up to "
+                "config.max_concurrent_runs at once.",
+                1,
+            ),
             "worldSize": {
                 "type": "integer",
                 "minimum": 1,
@@ -206,7 +211,15 @@ def build() -> dict[str, Any]:
             "gpu": integer("GPUs per training process."),
             "resources": RESOURCES,
             "config": config_schema("learner"),
-            "persistence": PERSISTENCE,
+            "persistence": obj(
+                {
+                    **PERSISTENCE["properties"],
+                    "existingClaim": string(
+                        "A ReadWriteMany claim every learner pod mounts at /data; empty = "
+                        "one volume per pod."
+                    ),
+                }
+            ),
             "podDisruptionBudget": obj(
                 {
                     "enabled": boolean("Create a PodDisruptionBudget."),

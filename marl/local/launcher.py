@@ -97,6 +97,8 @@ class Cluster:
     """vLLM's LoRA slots per batch (None: the inference config's); for a cluster started
     for known runs, `adapter_versions_in_flight` of each. The transformers engine has no
     such limit."""
+    max_concurrent_runs: int | None = None
+    """Runs the learner trains at once (None: the learner config's)."""
     threads: dict[str, int] = field(
         default_factory=lambda: service_threads(DEFAULT_CORES, overlapped=False)
     )
@@ -195,7 +197,12 @@ class Cluster:
             extra = ["--sandbox", sandbox[i % len(sandbox)]] if sandbox else []
             self._spawn("workflow", [*redis_args, *extra])
         if self.learner:
-            self._spawn("learner", [*redis_args, "--runs-dir", str(self.workdir / "runs")])
+            runs = () if self.max_concurrent_runs is None else (
+                "--max-concurrent-runs", str(self.max_concurrent_runs)
+            )
+            self._spawn(
+                "learner", [*redis_args, "--runs-dir", str(self.workdir / "runs"), *runs]
+            )
         try:
             asyncio.run(self._wait(self.processes, timeout_s))
         except BaseException:

@@ -162,6 +162,10 @@ class LearnerConfig(_RedisConfig):
     torch threads an update may take once every rollout queued ahead is in (the cores
     generation then leaves idle). 0: the learner's own threads (OMP_NUM_THREADS) throughout;
     leave it so where the learner has cores of its own (a pod with a CPU limit)."""
+    max_concurrent_runs: int = Field(default=1, ge=1, le=64)
+    """Runs this learner process trains at once, each with its own adapters, optimizers and
+    step loop, their torch work taking turns on the process's one torch thread. Inference
+    replicas and workers serve every run's tasks; raise it so they work while a run updates."""
     http_port: int | None = Field(default=None, ge=0, le=65535)
     """Port of the HTTP server (Prometheus /metrics); 0 picks a free one; none when unset."""
     retention_s: float = Field(default=7 * 24 * 3600, ge=0, allow_inf_nan=False)

@@ -1,4 +1,5 @@
-"""The learner process: the Runs API (gRPC) and the loop that trains queued runs one at a time."""
+"""The learner process: the Runs API (gRPC) and the loop that trains queued runs, up to
+`learner.max_concurrent_runs` at once."""
 
 from __future__ import annotations
 
@@ -273,54 +274,102 @@ async def _keep_lease(store: RunStore, run_id: str, learner_id: str) -> None:
 async def run_loop(
     r: aioredis.Redis, store: RunStore, learner_id: str, cfg: LearnerConfig
 ) -> None:
-    """Take queued runs, and runs whose learner died, one at a time and train them; a run
-    that ends has its Redis state expire after `cfg.retention_s` (0: kept)."""
-    retention_s = cfg.retention_s
+    """Take queued runs, and runs whose learner died, and train up to
+    `cfg.max_concurrent_runs` of them at once, each in a task of its own (`train_run`); a
+    run that ends has its Redis state expire after `cfg.retention_s` (0: kept).
+
+    The runs share the process's torch thread, each through a `RunLane` (its own random
+    generators), and its queue takes their calls in turn. A run's own failures end that run
+    alone; what escapes `train_run` (Redis lost while a run's end is recorded) stops the
+    loop as it did with one run at a time, and the runs it held are taken over from their
+    checkpoints by the next learner."""
+    from services.learner.run_lane import RunLane
+
     torch_thread = TorchThread("learner")
-    while True:
-        taken = await _next_run(store, learner_id)
-        if taken is None:
-            continue
-        run_id, takeover = taken
-        record = await store.get(run_id)
-        assert record is not None
+    # the burst takes the cores inference leaves idle once a run's rollouts are in; with
+    # several runs one run's rollouts being in says nothing of the others' generation
+    burst_threads = cfg.burst_threads if cfg.max_concurrent_runs == 1 else 0
+    running: set[asyncio.Task[None]] = set()
+    try:
+        while True:
+            raise_if_cancelled()  # a cancel that redis-py lost in `_next_run` (see aio_tasks)
+            _reap(running)
+            if len(running) >= cfg.max_concurrent_runs:
+                await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                continue
+            taken = await _next_run(store, learner_id)
+            if taken is None:
+                continue
+            run_id, takeover = taken
+            lane = RunLane(torch_thread)
+            running.add(
+                asyncio.create_task(
+                    train_run(r, store, learner_id, cfg, run_id, takeover, lane, burst_threads),
+                    name=f"run {run_id}",
+                )
+            )
+    finally:
+        await cancel_until_done(running)
+
+
+def _reap(running: set[asyncio.Task[None]]) -> None:
+    """Forget the runs' tasks that ended; one that raised raises here."""
+    for task in [t for t in running if t.done()]:
+        running.discard(task)
+        task.result()
+
+
+async def train_run(
+    r: aioredis.Redis,
+    store: RunStore,
+    learner_id: str,
+    cfg: LearnerConfig,
+    run_id: str,
+    takeover: int,
+    torch_thread: TorchThread,
+    burst_threads: int,
+) -> None:
+    """Train one run, whose lease this learner holds, to its end and record how it ended:
+    SUCCEEDED, CANCELLED, or FAILED with its error (a bad spec, a failed run, a crash in its
+    training). Its lease is kept while it trains and released after."""
+    retention_s = cfg.retention_s
+    record = await store.get(run_id)
+    assert record is not None
+    await store.update(run_id, state="RUNNING")
+    log.info("training run %s", run_id)
+    lease = asyncio.create_task(_keep_lease(store, run_id, learner_id))
+    try:
         spec = load_spec_text(record["spec_yaml"])
-        await store.update(run_id, state="RUNNING")
-        log.info("training run %s", run_id)
-        lease = asyncio.create_task(_keep_lease(store, run_id, learner_id))
-        try:
-            out_dir = Path(record["out_dir"])
-            sinks = extra_sinks(spec, out_dir, run_id)  # TensorBoard, W&B (`logging`)
-            executor = RunExecutor(
-                run_id,
-                spec,
-                out_dir,
-                r,
-                store,
-                learner_id,
-                takeover,
-                extra_sinks=sinks,
-                max_queued_tasks=cfg.max_queued_tasks,
-                torch_thread=torch_thread,
-                burst_threads=cfg.burst_threads,
-            )
-            await executor.execute()
-        except RunCancelled:
-            await store.finish(run_id, "CANCELLED", retention_s)
-        except (RunFailed, SpecError) as err:
-            await store.finish(run_id, "FAILED", retention_s, error=str(err))
-        except Exception as err:
-            log.exception("run %s crashed", run_id)
-            await store.finish(
-                run_id, "FAILED", retention_s, error=f"{type(err).__name__}: {err}"
-            )
-        else:
-            await store.finish(run_id, "SUCCEEDED", retention_s)
-        finally:
-            await cancel_until_done([lease])
-            await store.release(run_id, learner_id)
-        final = await store.get(run_id)
-        log.info("run %s ended: %s", run_id, final and final["state"])
+        out_dir = Path(record["out_dir"])
+        sinks = extra_sinks(spec, out_dir, run_id)  # TensorBoard, W&B (`logging`)
+        executor = RunExecutor(
+            run_id,
+            spec,
+            out_dir,
+            r,
+            store,
+            learner_id,
+            takeover,
+            extra_sinks=sinks,
+            max_queued_tasks=cfg.max_queued_tasks,
+            torch_thread=torch_thread,
+            burst_threads=burst_threads,
+        )
+        await executor.execute()
+    except RunCancelled:
+        await store.finish(run_id, "CANCELLED", retention_s)
+    except (RunFailed, SpecError) as err:
+        await store.finish(run_id, "FAILED", retention_s, error=str(err))
+    except Exception as err:
+        log.exception("run %s crashed", run_id)
+        await store.finish(run_id, "FAILED", retention_s, error=f"{type(err).__name__}: {err}")
+    else:
+        await store.finish(run_id, "SUCCEEDED", retention_s)
+    finally:
+        await cancel_until_done([lease])
+        await store.release(run_id, learner_id)
+    final = await store.get(run_id)
+    log.info("run %s ended: %s", run_id, final and final["state"])
 
 
 async def sweep_loop(store: RunStore, period_s: float = SWEEP_PERIOD_S) -> None:

@@ -1,0 +1,224 @@
+"""The learner's run loop with `learner.max_concurrent_runs` (issue 70): up to N runs train
+at once, each in a task of its own, and one run's cancel or crash leaves the others
+running; with 1 (the default) runs go one after another. The training is left out (a
+`HeldRun` stands in for RunExecutor); the queue, leases and records are the real code's on
+a real redis-server. `RunLane`: runs interleaved on one torch thread draw the random
+numbers each draws alone."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+import torch
+
+from marl.runtime import streams
+from marl.runtime.torch_thread import TorchThread
+from marl.spec.run import RunSpec, dump_spec
+from marl.spec.services import LearnerConfig
+from services.learner import server
+from services.learner.run_lane import RunLane
+from services.learner.runs import RunStore, run_key
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class HeldRun:
+    """A RunExecutor that trains until the test lets it end: `finish` ends it as it would
+    (SUCCEEDED, or a crash), a cancel of its run ends it CANCELLED."""
+
+    started: dict[str, HeldRun] = {}
+
+    def __init__(self, run_id: str, spec: RunSpec, out_dir: Path, r: aioredis.Redis,
+                 store: RunStore, *args: Any, **kwargs: Any):  # fmt: skip
+        self.run_id, self.store, self.kwargs = run_id, store, kwargs
+        self.end: asyncio.Future[Exception | None] = asyncio.get_running_loop().create_future()
+
+    async def execute(self) -> None:
+        HeldRun.started[self.run_id] = self
+        while not self.end.done():
+            if await self.store.cancel_requested(self.run_id):
+                raise server.RunCancelled()
+            await asyncio.sleep(0.05)
+        error = self.end.result()
+        if error is not None:
+            raise error
+
+    def finish(self, error: Exception | None = None) -> None:
+        self.end.set_result(error)
+
+
+async def submit(store: RunStore, tmp_path: Path, name: str) -> str:
+    spec = RunSpec.model_validate({"name": name, "logging": {"tensorboard": False}})
+    await store.create(name, dump_spec(spec), str(tmp_path / name), 1)
+    return name
+
+
+async def state(r: aioredis.Redis, run_id: str) -> str:
+    return str(await r.hget(run_key(run_id), "state"))
+
+
+async def until(check: Any, what: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.05)
+
+
+async def states_become(r: aioredis.Redis, expected: dict[str, str]) -> None:
+    async def check() -> bool:
+        return all([await state(r, i) == s for i, s in expected.items()])
+
+    await until(check, f"states did not become {expected}")
+
+
+@pytest.fixture()
+def held(monkeypatch: pytest.MonkeyPatch) -> dict[str, HeldRun]:
+    HeldRun.started = {}
+    monkeypatch.setattr(server, "RunExecutor", HeldRun)
+    return HeldRun.started
+
+
+async def test_two_runs_at_once_one_cancelled_one_crashed_the_others_go_on(
+    redis_url: str, tmp_path: Path, held: dict[str, HeldRun]
+) -> None:
+    r = streams.connect(redis_url)
+    store = RunStore(r)
+    a, b, c = [await submit(store, tmp_path, n) for n in ("a", "b", "c")]
+    cfg = LearnerConfig(max_concurrent_runs=2, burst_threads=4)
+    loop = asyncio.create_task(server.run_loop(r, store, "learner-t", cfg))
+    try:
+        await states_become(r, {a: "RUNNING", b: "RUNNING"})
+        await until(lambda: asyncio.sleep(0, len(held) == 2), "a and b did not both start")
+        await asyncio.sleep(1.5)  # more than a queue poll: c waits for a free slot
+        assert await state(r, c) == "QUEUED" and c not in held
+        # each run its own lane of one torch thread, and no burst: the cores are shared
+        lanes = [held[i].kwargs["torch_thread"] for i in (a, b)]
+        assert all(isinstance(x, RunLane) for x in lanes) and lanes[0] is not lanes[1]
+        assert lanes[0].thread is lanes[1].thread
+        assert [held[i].kwargs["burst_threads"] for i in (a, b)] == [0, 0]
+
+        await store.request_cancel(a)
+        await states_become(r, {a: "CANCELLED", b: "RUNNING", c: "RUNNING"})
+        assert not held[b].end.done()
+        held[c].finish(RuntimeError("planted crash"))
+        await states_become(r, {c: "FAILED", b: "RUNNING"})
+        assert "planted crash" in str(await r.hget(run_key(c), "error"))
+        held[b].finish()
+        await states_become(r, {b: "SUCCEEDED"})
+        assert not loop.done()
+        for run_id in (a, b, c):  # every lease released
+            assert not await r.exists(f"{run_key(run_id)}:lease")
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        await r.aclose()
+
+
+async def test_one_run_at_a_time_by_default(
+    redis_url: str, tmp_path: Path, held: dict[str, HeldRun]
+) -> None:
+    r = streams.connect(redis_url)
+    store = RunStore(r)
+    a, b = [await submit(store, tmp_path, n) for n in ("a", "b")]
+    loop = asyncio.create_task(server.run_loop(r, store, "learner-t", LearnerConfig()))
+    try:
+        await states_become(r, {a: "RUNNING"})
+        await asyncio.sleep(1.5)
+        assert await state(r, b) == "QUEUED" and b not in held
+        await until(lambda: asyncio.sleep(0, a in held), "a did not start")
+        held[a].finish()
+        await states_become(r, {a: "SUCCEEDED", b: "RUNNING"})
+        await until(lambda: asyncio.sleep(0, b in held), "b did not start")
+        held[b].finish()
+        await states_become(r, {b: "SUCCEEDED"})
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        await r.aclose()
+
+
+async def test_a_learner_stopped_mid_runs_releases_every_lease(
+    redis_url: str, tmp_path: Path, held: dict[str, HeldRun]
+) -> None:
+    """SIGTERM: the loop is cancelled; its runs stay RUNNING with their leases released,
+    for another learner to take over."""
+    r = streams.connect(redis_url)
+    store = RunStore(r)
+    a, b = [await submit(store, tmp_path, n) for n in ("a", "b")]
+    cfg = LearnerConfig(max_concurrent_runs=2)
+    loop = asyncio.create_task(server.run_loop(r, store, "learner-t", cfg))
+    try:
+        await until(lambda: asyncio.sleep(0, len(held) == 2), "a and b did not both start")
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+    assert sorted(await store.orphaned()) == [a, b]
+    await r.aclose()
+
+
+async def test_learner_replicas_each_take_runs_from_the_one_queue(
+    redis_url: str, tmp_path: Path, held: dict[str, HeldRun]
+) -> None:
+    """Two learners (the chart's `learner.replicas`) on one Redis, one run at a time each:
+    each takes one of the two queued runs, under its own lease."""
+    r = streams.connect(redis_url)
+    store = RunStore(r)
+    a, b = [await submit(store, tmp_path, n) for n in ("a", "b")]
+    loops = [
+        asyncio.create_task(server.run_loop(r, store, learner, LearnerConfig()))
+        for learner in ("learner-1", "learner-2")
+    ]
+    try:
+        await states_become(r, {a: "RUNNING", b: "RUNNING"})
+        holders = {str(await r.get(f"{run_key(i)}:lease")) for i in (a, b)}
+        assert holders == {"learner-1", "learner-2"}
+        await until(lambda: asyncio.sleep(0, len(held) == 2), "a and b did not both start")
+        for run in held.values():
+            run.finish()
+        await states_become(r, {a: "SUCCEEDED", b: "SUCCEEDED"})
+    finally:
+        for loop in loops:
+            loop.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+        await r.aclose()
+
+
+def seed_both(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+
+
+def draw() -> tuple[list[float], float]:
+    return torch.rand(3).tolist(), random.random()
+
+
+async def test_runs_on_one_torch_thread_draw_what_each_draws_alone() -> None:
+    thread = TorchThread("test")
+    try:
+        alone: dict[int, list[Any]] = {}
+        for seed in (1, 2):
+            lane = RunLane(thread)
+            await lane.run(seed_both, seed)
+            alone[seed] = [await lane.run(draw) for _ in range(4)]
+        assert alone[1] != alone[2]
+        one, two = RunLane(thread), RunLane(thread)
+        await one.run(seed_both, 1)
+        await two.run(seed_both, 2)
+        got: dict[int, list[Any]] = {1: [], 2: []}
+        for _ in range(4):
+            for seed, lane in ((1, one), (2, two)):
+                got[seed].append(await lane.run(draw))
+                seed_both(99)  # the process's generators move between a run's calls too
+        assert got == alone
+        # without lanes the second seed wins: the first run draws the second's numbers
+        await thread.run(seed_both, 1)
+        await thread.run(seed_both, 2)
+        assert await thread.run(draw) == alone[2][0] != alone[1][0]
+    finally:
+        thread.close()
