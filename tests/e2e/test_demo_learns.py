@@ -17,8 +17,6 @@ import pytest
 
 
 @pytest.mark.slow
-
-
 @pytest.mark.e2e
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize(("policy", "seed"), [("shared", 0), ("isolated", 1)])
