@@ -4,6 +4,10 @@ The acceptance bar of the demo: the trained Voting workflow's validation accurac
 least 20 points above the untrained (step 0) value AND its any-format accuracy (the
 right sum, boxed or not) at least 10 points above, so that RL improved the answers and
 not only their format; under both policy routings, with training reward rising.
+
+The shared-policy run also lands where users look: TensorBoard scalars per role,
+metrics.jsonl alarms and signatures, and a `marl report` page with every plot (checked
+on its output rather than on a demo run of its own).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 
 @pytest.mark.slow
@@ -41,3 +46,31 @@ def test_demo_learns(tmp_path: Path, policy: str, seed: int) -> None:
     )
     head, tail = rewards[:10], rewards[-10:]
     assert sum(tail) / len(tail) > sum(head) / len(head) + 0.1, f"reward did not rise: {rewards}"
+    if policy == "shared":
+        check_sinks_and_report(out, tmp_path / "report", steps=rows[-1]["step"])
+
+
+def check_sinks_and_report(out: Path, report: Path, steps: int) -> None:
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    for role in ("generator", "aggregator"):
+        for signal in ("chi2_token", "update_chi2", "training_ppl", "grad_norm", "grad_share",
+                       "entropy"):
+            assert f"role/{role}/{signal}" in scalars
+        assert f"sig/{role}/len_p50" in scalars
+    assert "sig/aggregator/terse_rate" in scalars and "val/accuracy" in scalars
+    assert [e.step for e in events.Scalars("role/generator/chi2_token")] == list(
+        range(1, steps + 1)
+    )
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(isinstance(x["alarms"], list) for x in lines)
+    subprocess.run(
+        [sys.executable, "-m", "marl.cli", "report", str(out), "--out", str(report)],
+        check=True,
+        timeout=300,
+    )
+    html = (report / "report.html").read_text()
+    for png in ("reward_accuracy", "role_dynamics", "grad_share", "role_lengths",
+                "role_signatures"):
+        assert (report / f"{png}.png").is_file() and f'src="{png}.png"' in html
