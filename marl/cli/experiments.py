@@ -34,7 +34,9 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         raise SpecError("usage: marl matrix MATRIX.yaml [--out DIR] | report DIR | status DIR")
     m = matrix.load_matrix(action)
     root = Path(args.out or f"matrix-{m.name}")
-    rc = matrix.run_matrix(m, root, learner=args.learner, redis_url=args.redis)
+    rc = matrix.run_matrix(
+        m, root, learner=args.learner, redis_url=args.redis, parallel=args.parallel
+    )
     _print_report(matrix.write_report(root, chi2=args.chi2))
     return rc
 
@@ -177,6 +179,15 @@ def add_parsers(sub: Any) -> None:
         "--redis",
         default=None,
         help="with --learner: the cluster's Redis URL (the base-model control)",
+    )
+    p.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="cells trained at once (default 1): embedded, the learner trains N runs at "
+        "once; with --learner, give its learner.max_concurrent_runs >= N (or N learner "
+        "replicas), else the cells beyond it wait in its queue",
     )
     p.set_defaults(fn=cmd_matrix)
 

@@ -31,6 +31,8 @@ controls: the base model (evaluation only: every role served by the base model, 
 outputs go to `DIR/cells/<cell>/` (the run's own `metrics.jsonl`, checkpoints, ...); a cell
 is done once `cell.json` there says SUCCEEDED and its `metrics.jsonl` exists, so running
 the same matrix again redoes only the cells that are not (a half-written one starts over).
+`--parallel N` runs up to N cells at once: the embedded cluster's learner then trains N
+runs at once (`learner.max_concurrent_runs`), and inference and workers serve them all.
 
 Once a block's SA-RL cell is done, its final adapter is dropped onto the generator role of
 each of the block's workflows (Orch-Workers' workers: marl/experiments/evaluate.py `solver_role`), every
@@ -47,7 +49,9 @@ import itertools
 import json
 import shutil
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -417,18 +421,24 @@ def run_matrix(
     learner: str | None = None,
     redis_url: str | None = None,
     out: TextIO = sys.stdout,
+    parallel: int = 1,
 ) -> int:
-    """Run every cell that is not done, one after another, then Table 3's evaluations: on an
-    embedded cluster (one per model), or on the cluster whose learner is `learner` (the
-    base-model control and Table 3 then need that cluster's `redis_url`). 0 when every cell
-    and evaluation succeeded."""
+    """Run every cell that is not done, up to `parallel` at once, then Table 3's
+    evaluations: on an embedded cluster (one per model) whose learner trains `parallel`
+    runs at once, or on the cluster whose learner is `learner` (the base-model control and
+    Table 3 then need that cluster's `redis_url`; cells submitted beyond its
+    `learner.max_concurrent_runs` wait in its queue). 0 when every cell and evaluation
+    succeeded."""
+    if parallel < 1:
+        raise SpecError(f"--parallel: at least 1 cell at a time, got {parallel}")
     prepare(root, matrix)
     todo = [c for c in matrix.cells if not cell_done(root, c)]
     transfers = [t for t in matrix.transfers if not transfer_done(root, t)]
     extra = f" (+{len(transfers)} Table 3 evaluations)" if transfers else ""
+    at_once = f", {parallel} at a time" if parallel > 1 else ""
     out.write(
         f"marl matrix {matrix.name}: {len(matrix.cells)} cells, "
-        f"{len(matrix.cells) - len(todo)} done, {len(todo)} to run{extra} -> {root}\n"
+        f"{len(matrix.cells) - len(todo)} done, {len(todo)} to run{at_once}{extra} -> {root}\n"
     )
     if not todo and not transfers:
         return 0
@@ -438,7 +448,7 @@ def run_matrix(
                 "--redis: the base-model control evaluates on the cluster's workers; "
                 "pass the cluster's Redis URL with --redis, or run embedded"
             )
-        failed = _run_cells(todo, root, matrix, learner, redis_url, out)
+        failed = _run_cells(todo, root, matrix, learner, redis_url, out, parallel)
         if redis_url is None:
             if transfers:
                 out.write("Table 3 skipped: it evaluates on the cluster's workers; pass --redis\n")
@@ -454,18 +464,21 @@ def run_matrix(
         if not cells and not mine:
             continue
         specs = [c.spec for c in cells] or [t.spec for t in mine]
+        # vLLM's LoRA slots hold every adapter version in flight of the runs served at once
+        in_flight = sorted((adapter_versions_in_flight(s) for s in specs), reverse=True)
         started = time.monotonic()
         cluster = Cluster(
             root / "cluster", specs[0].model.path, engine=_engine(specs[0]),
             max_lora_rank=max(s.lora.rank for s in specs),
             # Table 3 serves two adapters at once (SA-RL's and the base model's zeros)
-            max_loras=max([2] + [adapter_versions_in_flight(s) for s in specs]),
+            max_loras=max(2, sum(in_flight[:parallel])),
+            max_concurrent_runs=parallel if parallel > 1 else None,
         )  # fmt: skip
         endpoints = cluster.start()
         out.write(f"cluster up in {time.monotonic() - started:.0f}s (model {model})\n")
         try:
             url = str(endpoints["redis"])
-            failed += _run_cells(cells, root, matrix, endpoints["learner"], url, out)
+            failed += _run_cells(cells, root, matrix, endpoints["learner"], url, out, parallel)
             failed += _run_transfers(mine, root, url, out)
         finally:
             cluster.stop()
@@ -480,44 +493,93 @@ def _engine(spec: RunSpec) -> str:
     return "vllm" if vllm_available() else "transformers"
 
 
+class _Progress:
+    """How one cell's progress is written. One cell at a time, its line grows as it goes
+    (`[3/8] cell: run ID .... SUCCEEDED in 40s, peak val 0.5`); cells at once, each writes
+    whole lines (its run when submitted, its end), under a lock shared by the cells."""
+
+    def __init__(self, out: TextIO, head: str, lock: threading.Lock | None):
+        self.out, self.head, self.lock = out, head, lock
+
+    def _write(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
+
+    def begin(self) -> None:
+        if self.lock is None:
+            self._write(self.head)
+
+    def note(self, text: str) -> None:
+        """What the cell is doing (its run); the line goes on with its steps."""
+        if self.lock is None:
+            self._write(f"{text} ")
+        else:
+            with self.lock:
+                self._write(f"{self.head}{text}\n")
+
+    def step(self) -> None:
+        if self.lock is None:
+            self._write(".")
+
+    def steps_done(self) -> None:
+        if self.lock is None:
+            self._write(" ")
+
+    def end(self, text: str) -> None:
+        if self.lock is None:
+            self._write(f"{text}\n")
+        else:
+            with self.lock:
+                self._write(f"{self.head}{text}\n")
+
+
 def _run_cells(
     cells: list[Cell], root: Path, matrix: Matrix, learner: str, redis_url: str | None,
-    out: TextIO,
+    out: TextIO, parallel: int = 1,
 ) -> int:  # fmt: skip
+    """Run `cells`, `parallel` at a time; how many failed."""
     from marl.clients.runs import RunsClient
 
     if not cells:
         return 0
-    failed = 0
-    total = len(matrix.cells)
+    lock = None if parallel == 1 else threading.Lock()
     with RunsClient(learner) as runs:
-        for cell in cells:
-            index = matrix.cells.index(cell) + 1
-            d = cell_dir(root, cell)
-            started = time.monotonic()
-            out.write(f"[{index}/{total}] {cell.name}: ")
-            out.flush()
-            adopted = _live_run(runs, d) if cell.kind != BASE_CONTROL else None
-            if adopted is None:
-                shutil.rmtree(d, ignore_errors=True)  # a half-finished cell starts over
-                d.mkdir(parents=True)
-            cell.spec.out_dir = str(d.resolve())
-            if cell.kind == BASE_CONTROL:
-                assert redis_url is not None
-                state, info = _run_base(cell, d, redis_url)
-            else:
-                state, info = _run_training(cell, runs, out, root, adopted)
-            seconds = time.monotonic() - started
-            _mark(root, cell, state, seconds=round(seconds, 1), **info)
-            if state != "SUCCEEDED":
-                failed += 1
-            rows = read_metrics(d / "metrics.jsonl") if (d / "metrics.jsonl").is_file() else []
-            c = curve(rows)
-            peak = f", peak val {c.peak:.3f}" if c is not None else ""
-            error = f": {info['error']}" if info.get("error") and state != "SUCCEEDED" else ""
-            out.write(f"{state} in {seconds:.0f}s{peak}{error}\n")
-            out.flush()
-    return failed
+
+        def one(cell: Cell) -> int:
+            head = f"[{matrix.cells.index(cell) + 1}/{len(matrix.cells)}] {cell.name}: "
+            return _run_cell(cell, root, runs, redis_url, _Progress(out, head, lock))
+
+        if parallel == 1:
+            return sum(one(cell) for cell in cells)
+        with ThreadPoolExecutor(parallel, thread_name_prefix="cell") as pool:
+            return sum(pool.map(one, cells))
+
+
+def _run_cell(
+    cell: Cell, root: Path, runs: Any, redis_url: str | None, progress: _Progress
+) -> int:
+    """Run one cell to its end and mark it; 1 if it did not succeed."""
+    d = cell_dir(root, cell)
+    started = time.monotonic()
+    progress.begin()
+    adopted = _live_run(runs, d) if cell.kind != BASE_CONTROL else None
+    if adopted is None:
+        shutil.rmtree(d, ignore_errors=True)  # a half-finished cell starts over
+        d.mkdir(parents=True)
+    cell.spec.out_dir = str(d.resolve())
+    if cell.kind == BASE_CONTROL:
+        assert redis_url is not None
+        state, info = _run_base(cell, d, redis_url)
+    else:
+        state, info = _run_training(cell, runs, progress, root, adopted)
+    seconds = time.monotonic() - started
+    _mark(root, cell, state, seconds=round(seconds, 1), **info)
+    rows = read_metrics(d / "metrics.jsonl") if (d / "metrics.jsonl").is_file() else []
+    c = curve(rows)
+    peak = f", peak val {c.peak:.3f}" if c is not None else ""
+    error = f": {info['error']}" if info.get("error") and state != "SUCCEEDED" else ""
+    progress.end(f"{state} in {seconds:.0f}s{peak}{error}")
+    return 0 if state == "SUCCEEDED" else 1
 
 
 def _run_base(cell: Cell, d: Path, redis_url: str) -> tuple[str, dict[str, Any]]:
@@ -553,21 +615,19 @@ def _live_run(runs: Any, d: Path) -> str | None:
 
 
 def _run_training(
-    cell: Cell, runs: Any, out: TextIO, root: Path, adopted: str | None
+    cell: Cell, runs: Any, progress: _Progress, root: Path, adopted: str | None
 ) -> tuple[str, dict[str, Any]]:
     run_id = adopted or runs.submit(cell.spec)
     _mark(root, cell, "RUNNING", run_id=run_id)
-    out.write(f"run {run_id}{' (resumed following it)' if adopted else ''} ")
-    out.flush()
+    progress.note(f"run {run_id}{' (resumed following it)' if adopted else ''}")
     last = -1
     for event in runs.watch(run_id):
         step = event.run.step
         if event.metrics is not None and step != last:
             last = step
-            out.write(".")
-            out.flush()
+            progress.step()
     run = runs.get(run_id)
-    out.write(" ")
+    progress.steps_done()
     return run.state, {"run_id": run_id, "error": run.error}
 
 
