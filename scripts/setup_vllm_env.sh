@@ -9,6 +9,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3.11}"
 VENV="${VENV:-.venv-vllm}"
+STAMP="$VENV/.complete"
+
+# Built already (CI builds it beside the default suite): nothing to do unless this script
+# or the project's pins changed since.
+if [ -f "$STAMP" ] && [ "$STAMP" -nt "$0" ] && [ "$STAMP" -nt pyproject.toml ]; then
+  echo "$VENV is up to date"
+  exit 0
+fi
 
 "$PY" -m venv "$VENV"
 PIP="$VENV/bin/pip"
@@ -31,3 +39,4 @@ PIP="$VENV/bin/pip"
 
 # Every runtime import of marl's services must resolve here, not only vllm's.
 "$VENV/bin/python" -c "import vllm, marl, peft, tensorboard, matplotlib, pyarrow, prometheus_client, aiohttp, jinja2, rich; print('vllm', vllm.__version__)"
+touch "$STAMP"
