@@ -37,17 +37,29 @@ serves something else (a failed adapter sync). The `sampler_mismatch` alarm read
 chi2_token, training_ppl and the gap come from π_old, which the update computes anyway: no
 extra forward. update_chi2 costs two forwards over at most SAMPLE_TOKENS_PER_ROLE
 sequences per role, each cut after its last sampled token.
+
+Off-policy steps (`train.max_staleness` >= 1) also record the importance weights π_old/μ
+(`train/importance_weight_mean`, `train/importance_truncated_fraction`).
+
+The step feeds all of it through one observer, `StepDiagnostics`, which times itself
+(`time/diagnostics_s`); metrics.py names what it sums.
 """
 
 from __future__ import annotations
 
 import itertools
 import random
+import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
 
+from marl.spec.run import GRPOSpec
+from services.learner import fsdp, metrics
+from services.learner.grpo import LossStats
 from services.learner.policy import MultiAdapterPolicy
 from services.learner.prompt_rows import pack_rows
 from services.learner.sequences import Sequence
@@ -101,16 +113,6 @@ class OldSums:
         self.logprob_gap += sums[2]
         self.kl += sums[3]
 
-    def metrics(self, prefix: str) -> dict[str, float]:
-        out = {
-            prefix + "chi2_token": self.chi2_token / max(self.tokens, 1),
-            prefix + "training_ppl": self.ppl / self.sequences if self.sequences else 1.0,
-            prefix + "logprob_gap": self.logprob_gap / max(self.tokens, 1),
-        }
-        if self.sampled:
-            out[prefix + "update_chi2"] = self.update_chi2 / self.sampled
-        return out
-
 
 @dataclass
 class RoleSums:
@@ -154,22 +156,7 @@ class RoleSignals:
         self.roles[role].grad_norm += norm
 
     def metrics(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        total_grad = sum(r.grad_norm for r in self.roles.values())
-        for role, r in sorted(self.roles.items()):
-            pre = f"role/{role}/"
-            out.update(r.old.metrics(pre))
-            out[pre + "entropy"] = r.entropy / max(r.old.tokens, 1)
-            out[pre + "clip_fraction"] = r.clipped / max(r.updated_tokens, 1)
-            out[pre + "grad_norm"] = r.grad_norm
-            out[pre + "grad_share"] = r.grad_norm / total_grad if total_grad > 0 else 0.0
-            if r.old.sampled:
-                out[pre + "kl_base"] = r.kl_base / r.old.sampled
-        for policy, p in sorted(self.policies.items()):
-            pre = f"policy/{policy}/"
-            out.update(p.metrics(pre))
-            out[pre + "logprob_kl"] = p.kl / max(p.tokens, 1)
-        return out
+        return metrics.signal_metrics(self)
 
 
 def sample_tokens(seqs: list[Sequence], per_role: int, rng: random.Random) -> dict[int, list[int]]:
@@ -251,3 +238,104 @@ def sampled_drift(
                 for sums in (r.old, signals.policies[s.policy]):
                     sums.update_chi2 += moved
                     sums.sampled += len(pos)
+
+
+@dataclass
+class ImportanceStats:
+    """The importance weights π_old/μ of an off-policy step's tokens (update.py)."""
+
+    tokens: int = 0
+    total: float = 0.0
+    truncated: int = 0
+
+    def add(self, weights: torch.Tensor, cap: float) -> None:
+        self.tokens += len(weights)
+        self.total += float(weights.sum())
+        self.truncated += int((weights >= cap).sum())
+
+    def metrics(self) -> dict[str, float]:
+        return metrics.importance_metrics(self)
+
+
+def full_grads(policy: MultiAdapterPolicy, p: str) -> list[torch.Tensor]:
+    """The adapter's accumulated gradient, whole (gathered from every rank's shard)."""
+    return [
+        fsdp.full(x.grad.detach()).clone()
+        if x.grad is not None
+        else torch.zeros((), device=policy.device)
+        for x in policy.parameters(p)
+    ]
+
+
+class StepDiagnostics:
+    """The observer a GRPO step calls as it runs: it sums the per-role signals (and, for an
+    off-policy step, the importance weights) and times what it does itself."""
+
+    def __init__(self, off_policy: bool):
+        self.signals = RoleSignals()
+        self.importance = ImportanceStats() if off_policy else None
+        self.seconds = 0.0
+        """Time spent here: `time/diagnostics_s`."""
+        self._before: list[torch.Tensor] | None = None
+
+    @contextmanager
+    def _timed(self) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def role_starts(self, policy: MultiAdapterPolicy, p: str, mini_batch: int) -> None:
+        """A role's micro-batches of adapter `p`'s mini-batch are next: in the first one,
+        the gradient so far is noted, to read the role's part of it apart."""
+        if mini_batch == 0:
+            with self._timed():
+                self._before = full_grads(policy, p)
+
+    def role_ends(self, policy: MultiAdapterPolicy, p: str, role: str) -> None:
+        """The role's micro-batches are back-propagated: the norm of its part (`grad_norm`)."""
+        if self._before is None:
+            return
+        with self._timed():
+            after = full_grads(policy, p)
+            sq = sum(
+                float(((a - z) ** 2).sum()) for a, z in zip(after, self._before, strict=True)
+            )
+            self.signals.add_grad(role, sq**0.5)
+            self._before = None
+
+    def weighted(self, weights: torch.Tensor, cap: float) -> None:
+        """A real sequence's importance weights (off-policy steps)."""
+        if self.importance is not None:
+            self.importance.add(weights, cap)
+
+    def updated(self, role: str, stats: LossStats, entropy: float | None) -> None:
+        """One micro-batch's loss stats, from any rank; `entropy`: its tokens' summed
+        entropy in the first epoch."""
+        self.signals.add_update(role, stats.tokens, stats.clipped_low + stats.clipped_high, entropy)
+
+    def step_ends(
+        self,
+        policy: MultiAdapterPolicy,
+        seqs: list[Sequence],
+        old: list[torch.Tensor | None],
+        rng: random.Random,
+        temperature: float,
+        g: GRPOSpec,
+    ) -> None:
+        """After the step's last optimizer step: the signals of π_old, and the drift
+        of a sample of tokens drawn with `rng`; every rank's importance weights."""
+        with self._timed():
+            final_old = [o if o is not None else torch.zeros(0) for o in old]
+            self.signals.add_old(seqs, final_old)
+            picked = sample_tokens(seqs, SAMPLE_TOKENS_PER_ROLE, rng)
+            sampled_drift(
+                policy, seqs, final_old, picked, temperature, g.micro_batch_sequences,
+                self.signals, g.max_tokens_per_micro_batch, g.row_tokens,
+            )
+        if self.importance is not None:
+            for part in fsdp.gather(self.importance)[1:]:
+                self.importance.tokens += part.tokens
+                self.importance.total += part.total
+                self.importance.truncated += part.truncated

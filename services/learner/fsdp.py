@@ -77,6 +77,18 @@ def gather(local: T) -> list[T]:
     return out
 
 
+def merge(items: list[torch.Tensor | None], device: torch.device) -> None:
+    """Every rank's filled entries of `items` into every rank's `items` (collective): each
+    rank computed some of them (e.g. π_old of its share of the micro-batches)."""
+    if rank_and_size()[1] == 1:
+        return
+    mine = {i: x.cpu() for i, x in enumerate(items) if x is not None}
+    for part in gather(mine):
+        for i, x in part.items():
+            if items[i] is None:
+                items[i] = x.to(device)
+
+
 def share(loads: list[int], rank: int, size: int) -> list[int]:
     """Which of `loads` (item sizes, e.g. a micro-batch's padded tokens) this rank takes:
     largest first, each to the least-loaded rank. Every rank computes the same split."""

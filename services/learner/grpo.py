@@ -5,7 +5,8 @@ other rollouts of the same problem, and every token every role emitted in the
 rollout carries it (paper §A.7). A failed episode (no replica, sandbox down) is
 no score: it is left out of its group, and a group left with fewer than two
 good rollouts carries no comparison and is dropped. Each adapter's loss is
-aggregated over its own mini-batch as `grpo.loss_agg` says; no KL term.
+aggregated over its own mini-batch as `grpo.loss_agg` says; no KL term. Off-policy
+tokens (`train.max_staleness` >= 1) are reweighted by π_old/μ, truncated (update.py).
 
 Beyond the paper, each off by default (the formulas and sources are in GRPOSpec's
 docstrings): a leave-one-out baseline (RLOO), per-role normalisation (Dr. MAS), GSPO's
@@ -193,6 +194,44 @@ def clipped_loss(
             ratio_max=float(r.max()) if r.numel() else 1.0,
         )
     return loss, stats
+
+
+def behaviour_weights(old: torch.Tensor, sample_logprobs: list[float], cap: float) -> torch.Tensor:
+    """π_old/μ per token, truncated at `cap`: μ's log-probs are what inference reported."""
+    mu = torch.tensor(sample_logprobs[: len(old)], dtype=old.dtype, device=old.device)
+    return torch.exp(old - mu).clamp(max=cap)
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    seq_lengths: Sequence[int] | None = None,
+    kl: tuple[float, str, torch.Tensor] | None = None,
+    entropy: tuple[float, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, LossStats, float]:
+    """One micro-batch's part of its mini-batch's loss, over its completion tokens (flat):
+    the clipped surrogate (`clipped_loss`), plus `kl` = (coefficient, estimator, the base
+    model's log-probs) times the weighted KL estimate, minus `entropy` = (coefficient, the
+    tokens' entropies) times the weighted entropy. Returns the loss, the surrogate's stats
+    and the KL estimate's value (0 without it)."""
+    loss, stats = clipped_loss(
+        logp, old_logp, advantages, torch.ones_like(logp), clip_low, clip_high, weights,
+        seq_lengths,
+    )
+    kl_value = 0.0
+    if kl is not None:
+        coef, estimator, ref_logp = kl
+        estimate = (kl_penalty(logp, ref_logp, estimator) * weights).sum()
+        loss = loss + coef * estimate
+        kl_value = float(estimate.detach())
+    if entropy is not None:
+        coef, ent = entropy
+        loss = loss - coef * (ent * weights).sum()
+    return loss, stats, kl_value
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:

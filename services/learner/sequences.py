@@ -43,6 +43,11 @@ def build_sequences(
     return out
 
 
+def turn_owners(rollouts: list[Rollout]) -> list[int]:
+    """The rollout of each sequence build_sequences makes, in its order."""
+    return [k for k, r in enumerate(rollouts) for t in r.turns if t.completion_ids]
+
+
 @dataclass
 class Batch:
     input_ids: torch.Tensor

@@ -1,28 +1,18 @@
 """Executes one training run: a short loop over parts that each do one job.
 
-Step t: the sampler picks the step's problems; `Episodes` runs each of them
-group_size times through the workflow with adapter version t and collects the
-rollouts; the GRPO update runs (update.py, its per-role signals in
-diagnostics.py); `AdapterSync` pushes version t+1 of every adapter to every live
-inference replica; the validator and the checkpointer act when they are due;
-the record goes to every metrics sink. A step that lost more than
-`train.max_failed_fraction` of its episodes is a failed step, and a run that ends with
-more than `train.max_failed_steps` of its steps failed ends FAILED (outcome.py).
+`RunExecutor.train_with` is the loop. Step t: its schedule hands it the step's rollouts
+(the sampler picks the problems, `Episodes` runs each group_size times through the
+workflow with adapter version t); failed episodes are counted; the rollouts that train are
+selected (dynamic sampling, staleness); the GRPO update runs (update.py); the schedule
+pushes version t+1 of every adapter to every live inference replica, runs the validator
+and the checkpointer when they are due and sends the record to every metrics sink. A step
+that lost more than `train.max_failed_fraction` of its episodes is a failed step, and a
+run that ends with more than `train.max_failed_steps` of its steps failed ends FAILED
+(outcome.py).
 
-With `train.max_staleness` >= 1 a step with no checkpoint or validation due does not
-wait for its push and its record: it snapshots the adapters' weights and the next
-update starts while `finish` sends them, releases the tasks queued behind them (they
-name the new versions, so they wait in the learner's queue until every push is acked)
-and logs the record. At most one such step is in flight; its errors surface when the
-next update ends. A step whose record fires an alarm the guard acts on (stop or
-rollback) runs the synchronous way.
-
-A synchronous run (`max_staleness` 0) with no validation due queues the next step's
-tasks before its push, and they leave for the workers once it is acked: the workers
-generate them while this step's rollouts, checkpoint and record are written. The tasks name
-the versions just pushed, so the run stays on-policy. `time/rollout_flight_s` is the
-time from a step's tasks leaving to its last rollout arriving; `time/rollout_s` only the
-part the learner waited for.
+Two schedules (schedules.py): `Synchronous` (`train.max_staleness` 0) and
+`RolloutsAhead` (>= 1), each a small object with the same parts: the step's rollouts,
+after its update, its push and record, and the end of the run.
 
 A run whose learner died is taken over by this code too (`takeover`): it
 resumes from the last checkpoint under the same run id, with the metrics logged
@@ -34,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,7 +33,7 @@ import redis.asyncio as aioredis
 
 from marl.data import load_problems
 from marl.diagnostics.alarms import AlarmWatch
-from marl.diagnostics.signatures import parallel_roles, role_signatures
+from marl.diagnostics.signatures import parallel_roles
 from marl.models.identity import base_model_id
 from marl.runtime import trace
 from marl.runtime.torch_thread import TorchThread
@@ -50,7 +41,7 @@ from marl.spec.run import RunSpec, dump_spec
 from marl.workflows import policy_of_role
 from services.learner.adapter_sync import AdapterSync, Published
 from services.learner.checkpoint import Checkpointer
-from services.learner.episodes import Episodes, Pending
+from services.learner.episodes import Episodes
 from services.learner.errors import ReplicaUnreachable, RunCancelled, RunFailed
 from services.learner.guard import Action, Guard, GuardStopped, spare_adapters
 from services.learner.metrics import (
@@ -58,12 +49,14 @@ from services.learner.metrics import (
     MetricsSink,
     RolloutLog,
     RunRecordSink,
+    StepClock,
     StreamSink,
-    rollout_metrics,
+    step_record,
 )
 from services.learner.outcome import step_failed
 from services.learner.runs import RunStore
 from services.learner.sampler import DataSampler
+from services.learner.schedules import RolloutsAhead, Synchronous
 from services.learner.staleness import drop_stale
 from services.learner.validator import Validator
 
@@ -91,19 +84,30 @@ run with its error instead of training nothing up to the last step, while an out
 or two long (a restarting sandbox) is ridden out."""
 
 
-def trace_phases(
-    run: str, step: int, released: float, t0: float, t1: float, t2: float, t3: float,
-    end: float,
-) -> None:
-    """A logged step's phases as trace spans (time.monotonic() seconds): the step, its
-    rollout wait, update and push (one step ahead: the snapshot), and apart, on a lane of
-    its own, its rollouts' flight (from `released`, its tasks leaving for the workers,
-    which may be before the step began). `marl.monitor.trace_summary` reads them back."""
-    for name, start, stop in (
-        ("step", t0, end), ("rollout wait", t0, t1), ("update", t1, t2), ("push", t2, t3)
-    ):
-        trace.add(name, start, stop, run=run, step=step)
-    trace.add("rollout flight", released, t1, "rollout flight", run=run, step=step)
+@dataclass
+class Loop:
+    """What a run's loop and its schedule share."""
+
+    policy: PolicyHandle
+    sampler: DataSampler
+    validator: Validator
+    checkpointer: Checkpointer
+    start: int
+    """The first step to train: 0, or the step a checkpoint resumes from."""
+    failed_in_a_row: int = 0
+    """Steps in a row up to this one whose every episode failed (`outcome` counts the
+    steps that lost more than train.max_failed_fraction, in a row or not)."""
+
+
+@dataclass
+class Trained:
+    """A step trained, before its push and record."""
+
+    step: int
+    """The step it is logged as: its adapters are version `step`."""
+    record: dict[str, Any]
+    rollouts: list[Rollout]
+    clock: StepClock
 
 
 def grpo_call(policy: PolicyHandle, *call: Any) -> Any:
@@ -230,11 +234,54 @@ class RunExecutor:
         finally:
             await self.torch.run(close_policy, policy)
 
-    async def train_with(  # noqa: C901, PLR0915 (older than the limit; split it when next changed)
+    async def train_with(
         self, policy: PolicyHandle, train: list[Problem], val: list[Problem]
     ) -> None:
-        from services.learner.update import dynamic_sampling, grpo_step
+        from services.learner.update import grpo_step
 
+        spec = self.spec
+        loop = await self.resume(policy, train, val)
+        schedule = (
+            RolloutsAhead(self, loop) if spec.train.max_staleness > 0 else Synchronous(self, loop)
+        )
+        try:
+            for step in range(loop.start, spec.train.steps):
+                await self.check_cancel()
+                clock = StepClock(time.monotonic())
+                rollouts = await schedule.rollouts(step, clock)
+                failed_step = await self.count_failures(loop, step, rollouts)
+                rollouts, trained, selection = await self.select(loop, step, rollouts)
+                result, burst_s = await self.update(
+                    policy,
+                    schedule.ahead.task_ids(),
+                    grpo_step,
+                    trained,
+                    [r.problem_id for r in trained],
+                    self.roles,
+                    spec,
+                )
+                clock.updated = time.monotonic()
+                await schedule.updated()
+                self.adapters.set_step(step + 1)
+                record = step_record(
+                    rollouts, spec.workflow, result.metrics, selection, failed_step, clock,
+                    None if self.burst is None else burst_s,
+                )
+                await schedule.publish(Trained(step + 1, record, rollouts, clock))
+            await schedule.drain()
+            failure = self.record.outcome.verdict(spec.train)
+            if failure is not None:
+                raise RunFailed(failure)
+        except RunCancelled:
+            await schedule.drain()  # the step it trained is logged, as a synchronous run's is
+            raise
+        finally:
+            await schedule.close()
+
+    async def resume(self, policy: PolicyHandle, train: list[Problem], val: list[Problem]) -> Loop:
+        """The loop's parts, from the last checkpoint if there is one (its data position,
+        rollbacks and routing; the records logged after it cut back and the rest replayed),
+        with the adapters pushed and, on a fresh run, step 0 validated."""
         spec = self.spec
         sampler = DataSampler(train, spec.seed)
         validator = Validator(val, spec.train.val_interval, spec.train.steps, self.episodes)
@@ -261,145 +308,76 @@ class RunExecutor:
         await self.adapters.push(policy)
         if start == 0:
             await self.log(0, await validator.run(0))
-        ahead: dict[int, tuple[Pending, int]] = {}
-        """Submitted steps not yet trained -> their tasks and the data position before them."""
-        finishing: asyncio.Task[None] | None = None
-        """The last step's push and record, still running beside this step (K >= 1)."""
-        pushed: asyncio.Event | None = None
-        """Set once that push is acked: tasks queued meanwhile name its versions."""
-        failed_steps = 0
-        """Steps in a row up to this one whose every episode failed (`outcome` counts the
-        steps that lost more than train.max_failed_fraction, in a row or not)."""
+        return Loop(policy, sampler, validator, checkpointer, start)
 
-        def submit_ahead(s: int, after: asyncio.Event | None) -> None:
-            """Step `s`'s tasks with the adapter versions current now, noting the data
-            position before its problems (a checkpoint saved before it trains)."""
-            position = sampler.position
-            problems = sampler.next(spec.train.problems_per_step)
-            ahead[s] = (self.episodes.submit(problems, s, "train", after), position)
-        try:
-            for step in range(start, spec.train.steps):
-                await self.check_cancel()
-                t0 = time.monotonic()
-                # this step's tasks, and the next max_staleness steps' with today's versions
-                for s in range(step, min(step + spec.train.max_staleness + 1, spec.train.steps)):
-                    if s not in ahead:
-                        submit_ahead(s, pushed)
-                this_step = ahead.pop(step)[0]
-                rollouts = await self.episodes.gather(this_step)
-                t1 = time.monotonic()
-                failed = [r.error for r in rollouts if r.error is not None]
-                failed_step = step_failed(
-                    len(rollouts), len(failed), spec.train.max_failed_fraction
-                )
-                failed_steps = failed_steps + 1 if len(failed) == len(rollouts) > 0 else 0
-                if failed_steps >= FAILED_STEPS_LIMIT:
-                    await self.record.note_unlogged(len(rollouts), len(failed), failed_step)
-                    raise RunFailed(
-                        f"every episode of steps {step + 2 - failed_steps}-{step + 1} failed, "
-                        f"so they trained nothing; the last one's error: {failed[-1]}"
-                    )
-                released = t0 if this_step.released is None else this_step.released
-                topped: dict[str, float] = {}
-                signal = rollouts
-                if spec.grpo.dynamic_sampling:  # DAPO: groups with no signal make way
-                    rollouts, signal, topped = await dynamic_sampling(
-                        rollouts,
-                        partial(self.top_up, sampler, step, {r.problem_id for r in rollouts}),
-                        spec,
-                    )
-                current = {ref.name: ref.version for ref in self.adapters.refs().values()}
-                trained, staleness = drop_stale(signal, current, spec.train.max_staleness)
-                result, burst_s = await self.update(
-                    policy,
-                    {t.id for pending, _ in ahead.values() for t in pending.tasks},
-                    grpo_step,
-                    trained,
-                    [r.problem_id for r in trained],
-                    self.roles,
-                    spec,
-                )
-                t2 = time.monotonic()
-                if finishing is not None:
-                    await finishing
-                    finishing = pushed = None
-                done = step + 1
-                self.adapters.set_step(done)
-                record: dict[str, Any] = {
-                    **rollout_metrics(rollouts),
-                    **role_signatures(rollouts, spec.workflow),  # what the drift alarms read
-                    **result.metrics,
-                    **staleness,
-                    **topped,
-                    "train/episodes": len(rollouts),
-                    "train/failed_step": int(failed_step),
-                    "time/rollout_s": t1 - t0,
-                    "time/rollout_flight_s": t1 - released,
-                    "time/update_s": t2 - t1,
-                    **({} if self.burst is None else {"time/update_burst_s": burst_s}),
-                }
-                judged = None
-                if spec.train.max_staleness > 0 and not (
-                    validator.due(done) or checkpointer.due(done, None)
-                ):
-                    judged = full, action = self.judge(done, record)
-                    if action is None:
-                        snapshot = await self.adapters.snapshot(policy)
-                        t3 = time.monotonic()
-                        full["time/push_s"] = t3 - t2
-                        full["time/step_s"] = t3 - t0
-                        trace_phases(self.run_id, done, released, t0, t1, t2, t3, t3)
-                        pushed = asyncio.Event()
-                        finishing = asyncio.create_task(
-                            self.finish(policy, done, full, rollouts, snapshot, pushed)
-                        )
-                        continue
-                if judged is None and self.next_step_ahead(done, validator):
-                    # synchronous: the next step's tasks follow this push to the workers, and
-                    # are generated while this step is checkpointed and logged
-                    judged = full, action = self.judge(done, record)
-                    if action is None:
-                        pushed = asyncio.Event()
-                        submit_ahead(done, pushed)
-                await self.adapters.push(policy)
-                t3 = time.monotonic()
-                if pushed is not None:
-                    pushed.set()
-                    pushed = None
-                    await self.episodes.add_tasks()
-                with trace.span("rollout log", run=self.run_id, step=done):
-                    self.rollout_log.write(done, rollouts)
-                if validator.due(done):
-                    record.update(await validator.run(done))
-                accuracy = record.get("val/accuracy")
-                # the steps submitted ahead are drawn again on resume
-                self.data_position = ahead[done][1] if done in ahead else sampler.position
-                if checkpointer.due(done, accuracy):
-                    state = self.checkpoint_state()
-                    await self.torch.run(checkpointer.save, done, policy, state, accuracy)
-                record["time/push_s"] = t3 - t2
-                record["time/step_s"] = time.monotonic() - t0
-                trace_phases(
-                    self.run_id, done, released, t0, t1, t2, t3, t0 + record["time/step_s"]
-                )
-                with trace.span("record", run=self.run_id, step=done):
-                    await self.log(done, record, policy, checkpointer, judged)
-                await self.torch.run(trim_heap, policy)
-            if finishing is not None:
-                await finishing
-            failure = self.record.outcome.verdict(spec.train)
-            if failure is not None:
-                raise RunFailed(failure)
-        except RunCancelled:
-            if finishing is not None:
-                await finishing  # the step it trained is logged, as a synchronous run's is
-            raise
-        finally:
-            if finishing is not None and not finishing.done():
-                finishing.cancel()
-                await asyncio.gather(finishing, return_exceptions=True)
-            for pending, _ in ahead.values():  # the run ended with steps queued ahead
-                await self.episodes.withdraw(pending)
+    async def count_failures(self, loop: Loop, step: int, rollouts: list[Rollout]) -> bool:
+        """Whether the step failed (lost more than train.max_failed_fraction of its
+        episodes). FAILED_STEPS_LIMIT steps in a row with every episode failed fail the run."""
+        failed = [r.error for r in rollouts if r.error is not None]
+        failed_step = step_failed(len(rollouts), len(failed), self.spec.train.max_failed_fraction)
+        loop.failed_in_a_row = loop.failed_in_a_row + 1 if len(failed) == len(rollouts) > 0 else 0
+        if loop.failed_in_a_row >= FAILED_STEPS_LIMIT:
+            await self.record.note_unlogged(len(rollouts), len(failed), failed_step)
+            raise RunFailed(
+                f"every episode of steps {step + 2 - loop.failed_in_a_row}-{step + 1} failed, "
+                f"so they trained nothing; the last one's error: {failed[-1]}"
+            )
+        return failed_step
+
+    async def select(
+        self, loop: Loop, step: int, rollouts: list[Rollout]
+    ) -> tuple[list[Rollout], list[Rollout], dict[str, float]]:
+        """The step's rollouts that train: with dynamic sampling those of the groups with
+        signal (topped up from the data order), then those no more than
+        train.max_staleness versions behind. Returns every rollout the step gathered,
+        those that train, and the record of what was dropped."""
+        from services.learner.options import dynamic_sampling
+
+        spec = self.spec
+        topped: dict[str, float] = {}
+        signal = rollouts
+        if spec.grpo.dynamic_sampling:  # DAPO: groups with no signal make way
+            rollouts, signal, topped = await dynamic_sampling(
+                rollouts,
+                partial(self.top_up, loop.sampler, step, {r.problem_id for r in rollouts}),
+                spec,
+            )
+        current = {ref.name: ref.version for ref in self.adapters.refs().values()}
+        trained, staleness = drop_stale(signal, current, spec.train.max_staleness)
+        return rollouts, trained, {**staleness, **topped}
+
+    async def publish(
+        self,
+        loop: Loop,
+        trained: Trained,
+        judged: tuple[dict[str, Any], Action | None] | None,
+        pushed: asyncio.Event | None,
+        position: int,
+    ) -> None:
+        """A step's push and record, in line: the adapters go out (then the tasks queued
+        behind them, `pushed`), its rollouts are logged, validation and the checkpoint
+        (resuming at data `position`) run when due, and the record goes through the
+        alarms and the guard to every sink."""
+        done, record, clock, policy = trained.step, trained.record, trained.clock, loop.policy
+        await self.adapters.push(policy)
+        clock.pushed = time.monotonic()
+        if pushed is not None:
+            pushed.set()
+            await self.episodes.add_tasks()
+        with trace.span("rollout log", run=self.run_id, step=done):
+            self.rollout_log.write(done, trained.rollouts)
+        if loop.validator.due(done):
+            record.update(await loop.validator.run(done))
+        accuracy = record.get("val/accuracy")
+        self.data_position = position
+        if loop.checkpointer.due(done, accuracy):
+            state = self.checkpoint_state()
+            await self.torch.run(loop.checkpointer.save, done, policy, state, accuracy)
+        record.update(clock.push_times(time.monotonic()))
+        clock.trace(self.run_id, done, clock.start + record["time/step_s"])
+        with trace.span("record", run=self.run_id, step=done):
+            await self.log(done, record, policy, loop.checkpointer, judged)
+        await self.torch.run(trim_heap, policy)
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What a checkpoint records besides the weights: where the data order resumes, the
@@ -422,18 +400,6 @@ class RunExecutor:
             problems += [p for p in sampler.next(n - len(problems)) if p.id not in held]
             held |= {p.id for p in problems}
         return await self.episodes.run(problems, step, "train")
-
-    def next_step_ahead(self, done: int, validator: Validator) -> bool:
-        """Whether a synchronous run queues step `done`'s tasks as soon as the adapters that
-        serve them are pushed, before step `done - 1` is logged and checkpointed: when there
-        is a next step and no validation comes between (the guard may act on its accuracy,
-        and so on nothing before it). A checkpoint saved meanwhile records the data position
-        before the step queued ahead, so a resumed run queues it again."""
-        return (
-            self.spec.train.max_staleness == 0
-            and done < self.spec.train.steps
-            and not validator.due(done)
-        )
 
     async def finish(
         self,
@@ -548,3 +514,4 @@ class RunExecutor:
             await sink.write(step, full)
         if action is not None and action.kind == "stop":
             raise GuardStopped(action.alarm, action.why)
+

@@ -16,9 +16,10 @@ import torch
 
 from marl.rollout import AdapterRef, Rollout, Turn
 from marl.spec.run import RunSpec, parse_spec
+from services.learner.batching import plan_mini_batches
 from services.learner.grpo import good_rollouts, group_advantages
 from services.learner.policy import MultiAdapterPolicy
-from services.learner.update import grpo_step, plan_mini_batches
+from services.learner.update import grpo_step
 
 ROLES = {"shared": {"generator": "shared", "aggregator": "shared"},
          "isolated": {"generator": "generator", "aggregator": "aggregator"}}

@@ -24,15 +24,15 @@ from services.learner.grpo import (
     pass_at_k,
     sequence_log_ratio,
 )
-from services.learner.policy import MultiAdapterPolicy
-from services.learner.sequences import build_sequences
-from services.learner.update import (
-    completion_logprobs,
+from services.learner.options import (
     dynamic_sampling,
     groups_with_signal,
     sequence_advantages,
     shaped_rewards,
 )
+from services.learner.policy import MultiAdapterPolicy
+from services.learner.sequences import build_sequences
+from services.learner.update import completion_logprobs
 
 GOLDEN = {
     # two steps (voting_batch seeds 0 and 1) at mini_batch_size 2: 4 optimizer steps a step
