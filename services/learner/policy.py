@@ -7,7 +7,6 @@ comes from the tokens of the roles it serves.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable
 from functools import partial
@@ -21,6 +20,10 @@ from peft import (
 )
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.optimization import (
+    _get_constant_schedule_with_warmup_lr_lambda,
+    _get_cosine_schedule_with_warmup_lr_lambda,
+)
 
 from marl.models.lora import with_lora
 from marl.runtime import heap
@@ -57,14 +60,27 @@ def _chunk_logprobs(
         return lp, -(logp.exp() * logp).sum(-1)
 
 
-def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
-    """Linear warmup to 1, then cosine to 0 at `total` (or constant)."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant" or total <= warmup:
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
+def lr_lambda(optim: OptimSpec, total_steps: int) -> Callable[[int], float]:
+    """The learning rate's factor at training step s: transformers' linear warmup, then
+    its cosine to 0 at `total_steps` (or constant). transformers' warmup trains its step 0
+    at a rate of 0; marl's counts the step it trains, (s + 1) / warmup_steps, and starts
+    the cosine at step warmup_steps all the same, so warmup step s is transformers' s + 1."""
+    warmup = optim.warmup_steps
+    factor: Callable[[int], float]
+    if optim.schedule == "cosine" and total_steps > warmup:
+        factor = partial(
+            _get_cosine_schedule_with_warmup_lr_lambda,
+            num_warmup_steps=warmup,
+            num_training_steps=total_steps,
+            num_cycles=0.5,
+        )
+    else:
+        factor = partial(_get_constant_schedule_with_warmup_lr_lambda, num_warmup_steps=warmup)
+    return partial(_counting_the_step, factor, warmup)
+
+
+def _counting_the_step(factor: Callable[[int], float], warmup: int, step: int) -> float:
+    return float(factor(step + 1 if step < warmup else step))
 
 
 def _keep_threads() -> None:
@@ -119,9 +135,7 @@ class MultiAdapterPolicy:
         }
         # one scheduler step per training step (the paper's warmup counts steps), whatever
         # the number of optimizer steps an adapter takes within it
-        factor = partial(
-            lr_factor, warmup=optim.warmup_steps, total=total_steps, schedule=optim.schedule
-        )
+        factor = lr_lambda(optim, total_steps)
         self.schedulers = {
             p: torch.optim.lr_scheduler.LambdaLR(opt, factor) for p, opt in self.optimizers.items()
         }
