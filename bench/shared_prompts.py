@@ -35,10 +35,11 @@ from marl.rollout import Rollout
 from marl.runtime.heap import LEARNER_MMAP_THRESHOLD, keep_freed_heap_until_trimmed
 from marl.spec.run import RunSpec
 from marl.workflows import policy_of_role
+from services.learner.batching import micro_batches
 from services.learner.policy import MultiAdapterPolicy
 from services.learner.prompt_rows import plan_rows, row_width
 from services.learner.sequences import build_sequences
-from services.learner.update import grpo_step, micro_batches
+from services.learner.update import grpo_step
 
 
 def positions(rollouts: list[Rollout], spec: RunSpec) -> int:

@@ -62,7 +62,7 @@ def _run_message(d: dict[str, Any]) -> learner_pb2.Run:
 
 def validate_spec(spec_yaml: str) -> RunSpec:
     """Everything a user can get wrong, checked before the run is accepted."""
-    from services.learner.update import spec_problems
+    from services.learner.options import spec_problems
 
     spec = load_spec_text(spec_yaml)
     spec_problems(spec, policy_of_role(spec))
@@ -351,9 +351,8 @@ async def train_run(
             learner_id,
             takeover,
             extra_sinks=sinks,
-            max_queued_tasks=cfg.max_queued_tasks,
+            learner=cfg.model_copy(update={"burst_threads": burst_threads}),
             torch_thread=torch_thread,
-            burst_threads=burst_threads,
         )
         await executor.execute()
     except RunCancelled:

@@ -38,6 +38,7 @@ from marl.models.identity import base_model_id
 from marl.runtime import trace
 from marl.runtime.torch_thread import TorchThread
 from marl.spec.run import RunSpec, dump_spec
+from marl.spec.services import LearnerConfig
 from marl.workflows import policy_of_role
 from services.learner.adapter_sync import AdapterSync, Published
 from services.learner.checkpoint import Checkpointer
@@ -139,12 +140,13 @@ class RunExecutor:
         learner_id: str,
         takeover: int = 0,
         extra_sinks: list[MetricsSink] | None = None,
-        max_queued_tasks: int = 4096,
+        *,
+        learner: LearnerConfig,
         torch_thread: TorchThread | None = None,
-        burst_threads: int = 0,
     ):
-        """`burst_threads`: torch threads the update may take once every rollout queued
-        ahead is in (`threads.ThreadBurst`); 0, or a synchronous run: its own share."""
+        """`learner`: the learner process's settings this run reads, its bound on queued
+        tasks and `burst_threads`, the torch threads the update may take once every rollout
+        queued ahead is in (`threads.ThreadBurst`; 0, or a synchronous run: its own share)."""
         self.run_id = run_id
         self.torch = torch_thread or TorchThread("learner")
         """Where the policy's torch work runs: the learner process's one torch thread."""
@@ -168,7 +170,8 @@ class RunExecutor:
             check_cancel=self.check_cancel,
         )
         self.episodes = Episodes(
-            run_id, spec, r, learner_id, self.adapters.refs, self.check_cancel, max_queued_tasks
+            run_id, spec, r, learner_id, self.adapters.refs, self.check_cancel,
+            learner.max_queued_tasks,
         )
         self.jsonl = JsonlSink(out_dir / "metrics.jsonl")
         self.stream = StreamSink(r, run_id)
@@ -190,7 +193,7 @@ class RunExecutor:
         self.guard = Guard(spec, spares=self.spares)
         self.data_position = 0
         """The data position a checkpoint of the step just trained resumes from."""
-        self.burst_threads = burst_threads
+        self.burst_threads = learner.burst_threads
         self.burst: ThreadBurst | None = None
 
     async def execute(self) -> None:

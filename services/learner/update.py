@@ -43,9 +43,6 @@ from services.learner.batching import (
     plan_mini_batches,
     pooled_units,
 )
-from services.learner.batching import (
-    micro_batches as micro_batches,  # re-exported: bench/shared_prompts.py imports it here
-)
 from services.learner.diagnostics import StepDiagnostics
 from services.learner.grpo import (
     LossStats,
@@ -61,9 +58,6 @@ from services.learner.options import (
     per_turn_advantages,
     shaped_rewards,
     slot_scale,
-)
-from services.learner.options import (
-    spec_problems as spec_problems,  # re-exported: server.py's submit check imports it here
 )
 from services.learner.policy import MultiAdapterPolicy
 from services.learner.sequences import Sequence, build_sequences, turn_owners

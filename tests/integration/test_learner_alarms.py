@@ -16,6 +16,7 @@ import pytest
 import marl
 from marl.runtime import streams
 from marl.spec.run import parse_spec
+from marl.spec.services import LearnerConfig
 from services.learner.runs import RunStore
 from services.learner.trainer import GuardStopped, RunExecutor
 
@@ -30,7 +31,8 @@ async def log_steps(redis_url: str, out: Path, spec_data: dict[str, Any]) -> Gua
     model = Path(marl.__file__).parent / "assets" / "demo-model"
     spec = parse_spec({"workflow": "voting", "model": {"path": str(model)}, **spec_data})
     executor = RunExecutor(
-        "run-1", spec, out, r, RunStore(r), "learner-t", extra_sinks=extra_sinks(spec, out, "run-1")
+        "run-1", spec, out, r, RunStore(r), "learner-t", extra_sinks=extra_sinks(spec, out, "run-1"),
+        learner=LearnerConfig(),
     )
     stopped = None
     try:
@@ -97,7 +99,8 @@ def test_run_record_keeps_every_alarm_and_a_resume_replays_the_kept_ones(
         r = streams.connect(redis_url)
         model = Path(marl.__file__).parent / "assets" / "demo-model"
         spec = parse_spec({"workflow": "voting", "model": {"path": str(model)}})
-        executor = RunExecutor("run-1", spec, tmp_path, r, RunStore(r), "learner-2", takeover=1)
+        executor = RunExecutor("run-1", spec, tmp_path, r, RunStore(r), "learner-2", takeover=1,
+                               learner=LearnerConfig())
         try:
             executor.jsonl.cut_back(step)
             await executor.replay(executor.jsonl.records())

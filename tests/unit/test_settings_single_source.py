@@ -52,15 +52,6 @@ ALLOWED = {
 }
 """(file, where, name) -> why that default is not a service setting's."""
 
-PENDING = {
-    ("services/learner/trainer.py", "RunExecutor.__init__", "max_queued_tasks"):
-        "trainer.py is being restructured; the learner's run_loop passes the config's",
-    ("services/learner/trainer.py", "RunExecutor.__init__", "burst_threads"):
-        "trainer.py is being restructured; the learner's run_loop passes the config's",
-}
-"""Defaults still written twice, in modules other work owns now: each goes with its default
-(this test fails on an entry that no longer matches, so the list only shrinks)."""
-
 
 @dataclass(frozen=True)
 class Default:
@@ -157,7 +148,7 @@ def defaults_of_settings(root: Path = ROOT) -> list[Default]:
 
 def test_no_service_setting_default_is_written_twice() -> None:
     found = defaults_of_settings()
-    known = ALLOWED.keys() | PENDING.keys()
+    known = ALLOWED.keys()
     twice = [d for d in found if (d.path, d.where, d.name) not in known]
     assert not twice, (
         "service settings defaulted outside marl/spec/services.py (take the service's config "
