@@ -21,6 +21,7 @@ import grpc
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from marl.models import names as model_names
 from marl.protocol import adapter_io
 from marl.protocol.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from marl.runtime import replicas, streams, trace
@@ -468,7 +469,9 @@ async def _serve(cfg: InferenceConfig, model_path: str) -> None:
 def run(cfg: InferenceConfig) -> None:
     """Serve `cfg.model` until SIGTERM/SIGINT; blocking. The vLLM settings (GPU memory
     share, tensor parallelism, eager mode, LoRA slots...) are ignored by the transformers
-    engine, `device` by vLLM."""
+    engine, `device` by vLLM. A model name (`demo`, `smollm2`: marl.models.names) serves
+    that model's directory, as a run spec's `model.path` does."""
+    cfg = cfg.model_copy(update={"model": model_names.resolve(cfg.model_dir())})
     model_path = cfg.model_dir()
     configure_logging("inference")
     keep_freed_heap_until_trimmed()  # a batch's freed blocks are reused, and trimmed after it

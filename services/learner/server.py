@@ -17,6 +17,7 @@ import grpc
 import redis.asyncio as aioredis
 
 from marl.data import load_problems
+from marl.models import names as model_names
 from marl.models.identity import base_model_id
 from marl.protocol.v1 import learner_pb2, learner_pb2_grpc
 from marl.runtime import replicas, streams
@@ -67,6 +68,9 @@ def validate_spec(spec_yaml: str) -> RunSpec:
     spec = load_spec_text(spec_yaml)
     spec_problems(spec, policy_of_role(spec))
     try:
+        # a model name (`demo`, `smollm2`) becomes this learner's directory of that model,
+        # which the accepted run's spec then records
+        spec.model.path = model_names.resolve(spec.model.path)
         base_model_id(spec.model.path)
     except ValueError as err:
         raise SpecError(str(err)) from None

