@@ -19,6 +19,7 @@ peak accuracy against the plain runs of the same seeds (differences, so > 0 mean
 mitigation helped). The last line is one JSON object.
 
     python bench/mitigations.py [--seeds 0,1] [--steps 10] [--cells sp_capture,ip_amplification]
+                                [--clusters 2]
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -175,34 +178,56 @@ def compare(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
     return out
 
 
+def serve_jobs(base: Path, index: int, jobs: queue.Queue[tuple[int, str, str]],
+               rows: list[dict[str, Any]], steps: int) -> None:
+    """One cluster of its own (every service a process) trains runs from JOBS until none is
+    left: the learner takes one run at a time, so clusters side by side use both cores."""
+    cluster = Cluster(base / f"cluster-{index}", str(demo_model_dir()), engine="transformers",
+                      sandbox_replicas=0)
+    with cluster:
+        stub = learner_pb2_grpc.LearnerStub(grpc.insecure_channel(cluster.endpoints()["learner"]))
+        while True:
+            try:
+                seed, cell, mitigation = jobs.get_nowait()
+            except queue.Empty:
+                return
+            out = base / f"{cell}-{mitigation}-{seed}"
+            t0 = time.monotonic()
+            error = train(stub, run_spec(cell, mitigation, seed, steps, out))
+            row = summarise(cell, mitigation, seed, out, error)
+            row["minutes"] = (time.monotonic() - t0) / 60
+            rows.append(row)
+            print(f"# {cell} {mitigation} seed {seed}: {row['minutes']:.1f} min",
+                  file=sys.stderr, flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", default="0,1", help="comma-separated run seeds")
     ap.add_argument("--steps", type=int, default=planted.STEPS)
     ap.add_argument("--cells", default=",".join(CELLS))
+    ap.add_argument("--clusters", type=int, default=2,
+                    help="clusters side by side, each training one run at a time")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     cells = args.cells.split(",")
     started = time.monotonic()
-    rows = []
+    jobs: queue.Queue[tuple[int, str, str]] = queue.Queue()
+    for seed in seeds:
+        for cell in cells:
+            for mitigation in CELLS[cell]["mitigations"]:
+                jobs.put((seed, cell, mitigation))
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="marl-mitigations-") as tmp:
         base = Path(tmp)
-        cluster = Cluster(base / "cluster", str(demo_model_dir()), engine="transformers",
-                          sandbox_replicas=0)
-        with cluster:
-            stub = learner_pb2_grpc.LearnerStub(
-                grpc.insecure_channel(cluster.endpoints()["learner"])
-            )
-            for seed in seeds:
-                for cell in cells:
-                    for mitigation in CELLS[cell]["mitigations"]:
-                        out = base / f"{cell}-{mitigation}-{seed}"
-                        t0 = time.monotonic()
-                        error = train(stub, run_spec(cell, mitigation, seed, args.steps, out))
-                        rows.append(summarise(cell, mitigation, seed, out, error))
-                        rows[-1]["minutes"] = (time.monotonic() - t0) / 60
-                        print(f"# {cell} {mitigation} seed {seed}: "
-                              f"{rows[-1]['minutes']:.1f} min", file=sys.stderr, flush=True)
+        workers = [threading.Thread(target=serve_jobs, args=(base, i, jobs, rows, args.steps))
+                   for i in range(max(1, args.clusters))]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    if len(rows) != len(seeds) * sum(len(CELLS[c]["mitigations"]) for c in cells):
+        raise SystemExit("a cluster failed before its runs finished; see the log above")
     rows.sort(key=lambda r: (r["cell"], list(CELLS[r["cell"]]["mitigations"]).index(
         r["mitigation"]), r["seed"]))
     print(table(rows))
