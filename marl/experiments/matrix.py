@@ -455,7 +455,7 @@ def run_matrix(
         else:
             failed += _run_transfers(transfers, root, redis_url, out)
         return 1 if failed else 0
-    from marl.local.launcher import Cluster
+    from marl.local.launcher import DEFAULT_CORES, Cluster, service_threads
 
     failed = 0
     for model in dict.fromkeys(c.model for c in matrix.cells):
@@ -473,6 +473,8 @@ def run_matrix(
             # Table 3 serves two adapters at once (SA-RL's and the base model's zeros)
             max_loras=max(2, sum(in_flight[:parallel])),
             max_concurrent_runs=parallel if parallel > 1 else None,
+            # runs at once generate and train at once: disjoint shares of the cores
+            threads=service_threads(DEFAULT_CORES, overlapped=parallel > 1),
         )  # fmt: skip
         endpoints = cluster.start()
         out.write(f"cluster up in {time.monotonic() - started:.0f}s (model {model})\n")

@@ -122,6 +122,7 @@ def test_the_embedded_cluster_trains_n_runs_at_once(
     assert matrix.run_matrix(m, tmp_path, out=io.StringIO(), parallel=3) == 0
     (kwargs,) = started
     assert kwargs["max_concurrent_runs"] == 3
+    assert kwargs["threads"] == marl.local.launcher.service_threads(2, overlapped=True)
     in_flight = sorted(
         (matrix.adapter_versions_in_flight(c.spec) for c in m.cells), reverse=True
     )
