@@ -101,7 +101,7 @@ async def test_two_runs_at_once_one_cancelled_one_crashed_the_others_go_on(
         lanes = [held[i].kwargs["torch_thread"] for i in (a, b)]
         assert all(isinstance(x, RunLane) for x in lanes) and lanes[0] is not lanes[1]
         assert lanes[0].thread is lanes[1].thread
-        assert [held[i].kwargs["burst_threads"] for i in (a, b)] == [0, 0]
+        assert [held[i].kwargs["learner"].burst_threads for i in (a, b)] == [0, 0]
 
         await store.request_cancel(a)
         await states_become(r, {a: "CANCELLED", b: "RUNNING", c: "RUNNING"})
