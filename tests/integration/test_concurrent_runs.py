@@ -116,7 +116,8 @@ def test_a_run_cancelled_mid_step_leaves_the_other_to_finish(
 ) -> None:
     cancelled_out, other_out = tmp_path / "cancelled", tmp_path / "other"
     cancelled = submit(cluster, spec("long", cancelled_out, "isolated", 1, steps=50))
-    other = submit(cluster, spec("other", other_out, "shared", 0, steps=3))
+    # long enough to outlast the cancel (it ends within the update under way, if one is)
+    other = submit(cluster, spec("other", other_out, "shared", 0, steps=5))
     deadline = time.monotonic() + 300
     while len(rows(cancelled_out)) < 2:  # step 1 is logged: step 2 is under way
         assert time.monotonic() < deadline
@@ -131,5 +132,5 @@ def test_a_run_cancelled_mid_step_leaves_the_other_to_finish(
     assert len(rows(cancelled_out)) < 51
     run = wait_end(cluster, other)
     assert run.state == "SUCCEEDED", run.error
-    assert [r["step"] for r in rows(other_out)] == [0, 1, 2, 3]
-    assert_served_only_its_own(other, other_out, 3)
+    assert [r["step"] for r in rows(other_out)] == [0, 1, 2, 3, 4, 5]
+    assert_served_only_its_own(other, other_out, 5)
