@@ -70,15 +70,6 @@ def losses(out: Path) -> list[dict[str, float]]:
     return [{k: v for k, v in r.items() if k.endswith("/loss")} for r in rows if r["step"] >= 1]
 
 
-def service_pids(cluster: Cluster) -> dict[str, list[int]]:
-    pids: dict[str, list[int]] = {}
-    for p in cluster.processes:
-        pids.setdefault(p.kind, []).append(p.proc.pid)
-    if cluster.redis is not None and cluster.redis.proc is not None:
-        pids["redis"] = [cluster.redis.proc.pid]
-    return pids
-
-
 def train(runs: RunsClient, specs: list[dict[str, Any]], at_once: bool,
           pids: dict[str, list[int]]) -> dict[str, Any]:  # fmt: skip
     """Train `specs` at once or one after another: the wall time, each run's end, and the
@@ -149,7 +140,7 @@ def main() -> None:
                 for way, at_once in WAYS if n % 2 == 0 else WAYS[::-1]:
                     specs = [cell_spec(w, p, root / f"{w}-{p}-{at_once}-{n}", args, args.steps)
                              for w, p in CELLS]  # fmt: skip
-                    r = train(runs, specs, at_once, service_pids(cluster))
+                    r = train(runs, specs, at_once, cluster.pids_by_kind())
                     results[way].append(r)
                     print(f"{way:<18} {r['steps']} steps in {r['wall_s']:6.1f} s: "
                           f"{r['steps_per_s']:.3f} steps/s  (runs ended at "

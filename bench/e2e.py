@@ -141,16 +141,6 @@ def spec(
     }
 
 
-def cluster_pids(cluster: Cluster) -> dict[str, list[int]]:
-    """The cluster's processes by kind (inference, workflow, learner, redis)."""
-    pids: dict[str, list[int]] = {}
-    for p in cluster.processes:
-        pids.setdefault(p.kind, []).append(p.proc.pid)
-    if cluster.redis is not None and cluster.redis.proc is not None:
-        pids["redis"] = [cluster.redis.proc.pid]
-    return pids
-
-
 @dataclass
 class CpuUse:
     """What a run's services spent over its steps after warm-up."""
@@ -171,7 +161,7 @@ def run_marl(cluster: Cluster, body: dict[str, Any]) -> CpuUse | None:
     stub = learner_pb2_grpc.LearnerStub(grpc.insecure_channel(cluster.endpoints()["learner"]))
     request = learner_pb2.SubmitRunRequest(spec_yaml=yaml.safe_dump(body))
     run_id = stub.SubmitRun(request, timeout=60).run_id
-    pids = cluster_pids(cluster)
+    pids = cluster.pids_by_kind()
     window: list[tuple[float, int, dict[str, float]]] = []
     run = None
     for event in stub.WatchRun(learner_pb2.WatchRunRequest(run_id=run_id, from_start=True)):

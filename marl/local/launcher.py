@@ -243,6 +243,15 @@ class Cluster:
         """The services that have exited (none should while the cluster runs)."""
         return [p for p in self.processes if p.proc.poll() is not None]
 
+    def pids_by_kind(self) -> dict[str, list[int]]:
+        """The cluster's processes by kind (inference, workflow, learner, sandbox, redis)."""
+        pids: dict[str, list[int]] = {}
+        for p in self.processes:
+            pids.setdefault(p.kind, []).append(p.proc.pid)
+        if self.redis is not None and self.redis.proc is not None:
+            pids["redis"] = [self.redis.proc.pid]
+        return pids
+
     def endpoints(self) -> dict[str, Any]:
         def of(kind: str) -> list[str]:
             return [p.address for p in self.processes if p.kind == kind]
