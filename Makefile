@@ -28,7 +28,7 @@ test-vllm: ## the engine contract suite and a short `marl demo engine=vllm` (bui
 	bash scripts/setup_vllm_env.sh
 	.venv-vllm/bin/python -m pytest -m vllm -q tests/integration/test_engine_contract.py tests/integration/test_openai_http.py tests/integration/test_learner_checkpoint_vllm.py tests/e2e/test_demo_vllm.py
 
-test-e2e: setup ## marl demo end to end, SP and IP: validation accuracy +20 points, any-format +10; Eval-Opt and Orch-Workers run 2 steps (~10-14 min)
+test-e2e: setup ## marl demo end to end, SP and IP: validation accuracy +20 points, any-format +10; the guard rolls a run back (~10 min)
 	$(BIN)/python -m pytest -q -s -m "e2e and not vllm" tests
 
 test-workflows: setup ## every built-in workflow x SP/IP x math/code trains 2 steps, every service a process (slow)
@@ -38,7 +38,7 @@ test-learner-resume: setup ## SIGKILL the learner mid-step and mid-checkpoint-wr
 	$(BIN)/python -m pytest -q -m "slow and resume" tests
 
 .PHONY: test-chaos
-test-chaos: setup ## SIGKILL 20 workflow workers that hold tasks during one run, then Redis (AOF) mid-run; SIGTERM the sandbox under load and inference, a worker and the learner mid-run; SIGKILL the only inference replica and start it again: the runs complete, every step has its full groups, nothing counted twice, lost or failed; workers held up past their heartbeat TTL keep their tasks; 8 workers and 2 sandboxes under 200 concurrent episodes for 2 min: no error, flat memory (~11 min)
+test-chaos: setup ## SIGKILL 12 workflow workers that hold tasks during one run, then Redis (AOF) mid-run; SIGTERM the sandbox under load and inference, a worker and the learner mid-run; SIGKILL the only inference replica and start it again: the runs complete, every step has its full groups, nothing counted twice, lost or failed; workers held up past their heartbeat TTL keep their tasks; 8 workers and 2 sandboxes under 200 concurrent episodes for 2 min: no error, flat memory (~11 min)
 	$(BIN)/python -m pytest -q -s -m "slow and chaos" tests
 
 .PHONY: test-drift

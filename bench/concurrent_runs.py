@@ -1,7 +1,8 @@
 """Four runs at once against one after another, on one cluster (issue 70).
 
 One cluster of the demo model (one inference replica, one workflow worker, one learner
-with `learner.max_concurrent_runs` 4; the cores split between inference and learner as
+with `learner.max_concurrent_runs` 4, or `--learners N` learner processes taking 4/N
+runs each from the one queue; the cores split between inference and learner as
 for runs that generate and train at once, `--split`) trains four demo cells, Voting SP,
 Voting IP, Single and Orch-Workers SP, `--steps` steps each: first one after another (each
 submitted when the last ended), then all four submitted at once; with `--rounds` each
@@ -15,7 +16,7 @@ from those of the cell's first run (they train the same: 0). A short warm-up run
 first, unmeasured. The last line is one JSON object.
 
     python bench/concurrent_runs.py [--steps 6] [--problems 8] [--group 4] [--rounds 1]
-        [--split overlapped|sync] [--policy-process server|own]
+        [--split overlapped|sync] [--policy-process server|own] [--learners 1]
 """
 
 from __future__ import annotations
@@ -121,6 +122,9 @@ def main() -> None:
                     help="each run's learner.policy_process: in the learner's process, "
                     "the runs' torch work takes turns on its one torch thread; `own`, each "
                     "run's policy in a process of its own")
+    ap.add_argument("--learners", type=int, default=1,
+                    help="learner processes taking runs from the one queue, each training "
+                    "up to 4/learners runs at once on a torch thread of its own")
     args = ap.parse_args()
     facts = host()
     print(describe(facts), flush=True)
@@ -130,7 +134,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="marl-concurrent-runs-") as tmp:
         root = Path(tmp)
         cluster = Cluster(root / "cluster", str(demo_model_dir()), engine="transformers",
-                          sandbox_replicas=0, max_concurrent_runs=len(CELLS), threads=threads)
+                          sandbox_replicas=0, threads=threads, learner_replicas=args.learners,
+                          max_concurrent_runs=-(-len(CELLS) // args.learners))
         started = time.monotonic()
         with cluster, RunsClient(cluster.endpoints()["learner"]) as runs:
             print(f"cluster up in {time.monotonic() - started:.0f}s", flush=True)
@@ -162,7 +167,8 @@ def main() -> None:
     print(f"\nconcurrent_runs bench: {len(CELLS)} demo cells "
           f"({', '.join(f'{w}/{p}' for w, p in CELLS)}), {args.steps} steps of "
           f"{args.problems} problems x {args.group} each, {args.cores} cores, {args.split} "
-          f"split, policy_process {args.policy_process}; means over {args.rounds} round(s)")
+          f"split, policy_process {args.policy_process}, {args.learners} learner(s); means "
+          f"over {args.rounds} round(s)")
     kinds = list(seq["cpu_s"])
     print(f"{'way':<18} {'wall s':>8} {'steps/s':>8} {'cores busy':>11}  "
           + "  ".join(f"{k + ' CPU s':>14}" for k in kinds))
@@ -175,7 +181,7 @@ def main() -> None:
         "bench": "concurrent_runs", "cells": [f"{w}/{p}" for w, p in CELLS],
         "steps": args.steps, "problems": args.problems, "group": args.group,
         "rounds": args.rounds, "cores": args.cores, "split": args.split,
-        "policy_process": args.policy_process,
+        "policy_process": args.policy_process, "learners": args.learners,
         "sequential_steps_per_s": round(seq["steps_per_s"], 4),
         "concurrent_steps_per_s": round(conc["steps_per_s"], 4),
         "ratio": round(ratio, 3), "max_loss_diff": max(diffs),

@@ -176,7 +176,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     from marl.local.demo import run_up
 
     trace_dir = None if args.trace is None else Path(args.trace)
-    return run_up(Path(args.dir), args.model, args.engine, args.cores, args.overlapped, trace_dir)
+    return run_up(Path(args.dir), args.model, args.engine, args.cores, args.overlapped, trace_dir,
+                  max_concurrent_runs=args.max_concurrent_runs, learners=args.learners)
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -295,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (older than the 
         "shares of --cores instead of all of them each (the learner's update takes them all "
         "once the rollouts queued ahead are in)",
     )
+    p.add_argument("--max-concurrent-runs", type=int, default=None, metavar="N",
+                   help="runs each learner trains at once (default: learner.max_concurrent_runs)")
+    p.add_argument("--learners", type=int, default=1, metavar="N",
+                   help="learner processes taking runs from one queue (default 1)")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="every service appends its trace spans to DIR (read with marl trace DIR)")
     p.set_defaults(fn=cmd_up)

@@ -10,8 +10,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from marl.models import names as model_names
 from marl.spec.run import apply_overrides, dump_spec, parse_spec
+from marl.spec.services import LearnerConfig
 
 DEMO_SPEC: dict[str, Any] = {
     "name": "demo",
@@ -211,6 +214,8 @@ def run_up(
     cores: int | None = None,
     overlapped: bool = False,
     trace_dir: Path | None = None,
+    max_concurrent_runs: int | None = None,
+    learners: int = 1,
 ) -> int:
     from marl.local.launcher import DEFAULT_CORES, Cluster, service_threads
     from marl.spec.errors import UserError
@@ -218,6 +223,13 @@ def run_up(
     cores = DEFAULT_CORES if cores is None else cores
     if cores < 1:
         raise UserError(f"--cores: must be at least 1, got {cores}")
+    if learners < 1:
+        raise UserError(f"--learners: must be at least 1, got {learners}")
+    if max_concurrent_runs is not None:
+        try:
+            LearnerConfig(max_concurrent_runs=max_concurrent_runs)
+        except ValidationError as err:
+            raise UserError(f"--max-concurrent-runs: {err.errors()[0]['msg']}") from None
 
     workdir = workdir.resolve()
     try:
@@ -230,7 +242,8 @@ def run_up(
         engine = "vllm" if vllm_available() else "transformers"
     threads = service_threads(cores, overlapped)
     cluster = Cluster(workdir, model_path, engine=engine, redis_aof=True, threads=threads,
-                      trace_dir=None if trace_dir is None else trace_dir.resolve())
+                      trace_dir=None if trace_dir is None else trace_dir.resolve(),
+                      max_concurrent_runs=max_concurrent_runs, learner_replicas=learners)
     cluster.start()
     cluster.write_endpoints(workdir / "endpoints.json")
     print(

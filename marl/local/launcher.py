@@ -91,6 +91,10 @@ class Cluster:
     workflow_replicas: int = 1
     sandbox_replicas: int = 1
     learner: bool = True
+    learner_replicas: int = 1
+    """Learner processes; they take runs from one queue in Redis (services/learner/runs.py),
+    so runs beyond one learner's `max_concurrent_runs` train in another process, on a
+    torch thread of their own."""
     max_lora_rank: int | None = None
     """The largest LoRA rank the replicas take (None: the inference config's)."""
     max_loras: int | None = None
@@ -200,9 +204,10 @@ class Cluster:
             runs = () if self.max_concurrent_runs is None else (
                 "--max-concurrent-runs", str(self.max_concurrent_runs)
             )
-            self._spawn(
-                "learner", [*redis_args, "--runs-dir", str(self.workdir / "runs"), *runs]
-            )
+            for _ in range(self.learner_replicas):
+                self._spawn(
+                    "learner", [*redis_args, "--runs-dir", str(self.workdir / "runs"), *runs]
+                )
         try:
             asyncio.run(self._wait(self.processes, timeout_s))
         except BaseException:

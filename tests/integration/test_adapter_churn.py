@@ -33,7 +33,7 @@ from marl.local.launcher import Cluster
 from marl.protocol import adapter_io
 from marl.protocol.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
-pytestmark = pytest.mark.timeout(600)  # the session's tiny model may be built first
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # the session's tiny model may be built first
 
 NAME = "churn/p"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -25,7 +25,7 @@ from marl.spec.services import LearnerConfig
 from services.learner.adapter_sync import ACKS_KEPT_S
 from services.learner.runs import acks_key, run_key
 
-pytestmark = pytest.mark.timeout(600)  # the session's tiny model may be built first
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # the session's tiny model may be built first
 
 POLICIES = ("generator", "aggregator")
 

@@ -35,7 +35,7 @@ from marl.protocol.v1 import learner_pb2, learner_pb2_grpc, workflow_pb2, workfl
 from marl.rollout import Rollout
 from services.learner.grpo import good_rollouts, group_advantages
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 PROBLEMS, GROUP = 6, 4
 

@@ -106,7 +106,7 @@ def test_inference_worker_and_learner_sigterm_mid_run(tmp_path: Path) -> None:
     cluster.start()
     try:
         out = tmp_path / "run"
-        steps = 40
+        steps = 24
         spec = voting_spec("sigterm", out, steps=steps, group=4, problems=4)
         spec["train"]["checkpoint_interval"] = 1
         run_id = submit(cluster, spec)

@@ -112,6 +112,15 @@ FACTS = {
 }
 
 
+ROLES = {
+    "single": {"generator"},
+    "voting": {"generator", "aggregator"},
+    "eval_opt": {"generator", "evaluator"},
+    "orch_workers": {"orchestrator", "worker", "synthesizer"},
+    DEBATE: {"solver", "judge"},
+}
+"""The adapters an isolated run trains: one per role type, each on its own roles' turns."""
+
 FINISHED: list[Path] = []
 """Output directories of runs that succeeded (their adapters serve the concurrency probe)."""
 
@@ -121,10 +130,13 @@ def check_run(run: learner_pb2.Run, out: Path, workflow: str, policy: str) -> No
     FINISHED.append(out)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
+    adapters = {"shared"} if policy == "shared" else set(ROLES[workflow])
     for row in rows[1:]:
         assert row["train/episode_errors"] == 0
         for fact in FACTS[workflow]:
             assert f"train/{fact}" in row
+        trained = {k.split("/")[1] for k in row if k.startswith("policy/") and k.endswith("/loss")}
+        assert trained == adapters, (row["step"], sorted(trained))
     for step in (1, 2):
         rollouts = [json.loads(line) for line in
                     (out / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]

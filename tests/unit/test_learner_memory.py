@@ -155,6 +155,7 @@ def peak_rss_kb(model: Path, n: int, budget: int, chunk_bytes: int) -> int:
     return int(json.loads(out.stdout.strip().splitlines()[-1])["peak_kb"])
 
 
+@pytest.mark.slow
 def test_peak_memory_flat_as_the_step_grows_8x(tmp_path: Path) -> None:
     """A Qwen3-vocabulary tiny model: a step of 4 and of 32 sequences peak within 10 % of
     each other at the same budget; with a budget and chunks as large as the step, the same

@@ -125,6 +125,7 @@ async def run_many(
         await asyncio.gather(loop, return_exceptions=True)
 
 
+@pytest.mark.slow
 async def test_200_finished_runs_leave_redis_memory_bounded_after_retention(
     redis_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
