@@ -56,7 +56,7 @@ from host import describe, host
 from marl.local.launcher import DEFAULT_CORES, Cluster, service_threads
 from marl.models.names import resolve
 from marl.protocol.v1 import learner_pb2, learner_pb2_grpc
-from marl.spec.run import parse_spec
+from marl.spec.run import RewardSpec, parse_spec
 from marl.workflows.routing import adapter_versions_in_flight
 
 CELLS: dict[str, tuple[str, str]] = {
@@ -86,6 +86,13 @@ class Setting:
     val_problems: int = 200
     val_points: int = 1
     """Validations between step 0 and the last step (curves), besides those two."""
+    format_penalty: float = RewardSpec.model_fields["format_penalty"].default
+    """`reward.format_penalty`, the math reward when no box parses (the paper's -0.1); 0
+    leaves the reward pure correctness, so a boxed guess earns no more than no box."""
+    reward_function: str | None = None
+    """`reward.function` (None: the built-in math reward, strict). With
+    `marl.rewards.math:any_format_reward` the run's own validation accuracy is any-format
+    too: read the arithmetic check's strict column for the box."""
     micro_batch_tokens: int = 1024
     """`grpo.max_tokens_per_micro_batch`: bounds the learner's full-vocabulary logits."""
     dtype: str = "float32"
@@ -154,6 +161,7 @@ def spec(cell: str, seed: int, s: Setting, model_dir: str, out: Path) -> dict[st
             "step_timeout_s": 3600,
         },
         "sampling": {"temperature": s.temperature, "max_tokens": s.max_tokens},
+        "reward": {"format_penalty": s.format_penalty, "function": s.reward_function},
         "data": {"train": "arithmetic", "val": "arithmetic"},
     }
 
@@ -345,13 +353,16 @@ def print_table(figures: dict[str, Any]) -> None:
           f"{s['group']} rollouts a step, <= {s['max_tokens']} tokens a turn, LoRA rank "
           f"{s['rank']}, {s['dtype']} on {s['device']}; validation on "
           f"{s['val_problems']} held-out problems, greedy; 95 % intervals")
-    head = ("cell", "seed", "lr", "steps", "strict before", "strict after", "d strict [95%]",
+    head = ("cell", "seed", "lr", "reward", "steps", "strict before", "strict after", "d strict [95%]",
             "any before", "any after", "d any [95%]", "step s", "peak GiB", "wall s")
-    print("{:<10} {:>4} {:>6} {:>5} {:>20} {:>20} {:>18} {:>20} {:>20} {:>18} {:>6} {:>8} {:>6}"
+    print("{:<10} {:>4} {:>6} {:>7} {:>5} {:>20} {:>20} {:>18} {:>20} {:>20} {:>18} {:>6} {:>8} {:>6}"
           .format(*head))
     for c in figures["cells"]:
         st, an = c["strict"], c["any_format"]
-        print(f"{c['cell']:<10} {c['seed']:>4} {c.get('lr', s['lr']):>6g} {c['steps']:>5} "
+        fp = c.get("format_penalty", s.get("format_penalty", Setting.format_penalty))
+        reward = "any" if c.get("reward_function") else f"{fp:g}"  # else: the format penalty
+        print(f"{c['cell']:<10} {c['seed']:>4} {c.get('lr', s['lr']):>6g} {reward:>7} "
+              f"{c['steps']:>5} "
               f"{fmt_acc(st['before']):>20} "
               f"{fmt_acc(st['after']):>20} "
               f"{st['delta']:+.3f} [{st['delta_ci'][0]:+.2f},{st['delta_ci'][1]:+.2f}] "
@@ -406,7 +417,10 @@ def plot(figures: dict[str, Any], path: Path) -> None:
             ys = [t[j] for t in c["train_curve"]]
             if any(y is not None for y in ys):
                 top.plot(steps, [math.nan if y is None else y for y in ys], style, label=label)
-        top.set_title(f"{c['cell']} seed {c['seed']}, lr {c.get('lr', math.nan):g}", fontsize=10)
+        reward = ", any-format reward" if c.get("reward_function") else (
+            f", format penalty {c['format_penalty']:g}" if "format_penalty" in c else "")
+        top.set_title(f"{c['cell']} seed {c['seed']}, lr {c.get('lr', math.nan):g}{reward}",
+                      fontsize=9)
         top.set_xlabel("step")
         for name, label, marker in (("strict", "strict", "o-"), ("any_format", "any-format", "s:")):
             curve = c[name]["curve"]
@@ -443,6 +457,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--problems", type=int, help="problems a step (default: the mode's)")
     p.add_argument("--max-tokens", type=int, help="tokens a turn at most (default: the mode's)")
     p.add_argument("--temperature", type=float, help="rollout temperature (default 0.7)")
+    p.add_argument("--reward-function", metavar="MODULE:FN",
+                   help="reward.function, e.g. marl.rewards.math:any_format_reward (default: "
+                   "the strict math reward)")
+    p.add_argument("--format-penalty", type=float,
+                   help="reward.format_penalty: the reward of an answer with no box (the "
+                   "paper's -0.1; 0 = correctness only)")
     p.add_argument("--out", default=None, help="keep the runs here (default: a temp dir)")
     p.add_argument("--png", default="runs/real-model/curves.png", help="the curves' PNG")
     p.add_argument("--numeric", nargs=2, metavar=("LOG", "RUNS_DIR"),
@@ -465,7 +485,9 @@ def merge(logs: list[str], png: Path) -> dict[str, Any]:
     """One report of the cells of several runs (each log's last line is its JSON)."""
     runs = [json.loads(Path(f).read_text().strip().splitlines()[-1]) for f in logs]
     figures = dict(runs[0])
-    figures["cells"] = [{"lr": r["setting"]["lr"], **c} for r in runs for c in r["cells"]]
+    figures["cells"] = [{"lr": r["setting"]["lr"], "format_penalty": r["setting"].get(
+        "format_penalty", Setting.format_penalty), "reward_function": r["setting"].get(
+        "reward_function"), **c} for r in runs for c in r["cells"]]
     figures["settings"] = [{"lr": r["setting"]["lr"], "cells": [
         f"{c['cell']}:{c['seed']}" for c in r["cells"]]} for r in runs]
     figures["wall_s"] = max(r["wall_s"] for r in runs)
@@ -498,7 +520,8 @@ def main() -> None:
     s = GPU if args.gpu else SMOKE if args.smoke else CPU
     if args.steps is not None:
         s = replace(s, steps=dict.fromkeys(s.steps, args.steps))
-    for name in ("lr", "val_problems", "val_points", "problems", "max_tokens", "temperature"):
+    for name in ("lr", "val_problems", "val_points", "problems", "max_tokens", "temperature",
+                 "format_penalty", "reward_function"):
         if getattr(args, name) is not None:
             s = replace(s, **{name: getattr(args, name)})
     if args.gpu:
@@ -518,7 +541,8 @@ def main() -> None:
         for cell, seed in cells:
             print(f"{cell} seed {seed}: {s.steps[cell]} steps", flush=True)
             result = run_cell(cell, seed, s, model_dir, root)
-            row = {**figures_of(cell, seed, result), "lr": s.lr}
+            row = {**figures_of(cell, seed, result), "lr": s.lr,
+                   "format_penalty": s.format_penalty, "reward_function": s.reward_function}
             policy = "generator" if CELLS[cell][1] == "isolated" else "shared"
             row["numeric"] = numeric_check(root / f"{cell}-s{seed}", model_dir,
                                            s.val_problems, s.max_tokens, policy)

@@ -1,7 +1,7 @@
 """Any-format accuracy: the right value whatever the answer's format, and its mean per step."""
 
 from marl.data.problem import Problem
-from marl.rewards.math import any_format_correct, loose_answer, score
+from marl.rewards.math import any_format_correct, any_format_reward, loose_answer, score
 from marl.rollout import Rollout, mean_facts
 
 
@@ -18,6 +18,16 @@ def test_any_format_counts_a_plain_right_answer_that_the_reward_penalises() -> N
     assert any_format_correct("\\boxed{42}", "42")
     assert not any_format_correct("The answer is 41", "42")
     assert any_format_correct("\\boxed{0.5}", "\\frac{1}{2}")
+
+
+def test_any_format_reward_pays_a_right_sum_in_any_format_but_not_the_question() -> None:
+    p = Problem(id="p", task="math", prompt="What is 23+29?", answer="52")
+    assert any_format_reward(p, "23 + 29 = 52") == 1.0
+    assert any_format_reward(p, "\\boxed{52}") == 1.0
+    assert any_format_reward(p, "23 + 29 = 51") == 0.0
+    assert any_format_reward(p, "\\boxed{23+29}") == 0.0
+    assert any_format_reward(p, "no number") == 0.0
+    assert score("23 + 29 = 52", "52") == -0.1  # the strict reward's format penalty
 
 
 def _rollout(facts: dict[str, float], error: str | None = None) -> Rollout:
