@@ -22,11 +22,13 @@ def test_any_format_counts_a_plain_right_answer_that_the_reward_penalises() -> N
 
 def test_any_format_reward_pays_a_right_sum_in_any_format_but_not_the_question() -> None:
     p = Problem(id="p", task="math", prompt="What is 23+29?", answer="52")
-    assert any_format_reward(p, "23 + 29 = 52") == 1.0
-    assert any_format_reward(p, "\\boxed{52}") == 1.0
-    assert any_format_reward(p, "23 + 29 = 51") == 0.0
-    assert any_format_reward(p, "\\boxed{23+29}") == 0.0
-    assert any_format_reward(p, "no number") == 0.0
+    right = {"score": 1.0, "any_format_correct": 1.0}
+    wrong = {"score": 0.0, "any_format_correct": 0.0}
+    assert any_format_reward(p, "23 + 29 = 52") == right
+    assert any_format_reward(p, "\\boxed{52}") == right
+    assert any_format_reward(p, "23 + 29 = 51") == wrong
+    assert any_format_reward(p, "\\boxed{23+29}") == wrong
+    assert any_format_reward(p, "no number") == wrong
     assert score("23 + 29 = 52", "52") == -0.1  # the strict reward's format penalty
 
 
