@@ -212,14 +212,17 @@ def any_format_correct(
     return check(answer, ground_truth, timeout_s, remembered_only=remembered_only) == "correct"
 
 
-def any_format_reward(problem: Problem, answer: str, episode: Any = None) -> dict[str, float]:
+def any_format_reward(
+    problem: Problem, answer: str, episode: Any = None, timeout_s: float = TIMEOUT_S
+) -> dict[str, float]:
     """1.0 when `any_format_correct`, else 0.0: a reward function (`reward.function:
     marl.rewards.math:any_format_reward`) that pays the right answer in any format. For a
     model that never writes the strict format at first, every rollout scores the same
     under `score` (all 0, or all the format penalty) and GRPO has no signal; this one pays
     the sums it already gets right. A restated question (`23+29`) is still wrong. Logged
-    as `any_format_correct` too, as the built-in math reward logs it."""
-    right = 1.0 if any_format_correct(answer, problem.answer) else 0.0
+    as `any_format_correct` too, as the built-in math reward logs it. `timeout_s` (set it
+    in `reward.args`): the time limit of one equivalence check."""
+    right = 1.0 if any_format_correct(answer, problem.answer, timeout_s) else 0.0
     return {"score": right, "any_format_correct": right}
 
 

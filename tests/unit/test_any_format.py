@@ -29,6 +29,7 @@ def test_any_format_reward_pays_a_right_sum_in_any_format_but_not_the_question()
     assert any_format_reward(p, "23 + 29 = 51") == wrong
     assert any_format_reward(p, "\\boxed{23+29}") == wrong
     assert any_format_reward(p, "no number") == wrong
+    assert any_format_reward(p, "so 52", timeout_s=1.0) == right
     assert score("23 + 29 = 52", "52") == -0.1  # the strict reward's format penalty
 
 
