@@ -91,7 +91,7 @@ class Setting:
     leaves the reward pure correctness, so a boxed guess earns no more than no box."""
     reward_function: str | None = None
     """`reward.function` (None: the built-in math reward, strict). With
-    `marl.rewards.math:any_format_reward` the run's own validation accuracy is any-format
+    `marl.rewards.builtin:any_format_reward` the run's own validation accuracy is any-format
     too: read the arithmetic check's strict column for the box."""
     micro_batch_tokens: int = 1024
     """`grpo.max_tokens_per_micro_batch`: bounds the learner's full-vocabulary logits."""
@@ -458,7 +458,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, help="tokens a turn at most (default: the mode's)")
     p.add_argument("--temperature", type=float, help="rollout temperature (default 0.7)")
     p.add_argument("--reward-function", metavar="MODULE:FN",
-                   help="reward.function, e.g. marl.rewards.math:any_format_reward (default: "
+                   help="reward.function, e.g. marl.rewards.builtin:any_format_reward (default: "
                    "the strict math reward)")
     p.add_argument("--format-penalty", type=float,
                    help="reward.format_penalty: the reward of an answer with no box (the "

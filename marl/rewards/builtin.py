@@ -6,7 +6,8 @@ and code rewards (§A.7), chosen by the problem's task when `reward.function` is
 
 `math_reward` also reports `any_format_correct` (whether the answer holds the right
 value in any format), logged as `train/any_format_correct`. Its settings are the run's
-`reward.format_penalty` and `reward.math_timeout_s`.
+`reward.format_penalty` and `reward.math_timeout_s`. `any_format_reward` pays that
+`any_format_correct` instead, for a model that does not write `\boxed{}` yet.
 """
 
 from __future__ import annotations
@@ -37,6 +38,16 @@ async def math_reward(problem: Problem, answer: str, episode: Any) -> dict[str, 
         return both(remembered_only=True)
     except math_reward_.Unsettled:
         return await asyncio.to_thread(both, False)
+
+
+async def any_format_reward(problem: Problem, answer: str, episode: Any) -> dict[str, float]:
+    """1 when the answer holds the right value in any format (the last boxed answer, else
+    the last number; a restated question such as `23+29` is still wrong), else 0. A model
+    that never writes the box at first scores the same on every rollout under
+    `math_reward` (all 0 or all the format penalty), which leaves GRPO no signal; this
+    reward pays the answers it already gets right (docs/real-models.md)."""
+    right = (await math_reward(problem, answer, episode))["any_format_correct"]
+    return {"score": right, "any_format_correct": right}
 
 
 async def code_reward(problem: Problem, answer: str, episode: Any) -> float:

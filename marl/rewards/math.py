@@ -17,12 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Literal
 
 from marl.rewards.verifier_pool import get_pool
-
-if TYPE_CHECKING:
-    from marl.data.problem import Problem
 
 FORMAT_PENALTY = -0.1
 TIMEOUT_S = 5.0
@@ -210,20 +207,6 @@ def any_format_correct(
     if answer == ground_truth.strip():
         return True
     return check(answer, ground_truth, timeout_s, remembered_only=remembered_only) == "correct"
-
-
-def any_format_reward(
-    problem: Problem, answer: str, episode: Any = None, timeout_s: float = TIMEOUT_S
-) -> dict[str, float]:
-    """1.0 when `any_format_correct`, else 0.0: a reward function (`reward.function:
-    marl.rewards.math:any_format_reward`) that pays the right answer in any format. For a
-    model that never writes the strict format at first, every rollout scores the same
-    under `score` (all 0, or all the format penalty) and GRPO has no signal; this one pays
-    the sums it already gets right. A restated question (`23+29`) is still wrong. Logged
-    as `any_format_correct` too, as the built-in math reward logs it. `timeout_s` (set it
-    in `reward.args`): the time limit of one equivalence check."""
-    right = 1.0 if any_format_correct(answer, problem.answer, timeout_s) else 0.0
-    return {"score": right, "any_format_correct": right}
 
 
 async def score_async(

@@ -1,7 +1,11 @@
 """Any-format accuracy: the right value whatever the answer's format, and its mean per step."""
 
+import asyncio
+from types import SimpleNamespace
+
 from marl.data.problem import Problem
-from marl.rewards.math import any_format_correct, any_format_reward, loose_answer, score
+from marl.rewards.builtin import any_format_reward
+from marl.rewards.math import any_format_correct, loose_answer, score
 from marl.rollout import Rollout, mean_facts
 
 
@@ -22,14 +26,18 @@ def test_any_format_counts_a_plain_right_answer_that_the_reward_penalises() -> N
 
 def test_any_format_reward_pays_a_right_sum_in_any_format_but_not_the_question() -> None:
     p = Problem(id="p", task="math", prompt="What is 23+29?", answer="52")
+    episode = SimpleNamespace(task=SimpleNamespace(format_penalty=-0.1, math_timeout_s=5.0))
+
+    def reward(answer: str) -> dict[str, float]:
+        return asyncio.run(any_format_reward(p, answer, episode))
+
     right = {"score": 1.0, "any_format_correct": 1.0}
     wrong = {"score": 0.0, "any_format_correct": 0.0}
-    assert any_format_reward(p, "23 + 29 = 52") == right
-    assert any_format_reward(p, "\\boxed{52}") == right
-    assert any_format_reward(p, "23 + 29 = 51") == wrong
-    assert any_format_reward(p, "\\boxed{23+29}") == wrong
-    assert any_format_reward(p, "no number") == wrong
-    assert any_format_reward(p, "so 52", timeout_s=1.0) == right
+    assert reward("23 + 29 = 52") == right
+    assert reward("\\boxed{52}") == right
+    assert reward("23 + 29 = 51") == wrong
+    assert reward("\\boxed{23+29}") == wrong
+    assert reward("no number") == wrong
     assert score("23 + 29 = 52", "52") == -0.1  # the strict reward's format penalty
 
 
