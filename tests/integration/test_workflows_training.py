@@ -112,15 +112,6 @@ FACTS = {
 }
 
 
-ROLES = {
-    "single": {"generator"},
-    "voting": {"generator", "aggregator"},
-    "eval_opt": {"generator", "evaluator"},
-    "orch_workers": {"orchestrator", "worker", "synthesizer"},
-    DEBATE: {"solver", "judge"},
-}
-"""The adapters an isolated run trains: one per role type, each on its own roles' turns."""
-
 FINISHED: list[Path] = []
 """Output directories of runs that succeeded (their adapters serve the concurrency probe)."""
 
@@ -130,7 +121,7 @@ def check_run(run: learner_pb2.Run, out: Path, workflow: str, policy: str) -> No
     FINISHED.append(out)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
-    adapters = {"shared"} if policy == "shared" else set(ROLES[workflow])
+    adapters = {"shared"} if policy == "shared" else set(resolve(workflow).roles)
     for row in rows[1:]:
         assert row["train/episode_errors"] == 0
         for fact in FACTS[workflow]:
