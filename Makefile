@@ -21,6 +21,13 @@ demo: setup ## the embedded demo: a short real training run, every service a pro
 test: setup ## the default test suite (everything not marked slow or vllm)
 	$(BIN)/python -m pytest -m "not slow and not vllm" -q
 
+.PHONY: test-kernels
+test-kernels: setup ## the unit tests that compute with torch again on every CPU kernel set below the native one (ATEN_CPU_CAPABILITY=default, avx2 on an AVX-512 CPU): numerics hold on any CPU
+	for cap in $$($(BIN)/python scripts/kernel_sets.py); do \
+		echo "[test-kernels] ATEN_CPU_CAPABILITY=$$cap"; \
+		ATEN_CPU_CAPABILITY=$$cap $(BIN)/python -m pytest -m "numerics and not slow and not vllm" -q tests/unit || exit 1; \
+	done
+
 test-sabotage: setup ## with isolation off, every sandbox test_deny_* must fail
 	$(BIN)/python scripts/check_sandbox_sabotage.py
 

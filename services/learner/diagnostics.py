@@ -59,7 +59,7 @@ import torch
 
 from marl.spec.run import GRPOSpec
 from services.learner import fsdp, metrics
-from services.learner.grpo import LossStats
+from services.learner.grpo import LossStats, at_least_float32
 from services.learner.policy import MultiAdapterPolicy
 from services.learner.prompt_rows import pack_rows
 from services.learner.sequences import Sequence
@@ -219,8 +219,8 @@ def sampled_drift(
             )
             feats = policy.row_features(rows)[sel]
             base = policy.row_features(rows, base=True)[sel]
-            logp_all = torch.log_softmax(policy.head(feats).float() / t, -1)
-            logq_all = torch.log_softmax(policy.head(base).float() / t, -1)
+            logp_all = torch.log_softmax(at_least_float32(policy.head(feats)) / t, -1)
+            logq_all = torch.log_softmax(at_least_float32(policy.head(base)) / t, -1)
             targets = rows.targets[sel].to(logp_all.device)
             new_all = logp_all.gather(-1, targets[:, None]).squeeze(-1)
             sizes = [len(picked[i]) for i in chunk]

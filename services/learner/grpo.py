@@ -234,13 +234,19 @@ def grpo_loss(
     return loss, stats, kl_value
 
 
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """`x` upcast from a half-precision dtype; float32 and float64 kept as they are, so a
+    float64 reference step (the golden test's) stays float64 through the softmax."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     """log pi(target) under logits / temperature; logits [B, L, V], targets [B, L]."""
-    scaled = logits.float() / (temperature if temperature > 0 else 1.0)
+    scaled = at_least_float32(logits) / (temperature if temperature > 0 else 1.0)
     return torch.log_softmax(scaled, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
 
 
 def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    scaled = logits.float() / (temperature if temperature > 0 else 1.0)
+    scaled = at_least_float32(logits) / (temperature if temperature > 0 else 1.0)
     logp = torch.log_softmax(scaled, dim=-1)
     return -(logp.exp() * logp).sum(-1)

@@ -29,6 +29,7 @@ from marl.models.lora import with_lora
 from marl.runtime import heap
 from marl.spec.run import LoraSpec, OptimSpec
 from services.learner import fsdp
+from services.learner.grpo import at_least_float32
 from services.learner.prompt_rows import Rows, layout
 from services.learner.sequences import Sequence
 
@@ -39,7 +40,12 @@ CUSTOM_MASK_ATTENTION = ("sdpa", "eager")
 """Attention implementations that take a [B, 1, L, L] additive mask as given."""
 
 R = TypeVar("R")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,  # reference steps in tests: reproducible on every CPU
+}
 
 
 def _chunk_logprobs(
@@ -50,7 +56,7 @@ def _chunk_logprobs(
     entropy: bool,
     entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    logp = torch.log_softmax(head(h).float() / t, dim=-1)
+    logp = torch.log_softmax(at_least_float32(head(h)) / t, dim=-1)
     lp = logp.gather(-1, y[:, None]).squeeze(-1)
     if not entropy:
         return lp, None
@@ -116,7 +122,7 @@ class MultiAdapterPolicy:
             self.model.add_adapter(name, config)
         for name, param in self.model.named_parameters():
             if "lora_" in name:  # fp32 over a low-precision base (PEFT does so too; kept explicit)
-                param.data = param.data.float()
+                param.data = at_least_float32(param.data)
         self.model.to(self.device)
         self.rank, self.world_size = fsdp.rank_and_size()
         if self.world_size > 1:
@@ -315,7 +321,7 @@ class MultiAdapterPolicy:
             if ent is not None:
                 ents.append(ent)
         if not logps:
-            empty = features.new_zeros(0, dtype=torch.float32)
+            empty = features.new_zeros(0, dtype=at_least_float32(features).dtype)
             return empty, (empty if entropy else None)
         return torch.cat(logps), (torch.cat(ents) if entropy else None)
 

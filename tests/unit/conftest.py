@@ -18,3 +18,20 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     build_model(tok, seed=0).save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+NUMERICS_SOURCES = ("import torch", "model_dir", "services.learner", "services.inference")
+"""A unit-test module that names one of these computes with torch kernels, whose float32
+results differ with the CPU's kernel set: `make test-kernels` runs these (`-m numerics`)
+again under each lower set."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    sources: dict[Path, bool] = {}
+    for item in items:
+        path = item.path
+        if path not in sources:
+            text = path.read_text(encoding="utf-8")
+            sources[path] = any(name in text for name in NUMERICS_SOURCES)
+        if sources[path]:
+            item.add_marker(pytest.mark.numerics)
