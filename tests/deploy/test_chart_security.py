@@ -97,6 +97,11 @@ def sandbox_network_violations(docs: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _selects_all(selector: dict[str, Any] | None) -> bool:
+    return selector is not None and not selector.get("matchLabels") and not selector.get(
+        "matchExpressions")
+
+
 def open_peer(peer: dict[str, Any]) -> bool:
     """Whether a NetworkPolicy peer admits every pod (of a namespace or of the cluster) or
     an address block."""
@@ -104,12 +109,9 @@ def open_peer(peer: dict[str, Any]) -> bool:
     namespaces = peer.get("namespaceSelector")
     if "ipBlock" in peer or (pods is None and namespaces is None):
         return True
-    def empty(selector: dict[str, Any] | None) -> bool:
-        return selector is not None and not selector.get("matchLabels") and not selector.get(
-            "matchExpressions")
     if namespaces is None:
-        return empty(pods)
-    return empty(namespaces) and (pods is None or empty(pods))
+        return _selects_all(pods)
+    return _selects_all(namespaces) and (pods is None or _selects_all(pods))
 
 
 def learner_network_violations(docs: list[dict[str, Any]]) -> list[str]:
