@@ -61,6 +61,8 @@ from services.inference.factory import make_engine
 log = logging.getLogger(__name__)
 
 MAX_ADAPTER_BYTES = 4 << 30
+MAX_OWNER = 256
+"""A user name's bound (marl.spec.users)."""
 MAX_REQUEST_ID = 4096
 """request_id carries the task id (run, step, problem id, role): long problem ids must fit."""
 JOIN_CHECK_S = 0.5
@@ -322,6 +324,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 f"adapter {ref}: rank {m.rank} is outside 1..{self.engine.max_lora_rank} "
                 "(the replica's max LoRA rank)",
             )
+        if len(m.owner) > MAX_OWNER:
+            return (grpc.StatusCode.INVALID_ARGUMENT,
+                    f"adapter {ref}: manifest.owner is over {MAX_OWNER} characters")
         if m.format not in ("", "safetensors"):
             return grpc.StatusCode.INVALID_ARGUMENT, f"adapter {ref}: unknown format {m.format!r}"
         if not 0 < m.size_bytes <= MAX_ADAPTER_BYTES:

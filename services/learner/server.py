@@ -13,6 +13,7 @@ import binascii
 import functools
 import json
 import logging
+import math
 import os
 import uuid
 from collections.abc import AsyncIterator
@@ -99,8 +100,8 @@ def page_position(token: str) -> Position | None:
         score, run_id = json.loads(base64.urlsafe_b64decode(token.encode("ascii")))
     except (ValueError, TypeError, binascii.Error, UnicodeEncodeError):
         raise problem from None
-    if not isinstance(score, (int, float)) or isinstance(score, bool) or not isinstance(
-            run_id, str):
+    if (not isinstance(score, (int, float)) or isinstance(score, bool)
+            or not math.isfinite(score) or not isinstance(run_id, str)):
         raise problem
     return float(score), run_id
 

@@ -108,7 +108,8 @@ async def test_a_page_stops_before_its_bytes_pass_the_bound(
 
 
 @pytest.mark.parametrize("bad", ["x", "!!!!", "W10=", "WyJhIiwgImIiXQ==", "a" * 600,
-                                 "WzEsIDJd", "W3RydWUsICJhIl0="])
+                                 "WzEsIDJd", "W3RydWUsICJhIl0=", "W05hTiwgImEiXQ==",
+                                 "WzFlOTk5LCAiYSJd", "5Yid", "\x00"])
 async def test_refuse_a_page_token_no_learner_gave(learner: tuple[Any, RunStore],
                                                    bad: str) -> None:
     stub, _ = learner
