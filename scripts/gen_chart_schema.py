@@ -276,10 +276,18 @@ def build() -> dict[str, Any]:
             ),
             "auth": obj(
                 {
+                    "enabled": boolean("Every service requires a known token (default on)."),
                     "token": string(
-                        "Shared auth token (Redis requirepass; every service requires it)."
+                        "The services' token (Redis requirepass); \"\": generated at install."
                     ),
                     "existingSecret": string("Existing Secret with key `token`."),
+                    "users": obj(
+                        {
+                            "existingSecret": string(
+                                "Secret with key tokens.csv: users' static token file."
+                            ),
+                        }
+                    ),
                 }
             ),
             "tls": obj(
@@ -331,7 +339,25 @@ def build() -> dict[str, Any]:
                 },
                 "Prometheus: where KEDA queries it, and how it reaches the pods.",
             ),
-            "networkPolicy": obj({"enabled": boolean("NetworkPolicies for every component.")}),
+            "networkPolicy": obj(
+                {
+                    "enabled": boolean("NetworkPolicies for every component."),
+                    "clients": obj(
+                        {
+                            "podLabels": {
+                                "type": "object",
+                                "additionalProperties": {"type": "string"},
+                                "description": "Labels of pods that reach the user-facing ports.",
+                            },
+                            "namespaces": {
+                                "type": "array",
+                                "items": {"type": "string", "minLength": 1},
+                                "description": "Namespaces whose pods reach them too.",
+                            },
+                        }
+                    ),
+                }
+            ),
             "models": obj({"existingClaim": string("PVC with base models, mounted at /models.")}),
             "inference": inference,
             "workflow": workflow,

@@ -117,9 +117,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
+    if args.page_size < 0:
+        raise UserError(f"--page-size: must be 0 (the learner's default) or more, "
+                        f"got {args.page_size}")
     with RunsClient(args.learner) as runs:
-        for run in runs.list():
-            print(f"{run.run_id}  {run.state:<9}  step {run.step}/{run.total_steps}  {run.out_dir}")
+        for page in runs.pages(args.page_size):  # printed as each page comes
+            for run in page:
+                print(f"{run.run_id}  {run.state:<9}  step {run.step}/{run.total_steps}  "
+                      f"{run.owner}  {run.out_dir}")
     return 0
 
 
@@ -350,8 +355,10 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (older than the 
     p.add_argument("--out", default=None, help="where report.html and its PNGs go (default RUN_DIR)")
     p.set_defaults(fn=cmd_report)
 
-    p = sub.add_parser("runs", help="list runs")
+    p = sub.add_parser("runs", help="list the runs you may see (yours; all for an admin)")
     p.add_argument("--learner", default=DEFAULT_LEARNER)
+    p.add_argument("--page-size", type=int, default=0,
+                   help="runs per ListRuns call (0: the learner's default, 100)")
     p.set_defaults(fn=cmd_runs)
 
     p = sub.add_parser("sandbox", help="sandbox tools: doctor | run FILE.py [--stdin FILE]")

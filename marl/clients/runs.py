@@ -7,6 +7,8 @@
         for event in runs.watch(run_id):
             print(event.run.step, event.metrics)
         print(runs.get(run_id).state)                         # SUCCEEDED
+        for run in runs.list():                               # every run you may see
+            print(run.run_id, run.owner)
 
 This is what `marl submit/status/runs/cancel` use. Errors come back as Python
 exceptions a caller can act on: a bad spec is a `ValueError` naming the field
@@ -78,6 +80,8 @@ class RunInfo:
     """Training episodes gathered so far, failed ones included."""
     failed_episodes: int = 0
     """Of them, episodes returned failed (no replica, sandbox down, dead-lettered, ...)."""
+    owner: str = ""
+    """The user who submitted it ("anonymous" while authentication is off)."""
 
     @property
     def done(self) -> bool:
@@ -102,6 +106,7 @@ class RunInfo:
             failed_steps=run.failed_steps,
             episodes=run.episodes,
             failed_episodes=run.failed_episodes,
+            owner=run.owner,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -121,6 +126,7 @@ class RunInfo:
             "failed_steps": self.failed_steps,
             "episodes": self.episodes,
             "failed_episodes": self.failed_episodes,
+            "owner": self.owner,
         }
 
 
@@ -162,6 +168,8 @@ def _translate(err: grpc.RpcError, address: str) -> Exception:
         return RunNotFound(details)
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return RunRefused(f"the learner at {address} requires a token: {details}")
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return RunRefused(f"the learner at {address} refused this token: {details}")
     if code in SERVER_GONE:
         # CANCELLED is never this client's own cancel: a blocking call cannot be cancelled
         # by its caller, a watch's caller stops by leaving the loop, an asyncio caller's
@@ -210,9 +218,21 @@ class RunsClient:
             self._call(self.stub.GetRun, learner_pb2.GetRunRequest(run_id=run_id))
         )
 
-    def list(self) -> builtins.list[RunInfo]:
-        resp = self._call(self.stub.ListRuns, learner_pb2.ListRunsRequest())
-        return [RunInfo.from_proto(r) for r in resp.runs]
+    def list(self, page_size: int = 0) -> builtins.list[RunInfo]:
+        """Every run the caller may see (its own; all for an admin), oldest first."""
+        return [run for page in self.pages(page_size) for run in page]
+
+    def pages(self, page_size: int = 0) -> Iterator[builtins.list[RunInfo]]:
+        """The runs the caller may see, a ListRuns page at a time (`page_size` runs at
+        most; 0: the learner's default)."""
+        token = ""
+        while True:
+            request = learner_pb2.ListRunsRequest(page_size=page_size, page_token=token)
+            resp = self._call(self.stub.ListRuns, request)
+            yield [RunInfo.from_proto(r) for r in resp.runs]
+            token = resp.next_page_token
+            if not token:
+                return
 
     def cancel(self, run_id: str) -> RunInfo:
         request = learner_pb2.CancelRunRequest(run_id=run_id)
@@ -273,9 +293,20 @@ class AsyncRunsClient:
         request = learner_pb2.GetRunRequest(run_id=run_id)
         return RunInfo.from_proto(await self._call(self.stub.GetRun, request))
 
-    async def list(self) -> builtins.list[RunInfo]:
-        resp = await self._call(self.stub.ListRuns, learner_pb2.ListRunsRequest())
-        return [RunInfo.from_proto(r) for r in resp.runs]
+    async def list(self, page_size: int = 0) -> builtins.list[RunInfo]:
+        """Every run the caller may see (its own; all for an admin), oldest first."""
+        return [run async for page in self.pages(page_size) for run in page]
+
+    async def pages(self, page_size: int = 0) -> AsyncIterator[builtins.list[RunInfo]]:
+        """The runs the caller may see, a ListRuns page at a time."""
+        token = ""
+        while True:
+            request = learner_pb2.ListRunsRequest(page_size=page_size, page_token=token)
+            resp = await self._call(self.stub.ListRuns, request)
+            yield [RunInfo.from_proto(r) for r in resp.runs]
+            token = resp.next_page_token
+            if not token:
+                return
 
     async def cancel(self, run_id: str) -> RunInfo:
         request = learner_pb2.CancelRunRequest(run_id=run_id)

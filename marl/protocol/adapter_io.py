@@ -40,9 +40,11 @@ def make_manifest(
     target_modules: list[str],
     payload: bytes,
     keep_versions: int = 0,
+    owner: str = "",
 ) -> common_pb2.AdapterManifest:
     """`keep_versions`: how many versions of this adapter the replica keeps (see
-    `AdapterManifest.keep_versions`); 0 leaves it to the replica."""
+    `AdapterManifest.keep_versions`); 0 leaves it to the replica. `owner`: the user whose
+    run trained it (`AdapterManifest.owner`)."""
     return common_pb2.AdapterManifest(
         ref=common_pb2.AdapterRef(name=name, version=version),
         base_model=base_model,
@@ -53,6 +55,7 @@ def make_manifest(
         size_bytes=len(payload),
         format="safetensors",
         keep_versions=keep_versions,
+        owner=owner,
     )
 
 

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from marl.runtime import auth, prometheus_metrics
 from marl.spec import safe_input
-from marl.spec.services import auth_token, tls_files
+from marl.spec.services import tls_files
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +29,14 @@ DEFAULT_MAX_BODY_BYTES = 64 << 20
 
 
 class HttpServer:
-    """An aiohttp application bound to `host:port` (0 picks a free port) once started."""
+    """An aiohttp application bound to `host:port` (0 picks a free port) once started.
+    `users`: with authentication on, users' tokens may call its routes (inference's
+    OpenAI API); otherwise only the services' token may (`marl.runtime.auth`)."""
 
-    def __init__(self, host: str, port: int, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
-        token = auth_token()
-        middlewares = [auth.http_middleware(token)] if token else []
+    def __init__(self, host: str, port: int, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 users: bool = False):
+        book = auth.token_book()
+        middlewares = [auth.http_middleware(book, users)] if book else []
         self.app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
         prometheus_metrics.mount(self.app)  # every service's HTTP port serves Prometheus /metrics
         self.host = host

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic.fields import FieldInfo
 
 from marl.spec.run import EngineName
+from marl.spec.users import USERS_FILE_ENV, Identity, read_token_file, valid_token
 
 MiB = 1 << 20
 
@@ -318,6 +319,7 @@ def load_service_config(
         merged.update(values)
         source.update(dict.fromkeys(values, where))
     auth_token(environ)  # the deployment-wide settings too: a bad one stops `marl serve` here
+    auth_users(environ)
     tls_files(environ)
     try:
         return MODELS[service](**merged)
@@ -379,10 +381,35 @@ def auth_token(environ: Mapping[str, str] | None = None) -> str | None:
                              ) from None
     if value is None:
         return None
-    if not value or len(value) > 4096 or not value.isprintable() or any(c.isspace() for c in value):
+    if not valid_token(value):
         raise ValueError(f"{where}: the token must be 1-4096 printable characters without "
                          "spaces; unset it to turn authentication off")
     return value
+
+
+def auth_users_file(environ: Mapping[str, str] | None = None) -> str | None:
+    """The users' token file `$MARL_AUTH_TOKENS_FILE` names (`marl.spec.users`), or None."""
+    env = os.environ if environ is None else environ
+    return env.get(USERS_FILE_ENV) or None
+
+
+def auth_users(environ: Mapping[str, str] | None = None) -> dict[str, Identity]:
+    """Token -> user, from the users' token file as it is now ({} without one). Users need
+    the service token set too (the services talk to each other with it); a file that
+    cannot be read or parsed, or that lists the service token, is a ValueError naming
+    the variable."""
+    path = auth_users_file(environ)
+    if path is None:
+        return {}
+    service = auth_token(environ)
+    if service is None:
+        raise ValueError(f"{USERS_FILE_ENV}: users need the services' own token too: set "
+                         f"{AUTH_TOKEN_ENV} (or {AUTH_TOKEN_FILE_ENV}) in every service")
+    users = read_token_file(path)
+    if service in users:
+        raise ValueError(f"{USERS_FILE_ENV} ({path[:200]}): user {users[service].user[:60]!r} "
+                         f"has the services' token ({AUTH_TOKEN_ENV}); give it one of its own")
+    return users
 
 
 TLS_CERT_ENV = "MARL_TLS_CERT"

@@ -6,7 +6,9 @@ older than the newest `retention` of its adapter is unloaded only once no
 request holds it. A push may ask for more versions of its adapter to be kept
 (`keep`: a run with bounded staleness K queues tasks K versions ahead of their
 generation, so it needs K + 1). A request for a version that is not loaded fails;
-there is no fallback to the base model.
+there is no fallback to the base model. Each version records its owner (the user whose
+run pushed it, from the manifest); a request made for a user (`user`) sees that user's
+versions only, so another user's adapter is absent to it, exactly as one never pushed.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class LoadedVersion:
     loaded_at: float = field(default_factory=time.time)
     in_flight: int = 0
     retired: bool = False
+    owner: str = ""
 
     @property
     def key(self) -> str:
@@ -60,8 +63,10 @@ class AdapterRegistry:
     def get(self, name: str, version: int) -> LoadedVersion | None:
         return self._versions.get(adapter_key(name, version))
 
-    def all(self) -> list[LoadedVersion]:
-        return sorted(self._versions.values(), key=lambda v: (v.name, v.version))
+    def all(self, user: str | None = None) -> list[LoadedVersion]:
+        """Every version held, or only `user`'s."""
+        return sorted((v for v in self._versions.values() if user is None or v.owner == user),
+                      key=lambda v: (v.name, v.version))
 
     def holds(self, name: str, version: int) -> bool:
         """Whether `name@version` (or a newer version of it) can serve new requests."""
@@ -86,9 +91,11 @@ class AdapterRegistry:
                 old.retired = True
             await self._collect()
 
-    def acquire(self, name: str, version: int, newest: bool = False) -> LoadedVersion:
+    def acquire(self, name: str, version: int, newest: bool = False,
+                user: str | None = None) -> LoadedVersion:
         """Hold `name@version` for a request (`newest`: the newest version held that is
-        `version` or later) until `release`."""
+        `version` or later) until `release`; `user`: a request made for that user, who
+        sees only its own versions (None: every version)."""
         v = self._versions.get(adapter_key(name, version))
         if newest:
             v = max(
@@ -97,8 +104,11 @@ class AdapterRegistry:
                 key=lambda x: x.version,
                 default=None,
             )
+        if v is not None and user is not None and v.owner != user:
+            v = None
         if v is None or v.retired:
-            loaded = sorted(x.version for x in self._versions.values() if x.name == name)
+            loaded = sorted(x.version for x in self._versions.values()
+                            if x.name == name and (user is None or x.owner == user))
             raise AdapterNotLoaded(
                 f"adapter {adapter_key(name, version)} is not loaded on this replica"
                 f" (loaded versions of {name}: {loaded or 'none'}); push it first"

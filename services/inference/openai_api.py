@@ -10,6 +10,8 @@ holds its adapter version in the same registry (a version in use is never
 unloaded under it). `model` is the base model (its id from `/v1/models`, the
 model directory's name, or the path the replica was started with) or a loaded
 `run/policy@version`; anything else is a 404, never the base model silently.
+With authentication on, a user sees and uses only its own runs' adapters (and the
+base model); another user's is a 404 as one never loaded.
 Chat prompts are rendered exactly as a workflow's role turn renders them.
 The protocol itself (checks, bodies) lives in `marl.protocol.openai`.
 """
@@ -25,6 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from marl.protocol import openai as oa
+from marl.runtime import auth
 from marl.runtime.http_server import HttpServer, json_response, read_json_object
 from services.inference.adapters import AdapterNotLoaded, LoadedVersion
 from services.inference.engine import GenerationRequest, ModelLimits, check_request
@@ -80,7 +83,8 @@ class OpenAIApi:
                 str(Path(self.model_path).resolve())}
 
     def _served(self) -> list[LoadedVersion]:
-        return [v for v in self.service.registry.all() if not v.retired]
+        """The versions the caller may use."""
+        return [v for v in self.service.registry.all(auth.owner_filter()) if not v.retired]
 
     async def models(self, request: web.Request) -> dict[str, Any]:
         started = min((v.loaded_at for v in self._served()), default=0.0)
@@ -95,7 +99,8 @@ class OpenAIApi:
         name, at, version = model.rpartition("@")
         if at and name and version.isdigit():
             try:
-                loaded: LoadedVersion = self.service.registry.acquire(name, int(version))
+                loaded: LoadedVersion = self.service.registry.acquire(
+                    name, int(version), user=auth.owner_filter())
                 return loaded
             except AdapterNotLoaded:
                 pass

@@ -4,6 +4,9 @@ A replica reports SERVING only once it holds the current version of every adapte
 an active run uses (see `marl.runtime.replicas`): one that starts mid-run announces
 itself as joining, takes the learner's pushes, and only then takes requests.
 With an HTTP port, the same engine also answers OpenAI's `/v1` API (`openai_api`).
+With authentication on, a user's call sees only the adapters of its own runs (each
+version's owner comes with its push, which only the services may make): another
+user's adapter fails as one never pushed (`AdapterRegistry.acquire`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from redis.exceptions import RedisError
 from marl.models import names as model_names
 from marl.protocol import adapter_io
 from marl.protocol.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from marl.runtime import replicas, streams, trace
+from marl.runtime import auth, replicas, streams, trace
 from marl.runtime.aio_tasks import cancel_until_done
 from marl.runtime.heap import keep_freed_heap_until_trimmed
 from marl.runtime.http_server import HttpServer
@@ -58,6 +61,8 @@ from services.inference.factory import make_engine
 log = logging.getLogger(__name__)
 
 MAX_ADAPTER_BYTES = 4 << 30
+MAX_OWNER = 256
+"""A user name's bound (marl.spec.users)."""
 MAX_REQUEST_ID = 4096
 """request_id carries the task id (run, step, problem id, role): long problem ids must fit."""
 JOIN_CHECK_S = 0.5
@@ -202,7 +207,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         generation.max_tokens = min(generation.max_tokens, room(generation, self.limits))
         try:
             version = self.registry.acquire(
-                request.adapter.name, request.adapter.version, newest=request.newest_adapter
+                request.adapter.name, request.adapter.version, newest=request.newest_adapter,
+                user=auth.owner_filter(),
             )
         except AdapterNotLoaded as err:
             if not self.joined:
@@ -292,7 +298,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 except ValueError as err:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
                 await self.registry.added(
-                    LoadedVersion(ref.name, ref.version, int_id, m.sha256), keep=m.keep_versions
+                    LoadedVersion(ref.name, ref.version, int_id, m.sha256, owner=m.owner),
+                    keep=m.keep_versions,
                 )
                 # the payload, the state dict and any version retired just now are freed
                 await self.engine.release_free_heap()
@@ -317,6 +324,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 f"adapter {ref}: rank {m.rank} is outside 1..{self.engine.max_lora_rank} "
                 "(the replica's max LoRA rank)",
             )
+        if len(m.owner) > MAX_OWNER:
+            return (grpc.StatusCode.INVALID_ARGUMENT,
+                    f"adapter {ref}: manifest.owner is over {MAX_OWNER} characters")
         if m.format not in ("", "safetensors"):
             return grpc.StatusCode.INVALID_ARGUMENT, f"adapter {ref}: unknown format {m.format!r}"
         if not 0 < m.size_bytes <= MAX_ADAPTER_BYTES:
@@ -340,7 +350,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                     in_flight=v.in_flight,
                     loaded_at=v.loaded_at,
                 )
-                for v in self.registry.all()
+                for v in self.registry.all(auth.owner_filter())
             ]
         )
 
@@ -422,7 +432,7 @@ async def _serve(cfg: InferenceConfig, model_path: str) -> None:
     if cfg.http_port is not None:  # OpenAI's /v1 API, served by the same engine and registry
         from services.inference.openai_api import OpenAIApi
 
-        http = HttpServer(cfg.host, cfg.http_port)
+        http = HttpServer(cfg.host, cfg.http_port, users=True)
         openai = OpenAIApi(service, model_path)
         openai.add_routes(http)
         await http.start()

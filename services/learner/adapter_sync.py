@@ -80,10 +80,13 @@ class AdapterSync:
         torch_thread: TorchThread,
         version_base: int = 0,
         check_cancel: Callable[[], Awaitable[None]] | None = None,
+        owner: str = "",
     ):
         """`check_cancel` raises when the run was cancelled: a push waiting for a replica
-        asks it each second, so CancelRun does not wait out REPLICA_WAIT_S."""
+        asks it each second, so CancelRun does not wait out REPLICA_WAIT_S. `owner`: the
+        run's owner, whom replicas serve its adapters to (besides admins and services)."""
         self.run_id = run_id
+        self.owner = owner
         self.spec = spec
         self.r = r
         self.roles = roles
@@ -163,6 +166,7 @@ class AdapterSync:
                 payload,
                 # tasks queued K versions before they are generated still find theirs
                 keep_versions=self.spec.train.versions_per_adapter,
+                owner=self.owner,
             )
             current[p] = Published(self.versions[p], manifest, payload)
         return current

@@ -9,6 +9,9 @@ stream: `run_keys`) expires `retention_s` after it ends (the learner config's
 `retention_s`, a week by default; 0 keeps it), and `sweep` then drops the run from the
 index and deletes any of its keys a late write recreated: Redis memory stays bounded
 however many runs a deployment trains. The run directory on disk is not touched.
+
+Every run records its owner, the user who submitted it (`marl.spec.users`); `scan`
+walks the index oldest first, one owner's runs or all, for ListRuns' pages.
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ import builtins
 import json
 import secrets
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import redis.asyncio as aioredis
 
 from marl.runtime import streams
+from marl.spec.users import ANONYMOUS_USER
 
 QUEUE = "marl:runs:queue"
 INDEX = "marl:runs"
@@ -30,6 +35,16 @@ EXPIRY = "marl:runs:expiry"
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 LEASE_S = 10.0
 """A learner that has not renewed its lease for this long is taken for dead."""
+SCAN_BATCH = 256
+"""Index entries `scan` reads from Redis at a time."""
+
+Position = tuple[float, str]
+"""A place in the index: (created_at, run id), the order runs are listed in."""
+
+
+def owner_of(record: dict[str, Any]) -> str:
+    """A run's owner; a run recorded before runs had owners is the anonymous user's."""
+    return str(record.get("owner") or ANONYMOUS_USER)
 
 
 def run_key(run_id: str) -> str:
@@ -69,12 +84,14 @@ class RunStore:
     def __init__(self, r: aioredis.Redis):
         self.r = r
 
-    async def create(self, run_id: str, spec_yaml: str, out_dir: str, total_steps: int) -> None:
+    async def create(self, run_id: str, spec_yaml: str, out_dir: str, total_steps: int,
+                     owner: str = ANONYMOUS_USER) -> None:
         now = time.time()
         await self.r.hset(
             _key(run_id),
             mapping={
                 "run_id": run_id,
+                "owner": owner,
                 "state": "QUEUED",
                 "spec_yaml": spec_yaml,
                 "out_dir": out_dir,
@@ -97,6 +114,38 @@ class RunStore:
         ids: Any = await self.r.zrange(INDEX, 0, -1)
         runs = [await self.get(i) for i in ids]
         return [r for r in runs if r]
+
+    async def scan(self, after: Position | None = None, owner: str | None = None
+                   ) -> AsyncIterator[tuple[Position, dict[str, Any]]]:
+        """The runs after `after`, oldest first (equal times by run id, as Redis orders
+        them), each with its position; only `owner`'s unless None. Reads the index a batch
+        at a time, so a caller that stops early reads little."""
+        passed = 0  # entries at `after`'s time already read and not after it
+        while True:
+            lo: float | str = "-inf" if after is None else after[0]
+            batch: Any = await self.r.zrangebyscore(INDEX, lo, "+inf", start=passed,
+                                                    num=SCAN_BATCH, withscores=True)
+            fresh = [(float(s), str(m)) for m, s in batch
+                     if after is None or (float(s), str(m)) > after]
+            if not fresh:
+                if len(batch) < SCAN_BATCH:
+                    return
+                passed += len(batch)
+                continue
+            passed = 0
+            async with self.r.pipeline(transaction=False) as pipe:
+                for _, run_id in fresh:
+                    pipe.hget(_key(run_id), "owner")
+                owners = await pipe.execute()
+            for position, found in zip(fresh, owners, strict=True):
+                after = position
+                if owner is not None and str(found or ANONYMOUS_USER) != owner:
+                    continue
+                record = await self.get(position[1])
+                if record is not None:  # forgotten since the index was read
+                    yield position, record
+            if len(batch) < SCAN_BATCH:
+                return
 
     async def update(self, run_id: str, **fields: Any) -> None:
         clean: Any = {k: json.dumps(v) if isinstance(v, dict) else v for k, v in fields.items()}

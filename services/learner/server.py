@@ -1,12 +1,19 @@
 """The learner process: the Runs API (gRPC) and the loop that trains queued runs, up to
-`learner.max_concurrent_runs` at once."""
+`learner.max_concurrent_runs` at once.
+
+Every run records the user who submitted it (`marl.runtime.auth.caller`); GetRun,
+ListRuns, WatchRun and CancelRun show a user its own runs only, and another user's
+run is NOT_FOUND with the very message of a run that does not exist."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import functools
 import json
 import logging
+import math
 import os
 import uuid
 from collections.abc import AsyncIterator
@@ -20,7 +27,7 @@ from marl.data import load_problems
 from marl.models import names as model_names
 from marl.models.identity import base_model_id
 from marl.protocol.v1 import learner_pb2, learner_pb2_grpc
-from marl.runtime import replicas, streams
+from marl.runtime import auth, replicas, streams
 from marl.runtime.aio_tasks import cancel_until_done, raise_if_cancelled
 from marl.runtime.heap import LEARNER_MMAP_THRESHOLD, keep_freed_heap_until_trimmed
 from marl.runtime.http_server import HttpServer
@@ -31,13 +38,25 @@ from marl.spec.run import RunSpec, SpecError, dump_spec, load_spec_text
 from marl.spec.safe_input import shorten
 from marl.spec.services import LearnerConfig
 from marl.workflows import policy_of_role
-from services.learner.runs import LEASE_S, TERMINAL, RunStore, new_run_id
+from services.learner.runs import (
+    LEASE_S,
+    TERMINAL,
+    Position,
+    RunStore,
+    new_run_id,
+    owner_of,
+)
 from services.learner.trainer import RunCancelled, RunExecutor, RunFailed
 
 log = logging.getLogger(__name__)
 
 SWEEP_PERIOD_S = 60.0
 """How often a learner forgets the finished runs past their retention."""
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1000
+PAGE_BYTES = 3 << 20
+"""A ListRuns page stops before its runs pass this many bytes (a client takes 4 MiB)."""
+MAX_PAGE_TOKEN = 512
 
 
 def _run_message(d: dict[str, Any]) -> learner_pb2.Run:
@@ -58,7 +77,33 @@ def _run_message(d: dict[str, Any]) -> learner_pb2.Run:
         failed_episodes=int(d.get("failed_episodes") or 0),
         failed_steps=int(d.get("failed_steps") or 0),
         steps_done=int(d.get("steps_done") or 0),
+        owner=owner_of(d),
     )
+
+
+def page_token(position: Position) -> str:
+    """The token of the page after `position`: where the listing stands, nothing more (a
+    forged one only moves where a caller's own listing starts)."""
+    return base64.urlsafe_b64encode(json.dumps(list(position)).encode()).decode()
+
+
+def page_position(token: str) -> Position | None:
+    """The position a page token names (None: the first page); a ValueError for a token
+    no learner gave."""
+    if not token:
+        return None
+    problem = ValueError("page_token: not a token a learner gave; pass next_page_token back "
+                         "as it came, or leave it empty for the first page")
+    if len(token) > MAX_PAGE_TOKEN:
+        raise problem
+    try:
+        score, run_id = json.loads(base64.urlsafe_b64decode(token.encode("ascii")))
+    except (ValueError, TypeError, binascii.Error, UnicodeEncodeError):
+        raise problem from None
+    if (not isinstance(score, (int, float)) or isinstance(score, bool)
+            or not math.isfinite(score) or not isinstance(run_id, str)):
+        raise problem
+    return float(score), run_id
 
 
 def validate_spec(spec_yaml: str) -> RunSpec:
@@ -180,12 +225,18 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
         run_id = new_run_id(spec.name)
         out_dir = Path(spec.out_dir) if spec.out_dir else self.runs_dir / run_id
         spec.out_dir = str(out_dir.resolve())
-        await self.store.create(run_id, dump_spec(spec), spec.out_dir, spec.train.steps)
-        log.info("accepted run %s", run_id)
+        owner = auth.caller().user
+        await self.store.create(run_id, dump_spec(spec), spec.out_dir, spec.train.steps,
+                                owner=owner)
+        log.info("accepted run %s of %s", run_id, owner)
         return learner_pb2.SubmitRunResponse(run_id=run_id)
 
     async def _get(self, run_id: str, context: grpc.aio.ServicerContext) -> dict[str, Any]:
+        """The run, if it exists and the caller may see it; else NOT_FOUND, the same for a
+        run of another user as for none at all."""
         run = await self.store.get(run_id) if run_id else None
+        if run is not None and not auth.caller().may_see(owner_of(run)):
+            run = None
         if run is None:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"run {run_id!r} does not exist; see `marl runs`"
@@ -201,7 +252,30 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
     async def ListRuns(
         self, request: learner_pb2.ListRunsRequest, context: grpc.aio.ServicerContext
     ) -> learner_pb2.ListRunsResponse:
-        return learner_pb2.ListRunsResponse(runs=[_run_message(r) for r in await self.store.list()])
+        """One page of the runs the caller may see, oldest first."""
+        size = request.page_size or DEFAULT_PAGE_SIZE
+        try:
+            if size < 0:
+                raise ValueError(f"page_size: must be 0 (the default, {DEFAULT_PAGE_SIZE}) or "
+                                 f"more, got {size}")
+            after = page_position(request.page_token)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        size = min(size, MAX_PAGE_SIZE)
+        runs: list[learner_pb2.Run] = []
+        used = 0
+        last: Position | None = None
+        token = ""
+        async for position, record in self.store.scan(after, auth.owner_filter()):
+            message = _run_message(record)
+            if runs and (len(runs) >= size or used + message.ByteSize() > PAGE_BYTES):
+                assert last is not None
+                token = page_token(last)  # a run follows: the next page starts after `last`
+                break
+            runs.append(message)
+            used += message.ByteSize()
+            last = position
+        return learner_pb2.ListRunsResponse(runs=runs, next_page_token=token)
 
     async def CancelRun(
         self, request: learner_pb2.CancelRunRequest, context: grpc.aio.ServicerContext
@@ -357,6 +431,7 @@ async def train_run(
             extra_sinks=sinks,
             learner=cfg.model_copy(update={"burst_threads": burst_threads}),
             torch_thread=torch_thread,
+            owner=owner_of(record),
         )
         await executor.execute()
     except RunCancelled:

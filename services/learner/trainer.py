@@ -143,10 +143,12 @@ class RunExecutor:
         *,
         learner: LearnerConfig,
         torch_thread: TorchThread | None = None,
+        owner: str = "",
     ):
         """`learner`: the learner process's settings this run reads, its bound on queued
         tasks and `burst_threads`, the torch threads the update may take once every rollout
-        queued ahead is in (`threads.ThreadBurst`; 0, or a synchronous run: its own share)."""
+        queued ahead is in (`threads.ThreadBurst`; 0, or a synchronous run: its own share).
+        `owner`: the user who submitted the run, the one user its adapters are served to."""
         self.run_id = run_id
         self.torch = torch_thread or TorchThread("learner")
         """Where the policy's torch work runs: the learner process's one torch thread."""
@@ -168,6 +170,7 @@ class RunExecutor:
             # each learner of the run, and each rollback within it, a range of its own
             version_base=takeover * (spec.guard.max_rollbacks + 1) * (spec.train.steps + 1),
             check_cancel=self.check_cancel,
+            owner=owner,
         )
         self.episodes = Episodes(
             run_id, spec, r, learner_id, self.adapters.refs, self.check_cancel,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import subprocess
 import sys
 from pathlib import Path
@@ -85,7 +86,7 @@ def _env(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_redis_url_in_release_external_and_with_a_token() -> None:
-    plain = workloads(render())
+    plain = workloads(render(None, "auth.enabled=false"))
     assert _env(plain["r-marl-learner"])["MARL_LEARNER_REDIS"] == "redis://r-marl-redis:6379/0"
     authed = render(None, "auth.token=t0k")
     secret = by_kind(authed, "Secret")["r-marl-auth"]
@@ -196,16 +197,50 @@ def test_schema_refuses_bad_values_naming_them(setting: str, message: str) -> No
     assert message in out.stderr, out.stderr
 
 
-def test_every_service_gets_the_auth_token_only_when_set() -> None:
-    """With a token every marl service requires it (marl.runtime.auth); without one none gets it."""
+def test_default_install_has_auth_on_with_a_generated_token_every_service_reads() -> None:
+    """Auth is on by default (marl.runtime.auth): a Secret with a generated token that
+    every marl service and Redis read; turned off, none gets a token."""
     services = ("inference", "workflow", "learner", "sandbox")
-    plain = workloads(render())
+    docs = render()
+    secret = by_kind(docs, "Secret")["r-marl-auth"]
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert len(token) == 48 and token.isalnum()
+    again = base64.b64decode(by_kind(render(), "Secret")["r-marl-auth"]["data"]["token"])
+    assert again.decode() != token  # generated per install, not a constant of the chart
+    for s in (*services, "redis"):
+        ref = _env(workloads(docs)[f"r-marl-{s}"])["MARL_AUTH_TOKEN"]["secretKeyRef"]
+        assert ref == {"name": "r-marl-auth", "key": "token"}, s
+    redis = workloads(docs)["r-marl-redis"]["spec"]["template"]["spec"]["containers"][0]
+    assert "--requirepass" in redis["args"]
+    assert _env(workloads(docs)["r-marl-learner"])["MARL_LEARNER_REDIS"].startswith(
+        "redis://:$(MARL_AUTH_TOKEN)@")
+    # an upgrade keeps the installed token: the template reads its own Secret back
+    source = (CHART / "templates" / "secret.yaml").read_text()
+    assert 'lookup "v1" "Secret" .Release.Namespace $name' in source
+    plain = workloads(render(None, "auth.enabled=false"))
+    assert not by_kind(render(None, "auth.enabled=false"), "Secret")
     for s in services:
         assert "MARL_AUTH_TOKEN" not in _env(plain[f"r-marl-{s}"]), s
     authed = workloads(render(None, "auth.existingSecret=marl-token"))
     for s in services:
         ref = _env(authed[f"r-marl-{s}"])["MARL_AUTH_TOKEN"]["secretKeyRef"]
         assert ref == {"name": "marl-token", "key": "token"}, s
+
+
+def test_users_token_file_reaches_the_learner_and_inference_only() -> None:
+    docs = workloads(render(None, "auth.users.existingSecret=marl-users"))
+    for s in ("learner", "inference"):
+        pod = docs[f"r-marl-{s}"]["spec"]["template"]["spec"]
+        assert _env(docs[f"r-marl-{s}"])["MARL_AUTH_TOKENS_FILE"] == "/etc/marl-users/tokens.csv"
+        (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "users"]
+        assert mount == {"name": "users", "mountPath": "/etc/marl-users", "readOnly": True}
+        assert "subPath" not in mount  # a subPath mount never sees the Secret's updates
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "users"]
+        assert volume["secret"]["secretName"] == "marl-users"
+    for s in ("workflow", "sandbox"):
+        assert "MARL_AUTH_TOKENS_FILE" not in _env(docs[f"r-marl-{s}"]), s
+    plain = workloads(render())
+    assert "MARL_AUTH_TOKENS_FILE" not in _env(plain["r-marl-learner"])
 
 
 def test_a_trace_dir_in_the_values_reaches_the_service_config() -> None:

@@ -2,9 +2,11 @@
 
 `violations()` is the policy: the restricted Pod Security Standard for every
 pod, no service-account token anywhere (no marl pod calls the API), a read-only
-root, and for the sandbox — which runs untrusted code — a NetworkPolicy with no
-egress that admits only workflow pods. Each sabotage test renders the chart
-with one protection removed and checks that the policy notices.
+root, for the sandbox — which runs untrusted code — a NetworkPolicy with no
+egress that admits only workflow pods, and for the learner's Runs API no ingress
+rule open to all (only marl pods, labelled clients and listed namespaces). Each
+sabotage test renders the chart with one protection removed and checks that the
+policy notices.
 """
 
 from __future__ import annotations
@@ -95,11 +97,45 @@ def sandbox_network_violations(docs: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _selects_all(selector: dict[str, Any] | None) -> bool:
+    return selector is not None and not selector.get("matchLabels") and not selector.get(
+        "matchExpressions")
+
+
+def open_peer(peer: dict[str, Any]) -> bool:
+    """Whether a NetworkPolicy peer admits every pod (of a namespace or of the cluster) or
+    an address block."""
+    pods = peer.get("podSelector")
+    namespaces = peer.get("namespaceSelector")
+    if "ipBlock" in peer or (pods is None and namespaces is None):
+        return True
+    if namespaces is None:
+        return _selects_all(pods)
+    return _selects_all(namespaces) and (pods is None or _selects_all(pods))
+
+
+def learner_network_violations(docs: list[dict[str, Any]]) -> list[str]:
+    """The learner's Runs API: no rule admits anyone (no `from`, or a peer for all)."""
+    policies = by_kind(docs, "NetworkPolicy")
+    if "r-marl-learner" not in workloads(docs) or not policies:
+        return []
+    if "r-marl-learner" not in policies:
+        return ["learner: no NetworkPolicy selects it"]
+    out = []
+    for rule in policies["r-marl-learner"]["spec"].get("ingress") or []:
+        peers = rule.get("from")
+        if not peers:
+            out.append(f"learner: ingress from anywhere: {rule}")
+        out += [f"learner: ingress from every pod: {peer}" for peer in peers or []
+                if open_peer(peer)]
+    return out
+
+
 def violations(docs: list[dict[str, Any]]) -> list[str]:
     out = []
     for name, doc in workloads(docs).items():
         out += pod_violations(name, doc["spec"]["template"]["spec"])
-    return out + sandbox_network_violations(docs)
+    return out + sandbox_network_violations(docs) + learner_network_violations(docs)
 
 
 @pytest.mark.parametrize("values", ALL_VALUES, ids=scenario_id)
@@ -107,6 +143,43 @@ def test_every_pod_is_restricted_and_the_sandbox_is_walled_off(values: Path | No
     docs = render(values)
     assert workloads(docs), "nothing rendered"
     assert violations(docs) == []
+
+
+def test_learner_admits_marl_pods_labelled_clients_and_listed_namespaces_only() -> None:
+    docs = render(None, "networkPolicy.clients.namespaces={team-a}",
+                  "inference.config.http_port=8000")
+    policies = by_kind(docs, "NetworkPolicy")
+    (rule,) = policies["r-marl-learner"]["spec"]["ingress"]
+    assert rule["ports"] == [{"port": 50051, "protocol": "TCP"}]
+    assert rule["from"] == [
+        {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "marl",
+                                         "app.kubernetes.io/instance": "r"}}},
+        {"podSelector": {"matchLabels": {"marl.dev/client": "true"}}},
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "team-a"}}},
+    ]
+    # inference's OpenAI port: the same callers, and Prometheus for /metrics
+    http = [r for r in policies["r-marl-inference"]["spec"]["ingress"]
+            if r["ports"] == [{"port": 8000, "protocol": "TCP"}]]
+    (http_rule,) = http
+    assert http_rule["from"][:3] == rule["from"]
+    assert not [p for p in http_rule["from"] if open_peer(p)]
+    # no labels configured: no labelled clients, never an empty (all-pods) selector
+    (bare,) = by_kind(render(None, "networkPolicy.clients.podLabels=null"),
+                      "NetworkPolicy")["r-marl-learner"]["spec"]["ingress"]
+    assert len(bare["from"]) == 1 and not open_peer(bare["from"][0])
+
+
+@pytest.mark.parametrize("sabotage", ["no-from", "empty-selector", "ip-block"])
+def test_sabotage_an_open_learner_rule_is_noticed(sabotage: str) -> None:
+    docs = render()
+    (rule,) = by_kind(docs, "NetworkPolicy")["r-marl-learner"]["spec"]["ingress"]
+    if sabotage == "no-from":
+        del rule["from"]
+    elif sabotage == "empty-selector":
+        rule["from"].append({"podSelector": {}})
+    else:
+        rule["from"].append({"ipBlock": {"cidr": "0.0.0.0/0"}})
+    assert [v for v in violations(docs) if v.startswith("learner: ingress from")]
 
 
 def test_sandbox_pod_has_no_token_no_links_and_scratch_only_in_tmp() -> None:

@@ -52,7 +52,54 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- end }}
 
 {{- define "marl.authEnabled" -}}
-{{- if or .Values.auth.token .Values.auth.existingSecret }}true{{ end }}
+{{- if .Values.auth.enabled }}true{{ end }}
+{{- end }}
+
+{{/* ---- Users (auth.users.existingSecret): their token file, for the learner and inference,
+which check whose runs and adapters a caller may see. Mounted as a directory (never a
+subPath), so the kubelet's update of the Secret reaches the file, which they read again. */}}
+{{- define "marl.usersEnv" -}}
+{{- if and (include "marl.authEnabled" .) .Values.auth.users.existingSecret }}
+- name: MARL_AUTH_TOKENS_FILE
+  value: /etc/marl-users/tokens.csv
+{{- end }}
+{{- end }}
+
+{{- define "marl.usersMount" -}}
+{{- if and (include "marl.authEnabled" .) .Values.auth.users.existingSecret }}
+- {name: users, mountPath: /etc/marl-users, readOnly: true}
+{{- end }}
+{{- end }}
+
+{{- define "marl.usersVolume" -}}
+{{- if and (include "marl.authEnabled" .) .Values.auth.users.existingSecret }}
+- name: users
+  secret:
+    secretName: {{ .Values.auth.users.existingSecret }}
+    defaultMode: 0440
+    items:
+      - {key: tokens.csv, path: tokens.csv}
+{{- end }}
+{{- end }}
+
+{{/* NetworkPolicy peers that may call the user-facing ports (the learner's Runs API,
+inference's OpenAI port): this release's pods, pods with networkPolicy.clients.podLabels,
+and every pod of networkPolicy.clients.namespaces. Never an empty selector (all pods). */}}
+{{- define "marl.clientPeers" -}}
+- podSelector:
+    matchLabels:
+      app.kubernetes.io/name: {{ include "marl.name" . }}
+      app.kubernetes.io/instance: {{ .Release.Name }}
+{{- with .Values.networkPolicy.clients.podLabels }}
+- podSelector:
+    matchLabels:
+      {{- toYaml . | nindent 6 }}
+{{- end }}
+{{- range .Values.networkPolicy.clients.namespaces }}
+- namespaceSelector:
+    matchLabels:
+      kubernetes.io/metadata.name: {{ . }}
+{{- end }}
 {{- end }}
 
 {{/* The Redis URL a service uses; $(MARL_AUTH_TOKEN) is expanded by the kubelet from the env var set before it. */}}

@@ -15,7 +15,7 @@ class AdapterRef(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class AdapterManifest(_message.Message):
-    __slots__ = ("ref", "base_model", "rank", "alpha", "target_modules", "sha256", "size_bytes", "format", "keep_versions")
+    __slots__ = ("ref", "base_model", "rank", "alpha", "target_modules", "sha256", "size_bytes", "format", "keep_versions", "owner")
     REF_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class AdapterManifest(_message.Message):
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     KEEP_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     ref: AdapterRef
     base_model: str
     rank: int
@@ -34,4 +35,5 @@ class AdapterManifest(_message.Message):
     size_bytes: int
     format: str
     keep_versions: int
-    def __init__(self, ref: _Optional[_Union[AdapterRef, _Mapping]] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., format: _Optional[str] = ..., keep_versions: _Optional[int] = ...) -> None: ...
+    owner: str
+    def __init__(self, ref: _Optional[_Union[AdapterRef, _Mapping]] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., format: _Optional[str] = ..., keep_versions: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...

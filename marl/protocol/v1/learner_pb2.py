@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15marl/v1/learner.proto\x12\x07marl.v1\"%\n\x10SubmitRunRequest\x12\x11\n\tspec_yaml\x18\x01 \x01(\t\"#\n\x11SubmitRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x1f\n\rGetRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xc1\x02\n\x03Run\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x04 \x01(\x03\x12\x0f\n\x07out_dir\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x19\n\x11last_metrics_json\x18\x07 \x01(\t\x12\x12\n\ncreated_at\x18\x08 \x01(\x01\x12\x11\n\tspec_yaml\x18\t \x01(\t\x12\x15\n\rdead_lettered\x18\n \x01(\x03\x12\x1a\n\x12\x64uplicate_rollouts\x18\x0b \x01(\x03\x12\x0e\n\x06\x61larms\x18\x0c \x03(\t\x12\x10\n\x08\x65pisodes\x18\r \x01(\x03\x12\x17\n\x0f\x66\x61iled_episodes\x18\x0e \x01(\x03\x12\x14\n\x0c\x66\x61iled_steps\x18\x0f \x01(\x03\x12\x12\n\nsteps_done\x18\x10 \x01(\x03\"\x11\n\x0fListRunsRequest\".\n\x10ListRunsResponse\x12\x1a\n\x04runs\x18\x01 \x03(\x0b\x32\x0c.marl.v1.Run\"\"\n\x10\x43\x61ncelRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"5\n\x0fWatchRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nfrom_start\x18\x02 \x01(\x08\";\n\x08RunEvent\x12\x14\n\x0cmetrics_json\x18\x01 \x01(\t\x12\x19\n\x03run\x18\x02 \x01(\x0b\x32\x0c.marl.v1.Run2\xaf\x02\n\x07Learner\x12\x42\n\tSubmitRun\x12\x19.marl.v1.SubmitRunRequest\x1a\x1a.marl.v1.SubmitRunResponse\x12.\n\x06GetRun\x12\x16.marl.v1.GetRunRequest\x1a\x0c.marl.v1.Run\x12?\n\x08ListRuns\x12\x18.marl.v1.ListRunsRequest\x1a\x19.marl.v1.ListRunsResponse\x12\x34\n\tCancelRun\x12\x19.marl.v1.CancelRunRequest\x1a\x0c.marl.v1.Run\x12\x39\n\x08WatchRun\x12\x18.marl.v1.WatchRunRequest\x1a\x11.marl.v1.RunEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15marl/v1/learner.proto\x12\x07marl.v1\"%\n\x10SubmitRunRequest\x12\x11\n\tspec_yaml\x18\x01 \x01(\t\"#\n\x11SubmitRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x1f\n\rGetRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xd0\x02\n\x03Run\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x04 \x01(\x03\x12\x0f\n\x07out_dir\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x19\n\x11last_metrics_json\x18\x07 \x01(\t\x12\x12\n\ncreated_at\x18\x08 \x01(\x01\x12\x11\n\tspec_yaml\x18\t \x01(\t\x12\x15\n\rdead_lettered\x18\n \x01(\x03\x12\x1a\n\x12\x64uplicate_rollouts\x18\x0b \x01(\x03\x12\x0e\n\x06\x61larms\x18\x0c \x03(\t\x12\x10\n\x08\x65pisodes\x18\r \x01(\x03\x12\x17\n\x0f\x66\x61iled_episodes\x18\x0e \x01(\x03\x12\x14\n\x0c\x66\x61iled_steps\x18\x0f \x01(\x03\x12\x12\n\nsteps_done\x18\x10 \x01(\x03\x12\r\n\x05owner\x18\x11 \x01(\t\"8\n\x0fListRunsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"G\n\x10ListRunsResponse\x12\x1a\n\x04runs\x18\x01 \x03(\x0b\x32\x0c.marl.v1.Run\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\"\n\x10\x43\x61ncelRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"5\n\x0fWatchRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nfrom_start\x18\x02 \x01(\x08\";\n\x08RunEvent\x12\x14\n\x0cmetrics_json\x18\x01 \x01(\t\x12\x19\n\x03run\x18\x02 \x01(\x0b\x32\x0c.marl.v1.Run2\xaf\x02\n\x07Learner\x12\x42\n\tSubmitRun\x12\x19.marl.v1.SubmitRunRequest\x1a\x1a.marl.v1.SubmitRunResponse\x12.\n\x06GetRun\x12\x16.marl.v1.GetRunRequest\x1a\x0c.marl.v1.Run\x12?\n\x08ListRuns\x12\x18.marl.v1.ListRunsRequest\x1a\x19.marl.v1.ListRunsResponse\x12\x34\n\tCancelRun\x12\x19.marl.v1.CancelRunRequest\x1a\x0c.marl.v1.Run\x12\x39\n\x08WatchRun\x12\x18.marl.v1.WatchRunRequest\x1a\x11.marl.v1.RunEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,17 +38,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETRUNREQUEST']._serialized_start=110
   _globals['_GETRUNREQUEST']._serialized_end=141
   _globals['_RUN']._serialized_start=144
-  _globals['_RUN']._serialized_end=465
-  _globals['_LISTRUNSREQUEST']._serialized_start=467
-  _globals['_LISTRUNSREQUEST']._serialized_end=484
-  _globals['_LISTRUNSRESPONSE']._serialized_start=486
-  _globals['_LISTRUNSRESPONSE']._serialized_end=532
-  _globals['_CANCELRUNREQUEST']._serialized_start=534
-  _globals['_CANCELRUNREQUEST']._serialized_end=568
-  _globals['_WATCHRUNREQUEST']._serialized_start=570
-  _globals['_WATCHRUNREQUEST']._serialized_end=623
-  _globals['_RUNEVENT']._serialized_start=625
-  _globals['_RUNEVENT']._serialized_end=684
-  _globals['_LEARNER']._serialized_start=687
-  _globals['_LEARNER']._serialized_end=990
+  _globals['_RUN']._serialized_end=480
+  _globals['_LISTRUNSREQUEST']._serialized_start=482
+  _globals['_LISTRUNSREQUEST']._serialized_end=538
+  _globals['_LISTRUNSRESPONSE']._serialized_start=540
+  _globals['_LISTRUNSRESPONSE']._serialized_end=611
+  _globals['_CANCELRUNREQUEST']._serialized_start=613
+  _globals['_CANCELRUNREQUEST']._serialized_end=647
+  _globals['_WATCHRUNREQUEST']._serialized_start=649
+  _globals['_WATCHRUNREQUEST']._serialized_end=702
+  _globals['_RUNEVENT']._serialized_start=704
+  _globals['_RUNEVENT']._serialized_end=763
+  _globals['_LEARNER']._serialized_start=766
+  _globals['_LEARNER']._serialized_end=1069
 # @@protoc_insertion_point(module_scope)

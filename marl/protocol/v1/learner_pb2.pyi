@@ -25,7 +25,7 @@ class GetRunRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class Run(_message.Message):
-    __slots__ = ("run_id", "state", "step", "total_steps", "out_dir", "error", "last_metrics_json", "created_at", "spec_yaml", "dead_lettered", "duplicate_rollouts", "alarms", "episodes", "failed_episodes", "failed_steps", "steps_done")
+    __slots__ = ("run_id", "state", "step", "total_steps", "out_dir", "error", "last_metrics_json", "created_at", "spec_yaml", "dead_lettered", "duplicate_rollouts", "alarms", "episodes", "failed_episodes", "failed_steps", "steps_done", "owner")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class Run(_message.Message):
     FAILED_EPISODES_FIELD_NUMBER: _ClassVar[int]
     FAILED_STEPS_FIELD_NUMBER: _ClassVar[int]
     STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     state: str
     step: int
@@ -58,17 +59,24 @@ class Run(_message.Message):
     failed_episodes: int
     failed_steps: int
     steps_done: int
-    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., out_dir: _Optional[str] = ..., error: _Optional[str] = ..., last_metrics_json: _Optional[str] = ..., created_at: _Optional[float] = ..., spec_yaml: _Optional[str] = ..., dead_lettered: _Optional[int] = ..., duplicate_rollouts: _Optional[int] = ..., alarms: _Optional[_Iterable[str]] = ..., episodes: _Optional[int] = ..., failed_episodes: _Optional[int] = ..., failed_steps: _Optional[int] = ..., steps_done: _Optional[int] = ...) -> None: ...
+    owner: str
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., out_dir: _Optional[str] = ..., error: _Optional[str] = ..., last_metrics_json: _Optional[str] = ..., created_at: _Optional[float] = ..., spec_yaml: _Optional[str] = ..., dead_lettered: _Optional[int] = ..., duplicate_rollouts: _Optional[int] = ..., alarms: _Optional[_Iterable[str]] = ..., episodes: _Optional[int] = ..., failed_episodes: _Optional[int] = ..., failed_steps: _Optional[int] = ..., steps_done: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class ListRunsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListRunsResponse(_message.Message):
-    __slots__ = ("runs",)
+    __slots__ = ("runs", "next_page_token")
     RUNS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     runs: _containers.RepeatedCompositeFieldContainer[Run]
-    def __init__(self, runs: _Optional[_Iterable[_Union[Run, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, runs: _Optional[_Iterable[_Union[Run, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class CancelRunRequest(_message.Message):
     __slots__ = ("run_id",)

@@ -27,6 +27,10 @@ if _version_not_supported:
 
 class LearnerStub:
     """The Runs API: training runs are submitted to and followed through it.
+
+    With authentication on, every run belongs to the user who submitted it: GetRun,
+    ListRuns, WatchRun and CancelRun show a user their own runs only (another user's
+    run is NOT_FOUND, as a run that does not exist); admins and the services see all.
     """
 
     def __init__(self, channel):
@@ -64,6 +68,10 @@ class LearnerStub:
 
 class LearnerServicer:
     """The Runs API: training runs are submitted to and followed through it.
+
+    With authentication on, every run belongs to the user who submitted it: GetRun,
+    ListRuns, WatchRun and CancelRun show a user their own runs only (another user's
+    run is NOT_FOUND, as a run that does not exist); admins and the services see all.
     """
 
     def SubmitRun(self, request, context):
@@ -79,7 +87,8 @@ class LearnerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListRuns(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Oldest first, one page at a time: pass next_page_token back as page_token.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -135,6 +144,10 @@ def add_LearnerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Learner:
     """The Runs API: training runs are submitted to and followed through it.
+
+    With authentication on, every run belongs to the user who submitted it: GetRun,
+    ListRuns, WatchRun and CancelRun show a user their own runs only (another user's
+    run is NOT_FOUND, as a run that does not exist); admins and the services see all.
     """
 
     @staticmethod
