@@ -251,7 +251,10 @@ def run_up(
         f"learner {threads['learner']}); endpoints in {workdir / 'endpoints.json'}; "
         "Ctrl-C stops them"
     )
-    print(f"learner at {cluster.endpoints()['learner']}: marl submit SPEC.yaml --learner ADDR")
+    learner = cluster.endpoints()["learner"]
+    print(f"learner at {learner}: marl submit/runs/status/watch find it from this folder "
+          "(./marl-up/endpoints.json); elsewhere, first:")
+    print(f"export MARL_LEARNER={learner}", flush=True)
     stopping = False
 
     def _stop(*_: object) -> None:
