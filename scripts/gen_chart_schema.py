@@ -339,6 +339,22 @@ def build() -> dict[str, Any]:
                 },
                 "Prometheus: where KEDA queries it, and how it reaches the pods.",
             ),
+            "grafana": obj(
+                {
+                    "dashboard": obj(
+                        {
+                            "enabled": boolean("A ConfigMap with marl's Grafana dashboard."),
+                            "labels": {
+                                "type": "object",
+                                "additionalProperties": {"type": "string"},
+                                "description": "Labels the Grafana sidecar selects by.",
+                            },
+                            "namespace": string("Namespace of the ConfigMap (\"\" = release's)."),
+                        }
+                    ),
+                },
+                "Grafana: marl's dashboard for its sidecar.",
+            ),
             "networkPolicy": obj(
                 {
                     "enabled": boolean("NetworkPolicies for every component."),

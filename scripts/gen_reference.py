@@ -323,6 +323,19 @@ def _help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
         return action.help
 
 
+def _default(action: argparse.Action) -> str:
+    """The default column: the value, or what leaving the argument out means."""
+    if action.required:
+        return "required"
+    if not action.option_strings:
+        return "optional"
+    if action.nargs == 0 and action.default is False:  # a switch
+        return "off"
+    if action.default is None or action.default == "" or action.default is argparse.SUPPRESS:
+        return "unset"
+    return f"`{action.default}`"
+
+
 def cli_page() -> str:
     os.environ["COLUMNS"] = HELP_COLUMNS
     parser = cli_parser()
@@ -366,16 +379,7 @@ def cli_page() -> str:
         if rows:
             lines += ["| argument | default | description |", "|---|---|---|"]
             for action, text in rows:
-                default = action.default
-                unset = default is None or default is False or default == ""
-                shown = (
-                    ""
-                    if unset or default is argparse.SUPPRESS or action.nargs in ("*", "+")
-                    else f"`{default}`"
-                )
-                if action.required and action.option_strings:
-                    shown = "required"
-                lines.append(f"| {_argument(action)} | {shown} | {_cell(text)} |")
+                lines.append(f"| {_argument(action)} | {_default(action)} | {_cell(text)} |")
             lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 

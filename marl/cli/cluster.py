@@ -337,7 +337,8 @@ def lag_via_redis(url: str) -> StreamLag:
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("cluster", help="a Helm release of marl on Kubernetes: status, scale, logs")
-    actions = p.add_subparsers(dest="action", required=True)
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION",
+                               help="status, scale or logs")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-n", "--namespace", default=None, help="default: the context's")
     common.add_argument("--release", default="marl", help="Helm release name (default marl)")
@@ -347,10 +348,10 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--json", action="store_true", help="one JSON object")
     s.add_argument("--redis", default=None, help="read the lag from this Redis URL instead")
     s = actions.add_parser("scale", parents=[common], help="set workflow or sandbox replicas")
-    s.add_argument("service", choices=SCALABLE)
-    s.add_argument("replicas", type=int)
+    s.add_argument("service", choices=SCALABLE, help="the Deployment to scale")
+    s.add_argument("replicas", type=int, help="the number of pods it gets")
     s = actions.add_parser("logs", parents=[common], help="a service's pod logs")
-    s.add_argument("service", choices=SERVICES)
+    s.add_argument("service", choices=SERVICES, help="whose pods' logs")
     s.add_argument("--tail", type=int, default=100, help="lines per pod (default 100)")
     s.add_argument("-f", "--follow", action="store_true", help="stream the first pod's log")
 

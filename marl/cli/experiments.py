@@ -96,7 +96,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     try:
         return _cmd_eval(args)
     except EvalFailed as err:
-        print(f"marl {args.command}: {err}", file=sys.stderr)
+        print(f"marl: error: {err}", file=sys.stderr)
         return 1
 
 
@@ -131,7 +131,7 @@ def cmd_attribute(args: argparse.Namespace) -> int:
     try:
         return _cmd_attribute(args)
     except EvalFailed as err:
-        print(f"marl {args.command}: {err}", file=sys.stderr)
+        print(f"marl: error: {err}", file=sys.stderr)
         return 1
 
 
@@ -156,7 +156,9 @@ def add_parsers(sub: Any) -> None:
         "evaluations (resumable); `report DIR` writes Tables 1-6, Figs. 2-6 and index.html "
         "to DIR/report; `status DIR` shows each cell",
     )
-    p.add_argument("target", nargs="+", metavar="MATRIX.yaml | report DIR | status DIR")
+    p.add_argument("target", nargs="+", metavar="MATRIX.yaml | report DIR | status DIR",
+                   help="a matrix YAML to run (examples/matrix_demo.yaml), or `report DIR` / "
+                   "`status DIR` of a matrix directory")
     p.add_argument(
         "--out",
         default=None,
@@ -195,7 +197,7 @@ def add_parsers(sub: Any) -> None:
         "eval", help="validation accuracy with each role served by a saved adapter or the base"
     )
     p.add_argument("spec", help="run spec YAML or a run directory (its run.yaml)")
-    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p.add_argument("overrides", nargs="*", default=[], help="key=value overrides")
     p.add_argument(
         "--adapters",
         default="",
@@ -205,13 +207,13 @@ def add_parsers(sub: Any) -> None:
     p.add_argument(
         "--redis", default=None, help="a running cluster's Redis URL (default: start one embedded)"
     )
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(fn=cmd_eval)
 
     p = sub.add_parser(
         "attribute", help="each role's contribution: replace its adapter by the base model"
     )
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", help="a finished run's directory")
     p.add_argument("--checkpoint", default="best", help="best, latest, step_N or N")
     p.add_argument(
         "--baseline",
@@ -221,5 +223,5 @@ def add_parsers(sub: Any) -> None:
     p.add_argument(
         "--redis", default=None, help="a running cluster's Redis URL (default: start one embedded)"
     )
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(fn=cmd_attribute)

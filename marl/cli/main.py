@@ -14,12 +14,22 @@ from typing import Any
 
 import grpc
 
+from marl.cli import learner_address
 from marl.clients.runs import LearnerUnavailable, RunNotFound, RunRefused, RunsClient
 from marl.spec.errors import UserError
 from marl.spec.run import ENGINE_NAMES, SpecError
 from marl.spec.services import InferenceConfig
 
-DEFAULT_LEARNER = "127.0.0.1:50051"
+ERROR_PREFIX = "marl: error: "
+"""Every error the CLI prints starts so, argparse's own included."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one error prefix: a subcommand's usage, then `marl: error: ...`."""
+
+    def error(self, message: str) -> Any:  # argparse's signature says NoReturn
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{ERROR_PREFIX}{message}\n")
 
 
 # ---------------------------------------------------------------- serve
@@ -63,6 +73,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- runs API
 
 
+def _learner(args: argparse.Namespace) -> str:
+    """The learner's address (--learner, $MARL_LEARNER, ./marl-up/endpoints.json, default),
+    kept on `args` so that an error can say where it came from."""
+    found = learner_address.resolve(args.learner)
+    args.learner_found = found
+    return found.address
+
+
 def _learner_stub(address: str) -> Any:
     from marl.protocol.v1 import learner_pb2_grpc
     from marl.runtime import auth
@@ -86,14 +104,19 @@ def _spec_text(path: str, overrides: list[str]) -> str:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    """The spec is checked here first, so that a misspelt field is named whether or not a
+    learner answers; the learner checks it again with what only it knows (paths, names)."""
+    from marl.spec.run import load_spec_text
+
     text = _spec_text(args.spec, args.overrides)
-    with RunsClient(args.learner) as runs:
+    load_spec_text(text)
+    with RunsClient(_learner(args)) as runs:
         print(runs.submit(text))
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    with RunsClient(args.learner) as runs:
+    with RunsClient(_learner(args)) as runs:
         run = runs.get(args.run)
     if args.json:
         print(json.dumps(run.to_dict(), indent=2))
@@ -120,7 +143,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
     if args.page_size < 0:
         raise UserError(f"--page-size: must be 0 (the learner's default) or more, "
                         f"got {args.page_size}")
-    with RunsClient(args.learner) as runs:
+    with RunsClient(_learner(args)) as runs:
         for page in runs.pages(args.page_size):  # printed as each page comes
             for run in page:
                 print(f"{run.run_id}  {run.state:<9}  step {run.step}/{run.total_steps}  "
@@ -129,7 +152,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    with RunsClient(args.learner) as runs:
+    with RunsClient(_learner(args)) as runs:
         run = runs.cancel(args.run)
     print(f"{run.run_id}  {run.state}")
     return 0
@@ -143,7 +166,10 @@ def cmd_watch(args: argparse.Namespace) -> int:
             return watch_dir(args.run, follow=not args.once)
         except ValueError as err:
             raise UserError(str(err)) from None
-    state = watch_run(_learner_stub(args.learner), args.run)
+    address = _learner(args)
+    with RunsClient(address, timeout=30) as runs:
+        runs.get(args.run)  # no learner or no such run: one line and exit 2, before any table
+    state = watch_run(_learner_stub(address), args.run)
     return 0 if state == "SUCCEEDED" else 1
 
 
@@ -202,19 +228,22 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_sandbox(args: argparse.Namespace) -> int:
-    if args.action == "run":
-        from marl.clients.http import HttpUserError, sandbox_run
+def cmd_sandbox_run(args: argparse.Namespace) -> int:
+    from marl.clients.http import HttpUserError, sandbox_run
 
-        if not args.file:
-            raise UserError("marl sandbox run FILE.py: the program file is required")
-        try:
-            return sandbox_run(args.file, args.stdin, args.sandbox, args.timeout)
-        except HttpUserError as err:
-            raise UserError(str(err)) from None
+    try:
+        return sandbox_run(args.file, args.stdin, args.sandbox, args.timeout)
+    except HttpUserError as err:
+        raise UserError(str(err)) from None
+
+
+def cmd_sandbox_doctor(args: argparse.Namespace) -> int:
     from services.reward_sandbox import doctor
 
-    return doctor.main()
+    try:
+        return doctor.show(args.config, args.json)
+    except ValueError as err:
+        raise UserError(str(err)) from None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -230,7 +259,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_data(args: argparse.Namespace) -> int:
     from marl.data import inspect
 
-    return inspect.main([args.spec, *args.overrides])
+    return inspect.run([args.spec, *args.overrides])
 
 
 def cmd_episode(args: argparse.Namespace) -> int:
@@ -259,7 +288,8 @@ def add_serve_parser(sub: Any) -> None:
     from marl.spec.services import MODELS, SERVICES, add_flags
 
     p = sub.add_parser("serve", help="run one service")
-    services = p.add_subparsers(dest="service", required=True, metavar="SERVICE")
+    services = p.add_subparsers(dest="service", required=True, metavar="SERVICE",
+                                help="inference, workflow, learner or sandbox")
     for service in SERVICES:
         doc = (MODELS[service].__doc__ or "").strip()
         s = services.add_parser(service, help=doc.partition(": ")[2] or doc)
@@ -270,30 +300,37 @@ def add_serve_parser(sub: Any) -> None:
     p.set_defaults(fn=cmd_serve)
 
 
-def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (older than the limit; split it when next changed)
-    parser = argparse.ArgumentParser(
-        prog="marl", description=__doc__.splitlines()[0] if __doc__ else None
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
+LEARNER_HELP = (
+    "the learner's gRPC address HOST:PORT (default: $MARL_LEARNER, else the learner in "
+    "./marl-up/endpoints.json that `marl up` wrote, else 127.0.0.1:50051)"
+)
+SPEC_HELP = "a run spec YAML (examples/; every field in the configuration reference)"
+OVERRIDES_HELP = "RunSpec fields as key=value, e.g. policy=isolated train.steps=10"
 
+
+def _add_local_parsers(sub: Any) -> None:
+    """demo, up, trace: the whole system on this machine."""
     p = sub.add_parser("demo", help="a short real training run on the CPU, every service a process")
     p.add_argument("--out", default=None, help="run output directory (default runs/demo-<time>)")
-    p.add_argument("--steps", type=int, default=None, help="training steps")
+    p.add_argument("--steps", type=int, default=None,
+                   help="training steps (default: the demo's 40, or train.steps)")
     p.add_argument("--trace", action="store_true",
                    help="trace every service into OUT/trace; print where each step's time "
                    "went and write OUT/trace.json (marl trace)")
-    p.add_argument("overrides", nargs="*", help="RunSpec fields as key=value, e.g. policy=isolated")
+    p.add_argument("overrides", nargs="*", default=[],
+                   help=f"{OVERRIDES_HELP}; data.train_path=FILE.jsonl trains and validates "
+                   "on your own math problems")
     p.set_defaults(fn=cmd_demo)
 
     p = sub.add_parser("up", help="start every service locally until Ctrl-C")
     p.add_argument("--dir", default="marl-up", help="where endpoints.json, logs and runs go")
-    p.add_argument("--model", default=None, help="base model dir (default: the demo model)")
-    p.add_argument(
-        "--engine", default=InferenceConfig.model_fields["engine"].default, choices=ENGINE_NAMES
-    )
-    p.add_argument(
-        "--cores", type=int, default=None, help="CPU cores the services' torch threads share (2)"
-    )
+    p.add_argument("--model", default=None,
+                   help="base model: a directory, or demo / smollm2 (default: the demo model)")
+    p.add_argument("--engine", default=InferenceConfig.model_fields["engine"].default,
+                   choices=ENGINE_NAMES,
+                   help="inference engine (auto: vLLM when installed, else transformers)")
+    p.add_argument("--cores", type=int, default=None,
+                   help="CPU cores the services' torch threads share (default 2)")
     p.add_argument(
         "--overlapped",
         action="store_true",
@@ -304,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (older than the 
     p.add_argument("--max-concurrent-runs", type=int, default=None, metavar="N",
                    help="runs each learner trains at once (default: learner.max_concurrent_runs)")
     p.add_argument("--learners", type=int, default=1, metavar="N",
-                   help="learner processes taking runs from one queue (default 1)")
+                   help="learner processes taking runs from one queue")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="every service appends its trace spans to DIR (read with marl trace DIR)")
     p.set_defaults(fn=cmd_up)
@@ -316,33 +353,49 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (older than the 
                    help="steps left out of the medians at the start of each run (warm-up)")
     p.set_defaults(fn=cmd_trace)
 
-    add_serve_parser(sub)
 
+def _add_runs_parsers(sub: Any) -> None:
+    """submit, status, watch, cancel, runs, report, episode: runs on a learner."""
     p = sub.add_parser("submit", help="submit a run spec to the learner; prints the run id")
-    p.add_argument("spec")
-    p.add_argument("overrides", nargs="*", help="key=value overrides")
-    p.add_argument("--learner", default=DEFAULT_LEARNER)
+    p.add_argument("spec", help=SPEC_HELP)
+    p.add_argument("overrides", nargs="*", default=[], help=OVERRIDES_HELP)
+    p.add_argument("--learner", default=None, metavar="ADDR", help=LEARNER_HELP)
     p.set_defaults(fn=cmd_submit)
 
-    for name, fn, helptext in [
-        ("status", cmd_status, "a run's state"),
-        ("watch", cmd_watch, "follow a run live (a run id, or a run directory)"),
-        ("cancel", cmd_cancel, "cancel a run"),
-    ]:
-        p = sub.add_parser(name, help=helptext)
-        p.add_argument("run")
-        p.add_argument("--learner", default=DEFAULT_LEARNER)
-        if name == "status":
-            p.add_argument("--json", action="store_true")
-        if name == "watch":
-            p.add_argument("--once", action="store_true", help="a run directory: draw once, exit")
-        p.set_defaults(fn=fn)
+    p = sub.add_parser("status", help="a run's state, failed steps and alarms")
+    p.add_argument("run", help="the run id (marl submit printed it; marl runs lists them)")
+    p.add_argument("--learner", default=None, metavar="ADDR", help=LEARNER_HELP)
+    p.add_argument("--json", action="store_true", help="print the run as one JSON object")
+    p.set_defaults(fn=cmd_status)
+
+    p = sub.add_parser("watch", help="follow a run live (a run id, or a run directory)")
+    p.add_argument("run", help="a run id on the learner, or a run directory (its metrics.jsonl)")
+    p.add_argument("--learner", default=None, metavar="ADDR", help=LEARNER_HELP)
+    p.add_argument("--once", action="store_true", help="a run directory: draw once, exit")
+    p.set_defaults(fn=cmd_watch)
+
+    p = sub.add_parser("cancel", help="cancel a run")
+    p.add_argument("run", help="the run id")
+    p.add_argument("--learner", default=None, metavar="ADDR", help=LEARNER_HELP)
+    p.set_defaults(fn=cmd_cancel)
+
+    p = sub.add_parser("runs", help="list the runs you may see (yours; all for an admin)")
+    p.add_argument("--learner", default=None, metavar="ADDR", help=LEARNER_HELP)
+    p.add_argument("--page-size", type=int, default=0,
+                   help="runs per ListRuns call (0: the learner's default, 100)")
+    p.set_defaults(fn=cmd_runs)
+
+    p = sub.add_parser("report", help="report.html with per-role drift plots of a run directory")
+    p.add_argument("run_dir", help="a run directory (its metrics.jsonl and run.yaml)")
+    p.add_argument("--out", default=None, help="where report.html and its PNGs go (default RUN_DIR)")
+    p.set_defaults(fn=cmd_report)
 
     p = sub.add_parser("episode", help="one episode on a running cluster, transcript printed")
-    p.add_argument("spec")
-    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p.add_argument("spec", help=SPEC_HELP)
+    p.add_argument("overrides", nargs="*", default=[], help=OVERRIDES_HELP)
     p.add_argument("--problem", type=int, required=True, help="index into the data split")
-    p.add_argument("--split", default="train", choices=["train", "val"])
+    p.add_argument("--split", default="train", choices=["train", "val"],
+                   help="which split --problem indexes")
     p.add_argument("--sample", type=int, default=0, help="sample index (changes the seeds)")
     p.add_argument("--checkpoint", default=None,
                    help="a checkpoints/step_N dir or a run dir (default: the base model)")
@@ -350,47 +403,65 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (older than the 
     p.add_argument("--json", action="store_true", help="print the rollout as JSON")
     p.set_defaults(fn=cmd_episode)
 
-    p = sub.add_parser("report", help="report.html with per-role drift plots of a run directory")
-    p.add_argument("run_dir")
-    p.add_argument("--out", default=None, help="where report.html and its PNGs go (default RUN_DIR)")
-    p.set_defaults(fn=cmd_report)
 
-    p = sub.add_parser("runs", help="list the runs you may see (yours; all for an admin)")
-    p.add_argument("--learner", default=DEFAULT_LEARNER)
-    p.add_argument("--page-size", type=int, default=0,
-                   help="runs per ListRuns call (0: the learner's default, 100)")
-    p.set_defaults(fn=cmd_runs)
-
-    p = sub.add_parser("sandbox", help="sandbox tools: doctor | run FILE.py [--stdin FILE]")
-    p.add_argument("action", choices=["doctor", "run"])
-    p.add_argument("file", nargs="?", help="run: the Python program to run in the sandbox")
-    p.add_argument("--stdin", default=None, help="run: a file given to the program as stdin")
-    p.add_argument("--sandbox", default=None, help="run: the sandbox's HTTP URL (see README)")
-    p.add_argument("--timeout", type=float, default=10.0, help="run: seconds the program gets")
-    p.set_defaults(fn=cmd_sandbox)
+def _add_tool_parsers(sub: Any) -> None:
+    """sandbox, generate, model, data: tools with subcommands of their own."""
+    p = sub.add_parser("sandbox", help="the code sandbox: its isolation tier; run a program in it")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION",
+                               help="doctor or run")
+    s = actions.add_parser("doctor", help="this machine's isolation tier: what is and is not "
+                           "protected")
+    s.add_argument("--config", default=None, help="the sandbox service's config YAML")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.set_defaults(fn=cmd_sandbox_doctor)
+    s = actions.add_parser("run", help="run a Python program in a running sandbox")
+    s.add_argument("file", help="the Python program to run")
+    s.add_argument("--stdin", default=None, help="a file given to the program as stdin")
+    s.add_argument("--sandbox", default=None,
+                   help="the sandbox's HTTP URL (default: $MARL_SANDBOX_HTTP, else "
+                   "./marl-up/endpoints.json's sandbox_http)")
+    s.add_argument("--timeout", type=float, default=10.0, help="seconds the program gets")
+    s.set_defaults(fn=cmd_sandbox_run)
 
     p = sub.add_parser("generate", help="one completion from a running inference replica")
-    p.add_argument("prompt")
+    p.add_argument("prompt", help="the prompt text")
     p.add_argument("--model", required=True, help="the base model's name or run/policy@version")
-    p.add_argument("--inference", default=None, help="the replica's HTTP URL (see README)")
+    p.add_argument("--inference", default=None,
+                   help="the replica's HTTP URL (default: $MARL_INFERENCE_HTTP, else "
+                   "./marl-up/endpoints.json's inference_http)")
     p.add_argument("--chat", action="store_true", help="send the prompt as a chat message")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     p.set_defaults(fn=cmd_generate)
 
-    p = sub.add_parser("model", help="model tools: import FILE.gguf OUT_DIR (safetensors)")
-    p.add_argument("action", choices=["import"])
-    p.add_argument("file", help="a GGUF checkpoint, e.g. SmolLM2-135M-Instruct.Q4_1.gguf")
-    p.add_argument("out", help="the model directory to write (model.path in a run spec)")
-    p.add_argument("--force", action="store_true", help="write into a non-empty OUT_DIR")
-    p.set_defaults(fn=cmd_model)
+    p = sub.add_parser("model", help="model tools: import a GGUF checkpoint as safetensors")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION", help="import")
+    s = actions.add_parser("import", help="a GGUF checkpoint as a safetensors model directory")
+    s.add_argument("file", help="a GGUF checkpoint, e.g. SmolLM2-135M-Instruct.Q4_1.gguf")
+    s.add_argument("out", help="the model directory to write (model.path in a run spec)")
+    s.add_argument("--force", action="store_true", help="write into a non-empty OUT")
+    s.set_defaults(fn=cmd_model)
 
-    p = sub.add_parser("data", help="dataset tools")
-    p.add_argument("action", choices=["inspect"])
-    p.add_argument("spec")
-    p.add_argument("overrides", nargs="*")
-    p.set_defaults(fn=cmd_data)
+    p = sub.add_parser("data", help="dataset tools: what a spec's data holds")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION", help="inspect")
+    s = actions.add_parser("inspect", help="counts, samples and answer formats of a spec's "
+                           "train and val data")
+    s.add_argument("spec", help=SPEC_HELP)
+    s.add_argument("overrides", nargs="*", default=[], help=OVERRIDES_HELP)
+    s.set_defaults(fn=cmd_data)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="marl", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--version", action="version", version=f"marl {_version()}",
+                        help="print marl's version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="`marl COMMAND --help` for its options")
+    _add_local_parsers(sub)
+    add_serve_parser(sub)
+    _add_runs_parsers(sub)
+    _add_tool_parsers(sub)
 
     from marl.cli.cluster import add_parser as add_cluster_parser
 
@@ -401,6 +472,21 @@ def build_parser() -> argparse.ArgumentParser:  # noqa: PLR0915 (older than the 
 
     add_experiment_parsers(sub)  # matrix, eval, attribute
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("marl")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        import marl
+
+        return marl.__version__
+
+
+def _error(message: str) -> None:
+    print(f"{ERROR_PREFIX}{message}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -415,18 +501,20 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.fn(args))
-    except (UserError, SpecError) as err:
-        print(f"marl {args.command}: {err}", file=sys.stderr)
+    except (UserError, SpecError, RunRefused, RunNotFound) as err:
+        _error(str(err.args[0] if err.args else err))
         return 2
-    except (RunRefused, RunNotFound, LearnerUnavailable) as err:
-        print(f"marl {args.command}: {err.args[0] if err.args else err}", file=sys.stderr)
+    except LearnerUnavailable as err:
+        found = getattr(args, "learner_found", None)
+        where = f"; {found.explain()}" if found is not None else ""
+        _error(f"{err.args[0] if err.args else err}{where}")
         return 2
     except grpc.RpcError as err:  # a service that went away mid-call: no traceback
         code = err.code() if hasattr(err, "code") else None
         details = err.details() if hasattr(err, "details") else str(err)
         name = code.name if code is not None else "error"
-        print(f"marl {args.command}: the service answered {name}: {details} (did it die? "
-              f"`marl up` names a dead service and its log)", file=sys.stderr)
+        _error(f"the service answered {name}: {details} (did it die? "
+               "`marl up` names a dead service and its log)")
         return 1
     except KeyboardInterrupt:
         return 130

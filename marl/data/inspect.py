@@ -100,13 +100,18 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         (sys.stdout if argv else sys.stderr).write(USAGE + "\n")
         return 0 if argv else 2
-    logging.getLogger("marl.data.rows").setLevel(logging.ERROR)  # the report lists skipped rows
     try:
-        spec = _load_spec(argv)
-        splits = [(which, load_split(spec.data, which, spec.seed)) for which in ("train", "val")]
+        return run(argv)
     except SpecError as err:
         sys.stderr.write(f"error: {err}\n")
         return 2
+
+
+def run(argv: list[str]) -> int:
+    """The report for `SPEC.yaml [key=value ...]`; a bad spec or file raises SpecError."""
+    logging.getLogger("marl.data.rows").setLevel(logging.ERROR)  # the report lists skipped rows
+    spec = _load_spec(argv)
+    splits = [(which, load_split(spec.data, which, spec.seed)) for which in ("train", "val")]
     same = spec.data.train == spec.data.val and spec.data.val_path in (None, spec.data.train_path)
     if same:
         how = ("its fixed split" if spec.data.train == "arithmetic"

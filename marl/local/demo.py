@@ -38,6 +38,24 @@ DEMO_SPEC: dict[str, Any] = {
 """The paper's defaults scaled to a 0.5M-parameter model on 2 cores."""
 
 
+FILE_SET = "dapo_math"
+"""The math set read from a file: its published schema, verl's, or plain prompt/answer
+columns (marl.data)."""
+
+
+def own_data(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """`marl demo data.train_path=FILE`: train on FILE and validate on the share of it held
+    out (`data.val_fraction`), instead of the demo's bundled arithmetic, which reads no
+    file. What the user names (`data.train`, `data.val`, `data.val_path`) stays."""
+    keys = {item.partition("=")[0].strip() for item in overrides}
+    if not data.get("train_path") or "data.train" in keys:
+        return data
+    out = {**data, "train": FILE_SET}
+    if not keys & {"data.val", "data.val_path"}:
+        out["val"] = FILE_SET
+    return out
+
+
 def demo_model() -> Path:
     from marl.models.demo import demo_model_dir
 
@@ -58,6 +76,7 @@ def run_demo(  # noqa: PLR0915 (older than the limit; split it when next changed
     # a named model's own demo settings (`model.path=smollm2`: longer turns, smaller
     # steps), then the user's overrides over them
     data = apply_overrides(DEMO_SPEC, [*model_names.demo_overrides(overrides), *overrides])
+    data["data"] = own_data(data["data"], overrides)
     if steps is not None:
         data["train"]["steps"] = steps
     spec = parse_spec(data)
@@ -251,7 +270,10 @@ def run_up(
         f"learner {threads['learner']}); endpoints in {workdir / 'endpoints.json'}; "
         "Ctrl-C stops them"
     )
-    print(f"learner at {cluster.endpoints()['learner']}: marl submit SPEC.yaml --learner ADDR")
+    learner = cluster.endpoints()["learner"]
+    print(f"learner at {learner}: marl submit/runs/status/watch find it from this folder "
+          "(./marl-up/endpoints.json); elsewhere, first:")
+    print(f"export MARL_LEARNER={learner}", flush=True)
     stopping = False
 
     def _stop(*_: object) -> None:

@@ -4,7 +4,8 @@ Used by `marl demo`, `marl up` and the integration tests: a private Redis (or
 the one given), then inference, sandbox, workflow and learner processes, each
 waited on until its health check reports SERVING. Inference and sandbox also get
 an HTTP port (OpenAI `/v1`, SandboxFusion `/run_code`), listed in endpoints.json
-as `inference_http` and `sandbox_http`.
+as `inference_http` and `sandbox_http`; every service's Prometheus scrape URL is under
+`metrics` (`{"learner": ["http://HOST:PORT/metrics"], ...}`).
 """
 
 from __future__ import annotations
@@ -278,6 +279,11 @@ class Cluster:
             "learner_http": [
                 p.http_address for p in self.processes if p.kind == "learner" and p.http_address
             ],
+            "metrics": {
+                kind: [f"http://{p.http_address}/metrics" for p in self.processes
+                       if p.kind == kind and p.http_address]
+                for kind in ("learner", "inference", "workflow", "sandbox")
+            },
             "redis": self.redis_url,
             "pids": {
                 k: [p.proc.pid for p in self.processes if p.kind == k]

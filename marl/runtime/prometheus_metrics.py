@@ -10,6 +10,12 @@ flight (inference), sandbox verdicts by kind (sandbox), the lag of the task stre
 service adds with `on_scrape`. Prometheus scrapes the port the service's HTTP server
 listens on (`http_port`; the Helm chart's workflow pods serve it on 8080).
 
+The learner exports each run's training as it logs its steps (`metric_sinks.TrainingGauges`):
+`marl_run_step`, `marl_run_reward_mean`, `marl_run_val_accuracy`, `marl_run_failed_steps`
+labelled by run, `marl_role_chi2_token`, `marl_role_update_chi2`, `marl_role_entropy`,
+`marl_role_response_len` by run and role, and `marl_alarms_total` by run, role and
+mechanism: the numbers of metrics.jsonl and `marl watch`, for dashboards and alert rules.
+
 The two autoscaling signals (deploy/helm scales on them with KEDA's Prometheus scaler):
 `marl_stream_lag` of `marl:tasks` for workflow workers, which every worker reports alike
 (query it with `max`, not `sum`), and `marl_inference_requests_in_flight` for inference
@@ -61,6 +67,48 @@ STREAM_LAG = Gauge(
 past the group's position were deleted, where XINFO GROUPS' own `lag` is NULL (the entries
 are then counted inside Redis), so autoscaling on it keeps working where a scaler that reads
 `lag` (KEDA's redis-streams `lagCount`) gets nothing to use."""
+
+RUN_STEP = Gauge("marl_run_step", "The run's last logged training step", ["run"])
+RUN_REWARD_MEAN = Gauge(
+    "marl_run_reward_mean", "Mean training reward of the run's last step", ["run"]
+)
+RUN_VAL_ACCURACY = Gauge(
+    "marl_run_val_accuracy", "Validation accuracy at the run's last validation step", ["run"]
+)
+RUN_FAILED_STEPS = Gauge(
+    "marl_run_failed_steps",
+    "Steps of the run that lost more than train.max_failed_fraction of their episodes, "
+    "since this learner took the run up",
+    ["run"],
+)
+ROLE_CHI2_TOKEN = Gauge(
+    "marl_role_chi2_token",
+    "A role's token-level chi2 (learner vs sampler) at the run's last step",
+    ["run", "role"],
+)
+ROLE_UPDATE_CHI2 = Gauge(
+    "marl_role_update_chi2", "How far a role's policy moved during the run's last step (chi2)",
+    ["run", "role"],
+)
+ROLE_ENTROPY = Gauge(
+    "marl_role_entropy", "A role's mean token entropy at the run's last step", ["run", "role"]
+)
+ROLE_RESPONSE_LEN = Gauge(
+    "marl_role_response_len", "A role's mean response length in tokens at the run's last step",
+    ["run", "role"],
+)
+ALARMS = Counter(
+    "marl_alarms", "Drift alarms fired, by run, role and mechanism", ["run", "role", "mechanism"]
+)
+RUN_SERIES = (RUN_STEP, RUN_REWARD_MEAN, RUN_VAL_ACCURACY, RUN_FAILED_STEPS)
+ROLE_SERIES = {
+    "chi2_token": ROLE_CHI2_TOKEN,
+    "update_chi2": ROLE_UPDATE_CHI2,
+    "entropy": ROLE_ENTROPY,
+    "response_len_mean": ROLE_RESPONSE_LEN,
+}
+"""The learner's per-role gauges, by the metric of the step record (`role/<role>/<metric>`)
+each one shows."""
 
 log = logging.getLogger(__name__)
 

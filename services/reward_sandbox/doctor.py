@@ -32,17 +32,23 @@ def report(config_path: str | None = None) -> dict[str, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the report; `argv` defaults to none (the CLI calls `main()` as is)."""
+    """Print the report (`python -m services.reward_sandbox.doctor`; `marl sandbox doctor`
+    calls `show`)."""
     parser = argparse.ArgumentParser(prog="marl sandbox doctor", description=__doc__)
     parser.add_argument("--config", default=None, help="sandbox config YAML")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv or [])
     try:
-        rep = report(args.config)
+        return show(args.config, args.json)
     except ValueError as e:
         print(f"error: {e}")
         return 2
-    if args.json:
+
+
+def show(config: str | None, as_json: bool) -> int:
+    """Print the report (one JSON object with `as_json`); a bad config raises ValueError."""
+    rep = report(config)
+    if as_json:
         print(json.dumps(rep))
         return 0
     print(f"isolation tier: {rep['tier']}")

@@ -21,11 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from marl.runtime.serving import wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
-TAG = os.environ.get("MARL_IMAGE_TAG", "dev")
+TAG = os.environ.get("MARL_IMAGE_TAG") or yaml.safe_load(
+    (ROOT / "deploy" / "helm" / "Chart.yaml").read_text())["appVersion"]
+"""What `make images` tags its images with: the chart's appVersion unless TAG was given."""
 
 
 def image(service: str) -> str:

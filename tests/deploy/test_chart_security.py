@@ -149,8 +149,12 @@ def test_learner_admits_marl_pods_labelled_clients_and_listed_namespaces_only() 
     docs = render(None, "networkPolicy.clients.namespaces={team-a}",
                   "inference.config.http_port=8000")
     policies = by_kind(docs, "NetworkPolicy")
-    (rule,) = policies["r-marl-learner"]["spec"]["ingress"]
+    rule, scrape = policies["r-marl-learner"]["spec"]["ingress"]
     assert rule["ports"] == [{"port": 50051, "protocol": "TCP"}]
+    # the only other rule: Prometheus's namespace to /metrics (the training gauges)
+    assert scrape["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    ]
     assert rule["from"] == [
         {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "marl",
                                          "app.kubernetes.io/instance": "r"}}},
@@ -164,7 +168,7 @@ def test_learner_admits_marl_pods_labelled_clients_and_listed_namespaces_only() 
     assert http_rule["from"][:3] == rule["from"]
     assert not [p for p in http_rule["from"] if open_peer(p)]
     # no labels configured: no labelled clients, never an empty (all-pods) selector
-    (bare,) = by_kind(render(None, "networkPolicy.clients.podLabels=null"),
+    bare, _ = by_kind(render(None, "networkPolicy.clients.podLabels=null"),
                       "NetworkPolicy")["r-marl-learner"]["spec"]["ingress"]
     assert len(bare["from"]) == 1 and not open_peer(bare["from"][0])
 
@@ -172,7 +176,7 @@ def test_learner_admits_marl_pods_labelled_clients_and_listed_namespaces_only() 
 @pytest.mark.parametrize("sabotage", ["no-from", "empty-selector", "ip-block"])
 def test_sabotage_an_open_learner_rule_is_noticed(sabotage: str) -> None:
     docs = render()
-    (rule,) = by_kind(docs, "NetworkPolicy")["r-marl-learner"]["spec"]["ingress"]
+    rule = by_kind(docs, "NetworkPolicy")["r-marl-learner"]["spec"]["ingress"][0]
     if sabotage == "no-from":
         del rule["from"]
     elif sabotage == "empty-selector":

@@ -8,6 +8,7 @@ service-specific gauges and counters.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -109,3 +110,28 @@ def test_workflow_in_flight_and_learner_list_runs(cluster: dict[str, Any]) -> No
     samples = scrape(learner_http)
     method = "/marl.v1.Learner/ListRuns"
     assert value(samples, "marl_requests_total", protocol="grpc", method=method, code="OK") == 1.0
+
+
+def test_learner_exports_each_runs_training_by_run_and_role(cluster: dict[str, Any]) -> None:
+    """After a real run: its step, reward, accuracy, failed steps and every role's χ²,
+    entropy and response length, labelled by run (and role), on the learner's /metrics."""
+    from marl.local.demo import DEMO_SPEC
+
+    model = Path(marl.__file__).parent / "assets" / "demo-model"
+    spec = {**DEMO_SPEC, "engine": "transformers", "model": {"path": str(model)},
+            "train": {**DEMO_SPEC["train"], "steps": 2, "problems_per_step": 4,
+                      "val_interval": 2, "val_problems": 8}}
+    with RunsClient(cluster["learner"]) as runs:
+        run_id = runs.submit(spec)
+        assert runs.wait(run_id, timeout=600).state == "SUCCEEDED"
+    (learner_http,) = cluster["learner_http"]
+    samples = scrape(learner_http)
+    assert value(samples, "marl_run_step", run=run_id) == 2.0
+    assert value(samples, "marl_run_reward_mean", run=run_id) is not None
+    assert value(samples, "marl_run_val_accuracy", run=run_id) is not None
+    assert value(samples, "marl_run_failed_steps", run=run_id) == 0.0
+    for role in ("generator", "aggregator"):  # Voting's roles
+        for name in ("marl_role_chi2_token", "marl_role_update_chi2", "marl_role_entropy",
+                     "marl_role_response_len"):
+            got = value(samples, name, run=run_id, role=role)
+            assert got is not None and math.isfinite(got), (name, role)
