@@ -40,9 +40,12 @@ def make_manifest(
     target_modules: list[str],
     payload: bytes,
     keep_versions: int = 0,
+    run_id: str = "",
+    fence: int = 0,
 ) -> common_pb2.AdapterManifest:
     """`keep_versions`: how many versions of this adapter the replica keeps (see
-    `AdapterManifest.keep_versions`); 0 leaves it to the replica."""
+    `AdapterManifest.keep_versions`); 0 leaves it to the replica. `run_id`, `fence`: the
+    run whose learner pushes it and the fencing token of that learner's lease."""
     return common_pb2.AdapterManifest(
         ref=common_pb2.AdapterRef(name=name, version=version),
         base_model=base_model,
@@ -53,6 +56,8 @@ def make_manifest(
         size_bytes=len(payload),
         format="safetensors",
         keep_versions=keep_versions,
+        run_id=run_id,
+        fence=fence,
     )
 
 

@@ -15,7 +15,7 @@ class AdapterRef(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class AdapterManifest(_message.Message):
-    __slots__ = ("ref", "base_model", "rank", "alpha", "target_modules", "sha256", "size_bytes", "format", "keep_versions")
+    __slots__ = ("ref", "base_model", "rank", "alpha", "target_modules", "sha256", "size_bytes", "format", "keep_versions", "run_id", "fence")
     REF_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,8 @@ class AdapterManifest(_message.Message):
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     KEEP_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
     ref: AdapterRef
     base_model: str
     rank: int
@@ -34,4 +36,6 @@ class AdapterManifest(_message.Message):
     size_bytes: int
     format: str
     keep_versions: int
-    def __init__(self, ref: _Optional[_Union[AdapterRef, _Mapping]] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., format: _Optional[str] = ..., keep_versions: _Optional[int] = ...) -> None: ...
+    run_id: str
+    fence: int
+    def __init__(self, ref: _Optional[_Union[AdapterRef, _Mapping]] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., format: _Optional[str] = ..., keep_versions: _Optional[int] = ..., run_id: _Optional[str] = ..., fence: _Optional[int] = ...) -> None: ...
