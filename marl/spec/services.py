@@ -188,7 +188,8 @@ class SandboxConfig(_ServiceConfig):
     """Port of the HTTP front end (SandboxFusion-compatible POST /run_code, Prometheus /metrics);
     0 picks a free one; none when unset."""
     isolation: Literal["auto", "namespaces", "seccomp", "rlimits"] = "auto"
-    """Strongest tier to try; `auto` takes the strongest the kernel allows."""
+    """Strongest tier to try; `auto` takes the strongest the kernel allows, and refuses to
+    start where that is below `seccomp` (set `rlimits` to run with no seccomp filter)."""
     max_concurrency: int = Field(default_factory=lambda: max(1, os.cpu_count() or 1), ge=1, le=256)
     """Jobs executing at once (default: the CPU count)."""
     warm_jails: int = Field(default=2, ge=1, le=64)
