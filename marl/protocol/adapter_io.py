@@ -41,10 +41,13 @@ def make_manifest(
     payload: bytes,
     keep_versions: int = 0,
     owner: str = "",
+    run_id: str = "",
+    fence: int = 0,
 ) -> common_pb2.AdapterManifest:
     """`keep_versions`: how many versions of this adapter the replica keeps (see
     `AdapterManifest.keep_versions`); 0 leaves it to the replica. `owner`: the user whose
-    run trained it (`AdapterManifest.owner`)."""
+    run trained it (`AdapterManifest.owner`). `run_id`, `fence`: the run whose learner
+    pushes it and the fencing token of that learner's lease."""
     return common_pb2.AdapterManifest(
         ref=common_pb2.AdapterRef(name=name, version=version),
         base_model=base_model,
@@ -56,6 +59,8 @@ def make_manifest(
         format="safetensors",
         keep_versions=keep_versions,
         owner=owner,
+        run_id=run_id,
+        fence=fence,
     )
 
 

@@ -71,6 +71,13 @@ class InferenceConfig(_RedisConfig):
     A run's pushes may ask for more (`train.max_staleness` + 1)."""
     max_lora_rank: int = Field(default=64, ge=1, le=1024)
     """Largest adapter rank this replica accepts (vLLM sizes its LoRA buffers by it)."""
+    max_concurrent_pushes: int = Field(default=16, ge=1, le=4096)
+    """Adapter pushes this replica buffers at once; one more is refused RESOURCE_EXHAUSTED
+    (a learner pushes it again shortly). Learners push each adapter of each run at once."""
+    max_push_bytes: int = Field(default=4096 * MiB, ge=MiB, le=1 << 40)
+    """Bytes the pushes this replica buffers at once may declare together (each is held
+    whole before it loads); one past it is refused RESOURCE_EXHAUSTED, and a single push
+    larger than it FAILED_PRECONDITION."""
     http_port: int | None = Field(default=None, ge=0, le=65535)
     """Port of the HTTP front end (OpenAI-compatible /v1, Prometheus /metrics); 0 picks a free
     one; none when unset."""
@@ -182,7 +189,8 @@ class SandboxConfig(_ServiceConfig):
     """Port of the HTTP front end (SandboxFusion-compatible POST /run_code, Prometheus /metrics);
     0 picks a free one; none when unset."""
     isolation: Literal["auto", "namespaces", "seccomp", "rlimits"] = "auto"
-    """Strongest tier to try; `auto` takes the strongest the kernel allows."""
+    """Strongest tier to try; `auto` takes the strongest the kernel allows, and refuses to
+    start where that is below `seccomp` (set `rlimits` to run with no seccomp filter)."""
     max_concurrency: int = Field(default_factory=lambda: max(1, os.cpu_count() or 1), ge=1, le=256)
     """Jobs executing at once (default: the CPU count)."""
     warm_jails: int = Field(default=2, ge=1, le=64)

@@ -29,6 +29,7 @@ from marl.protocol import adapter_io
 from marl.protocol.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from marl.runtime import auth, replicas, streams, trace
 from marl.runtime.aio_tasks import cancel_until_done
+from marl.runtime.fences import PushFences
 from marl.runtime.heap import keep_freed_heap_until_trimmed
 from marl.runtime.http_server import HttpServer
 from marl.runtime.prometheus_metrics import ADAPTER_VERSIONS, INFERENCE_IN_FLIGHT
@@ -57,12 +58,15 @@ from services.inference.engine import (
     room,
 )
 from services.inference.factory import make_engine
+from services.inference.push_guard import PushBudget, PushRefused, check_owner
 
 log = logging.getLogger(__name__)
 
 MAX_ADAPTER_BYTES = 4 << 30
 MAX_OWNER = 256
 """A user name's bound (marl.spec.users)."""
+DEFAULT_MAX_PUSHES = 16
+"""Pushes a replica built without a config buffers at once (`max_concurrent_pushes`)."""
 MAX_REQUEST_ID = 4096
 """request_id carries the task id (run, step, problem id, role): long problem ids must fit."""
 JOIN_CHECK_S = 0.5
@@ -84,9 +88,20 @@ class Refused(Exception):
 class InferenceService(inference_pb2_grpc.InferenceServicer):
     """Registered before the server starts; `attach` brings the engine once it is built."""
 
-    def __init__(self, replica_id: str, limits: ModelLimits):
+    def __init__(
+        self,
+        replica_id: str,
+        limits: ModelLimits,
+        redis_client: aioredis.Redis | None = None,
+        budget: PushBudget | None = None,
+    ):
+        """`redis_client`: where the runs' fencing tokens are read (None: only the tokens
+        this replica saw pushed count); `budget`: the pushes it buffers at once."""
         self.replica_id = replica_id
         self.limits = limits
+        self.redis = redis_client
+        self.fences = PushFences()
+        self.budget = budget or PushBudget(DEFAULT_MAX_PUSHES, MAX_ADAPTER_BYTES)
         self._engine: Engine | None = None
         self._registry: AdapterRegistry | None = None
         self._push_lock = asyncio.Lock()
@@ -249,6 +264,29 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         problem = self._check_manifest(m)
         if problem is not None:
             await context.abort(*problem)
+        try:
+            await check_owner(m, self.fences, self.redis)
+            with self.budget.reserve(f"{ref.name}@{ref.version}", m.size_bytes):
+                payload = await self._receive(m, request_iterator, context)
+                async with self._push_lock:
+                    # again: a newer learner of the run may have pushed while this one streamed
+                    await check_owner(m, self.fences, self.redis)
+                    await self._load(m, payload, context)
+        except PushRefused as err:
+            await context.abort(err.code, err.message)
+        log.info("loaded %s@%d in %.3fs", ref.name, ref.version, time.monotonic() - started)
+        return inference_pb2.PushAdapterResponse(
+            ref=ref, loaded=True, load_seconds=time.monotonic() - started
+        )
+
+    async def _receive(
+        self,
+        m: common_pb2.AdapterManifest,
+        request_iterator: AsyncIterator[inference_pb2.AdapterChunk],
+        context: grpc.aio.ServicerContext,
+    ) -> bytearray:
+        """The push's payload, checked against its manifest's size and sha256."""
+        ref = m.ref
         payload = bytearray()
         async for chunk in request_iterator:
             payload.extend(chunk.data)
@@ -265,48 +303,50 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 f"(manifest sha256 {m.sha256[:12]}, received {digest[:12]}, "
                 f"{len(payload)}/{m.size_bytes} bytes); push it again",
             )
-        async with self._push_lock:
-            existing = self.registry.get(ref.name, ref.version)
-            if existing is not None:
-                if existing.sha256 != m.sha256:
-                    await context.abort(
-                        grpc.StatusCode.FAILED_PRECONDITION,
-                        f"adapter {ref.name}@{ref.version} is already loaded with other weights;"
-                        " versions are immutable, push a new version",
-                    )
-            else:
-                try:
-                    state_dict = adapter_io.deserialize(bytes(payload))
-                except Exception as err:
-                    await context.abort(
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        f"adapter {ref.name}@{ref.version}: payload is not safetensors ({err})",
-                    )
-                int_id = self.registry.next_int_id()
-                key = f"{ref.name}@{ref.version}"
-                try:
-                    await self.engine.load_adapter(
-                        AdapterWeights(
-                            key=key,
-                            int_id=int_id,
-                            rank=m.rank,
-                            alpha=m.alpha,
-                            target_modules=list(m.target_modules),
-                            state_dict=state_dict,
-                        )
-                    )
-                except ValueError as err:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-                await self.registry.added(
-                    LoadedVersion(ref.name, ref.version, int_id, m.sha256, owner=m.owner),
-                    keep=m.keep_versions,
+        return payload
+
+    async def _load(
+        self, m: common_pb2.AdapterManifest, payload: bytearray, context: grpc.aio.ServicerContext
+    ) -> None:
+        """Load a received version (under the push lock); one already held must match."""
+        ref = m.ref
+        existing = self.registry.get(ref.name, ref.version)
+        if existing is not None:
+            if existing.sha256 != m.sha256:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"adapter {ref.name}@{ref.version} is already loaded with other weights;"
+                    " versions are immutable, push a new version",
                 )
-                # the payload, the state dict and any version retired just now are freed
-                await self.engine.release_free_heap()
-        log.info("loaded %s@%d in %.3fs", ref.name, ref.version, time.monotonic() - started)
-        return inference_pb2.PushAdapterResponse(
-            ref=ref, loaded=True, load_seconds=time.monotonic() - started
-        )
+        else:
+            try:
+                state_dict = adapter_io.deserialize(bytes(payload))
+            except Exception as err:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"adapter {ref.name}@{ref.version}: payload is not safetensors ({err})",
+                )
+            int_id = self.registry.next_int_id()
+            key = f"{ref.name}@{ref.version}"
+            try:
+                await self.engine.load_adapter(
+                    AdapterWeights(
+                        key=key,
+                        int_id=int_id,
+                        rank=m.rank,
+                        alpha=m.alpha,
+                        target_modules=list(m.target_modules),
+                        state_dict=state_dict,
+                    )
+                )
+            except ValueError as err:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            await self.registry.added(
+                LoadedVersion(ref.name, ref.version, int_id, m.sha256, owner=m.owner),
+                keep=m.keep_versions,
+            )
+            # the payload, the state dict and any version retired just now are freed
+            await self.engine.release_free_heap()
 
     def _check_manifest(self, m: common_pb2.AdapterManifest) -> tuple[grpc.StatusCode, str] | None:
         ref = f"{m.ref.name}@{m.ref.version}"
@@ -415,7 +455,13 @@ async def _serve(cfg: InferenceConfig, model_path: str) -> None:
     service_name = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
     server = ServiceHost([service_name], cfg.host, cfg.port)
     replica_id = f"inference-{uuid.uuid4().hex[:8]}"
-    service = InferenceService(replica_id, model_limits(model_path))
+    redis_client = streams.connect(cfg.redis) if cfg.redis else None
+    service = InferenceService(
+        replica_id,
+        model_limits(model_path),
+        redis_client,
+        PushBudget(cfg.max_concurrent_pushes, cfg.max_push_bytes),
+    )
     inference_pb2_grpc.add_InferenceServicer_to_server(service, server.server)
     ADAPTER_VERSIONS.set_function(
         lambda: 0 if service._registry is None else len(service._registry.all())
@@ -424,7 +470,6 @@ async def _serve(cfg: InferenceConfig, model_path: str) -> None:
         lambda: 0 if service._registry is None
         else sum(v.in_flight for v in service._registry.all())
     )
-    redis_client = streams.connect(cfg.redis) if cfg.redis else None
     # model_path: what workers may load a tokenizer from (never a caller's path)
     info: dict[str, Any] = {"address": server.address,
                             "model_path": os.path.realpath(model_path)}

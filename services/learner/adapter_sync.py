@@ -11,6 +11,12 @@ acknowledgements expires a day later.
 Versions are never reused: a run taken over after its learner died starts a new
 version range (`version_base`), since a replica refuses a name@version it already
 holds with other weights.
+
+Every push names the run and carries the fencing token of this learner's lease on it
+(`lease`): before each push the lease is checked in Redis, and a replica refuses a
+token older than the run's newest, so a learner that lost the run pushes nothing more.
+A replica busy with other pushes (RESOURCE_EXHAUSTED: its caps on pushes at once and
+their bytes) is tried again, as one that does not answer is.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from marl.runtime.aio_tasks import cancel_until_done, raise_if_cancelled
 from marl.runtime.torch_thread import TorchThread
 from marl.spec.run import RunSpec
 from services.learner.errors import ReplicaUnreachable, RunFailed
+from services.learner.lease import Lease
 from services.learner.runs import acks_key
 
 log = logging.getLogger(__name__)
@@ -81,10 +88,13 @@ class AdapterSync:
         version_base: int = 0,
         check_cancel: Callable[[], Awaitable[None]] | None = None,
         owner: str = "",
+        lease: Lease | None = None,
     ):
         """`check_cancel` raises when the run was cancelled: a push waiting for a replica
         asks it each second, so CancelRun does not wait out REPLICA_WAIT_S. `owner`: the
-        run's owner, whom replicas serve its adapters to (besides admins and services)."""
+        run's owner, whom replicas serve its adapters to (besides admins and services).
+        `lease`: the run's lease, checked before each push; its fencing token goes with
+        the push."""
         self.run_id = run_id
         self.owner = owner
         self.spec = spec
@@ -95,6 +105,7 @@ class AdapterSync:
         self.torch = torch_thread
         self.version_base = version_base
         self.check_cancel = check_cancel
+        self.lease = lease
         self.versions = dict.fromkeys(self.policy_names, version_base)
         self.recent: dict[str, list[Published]] = {}
         """Policy -> its last `train.versions_per_adapter` versions, oldest first (the
@@ -139,8 +150,12 @@ class AdapterSync:
         self._sync = asyncio.create_task(self.sync_replicas())
         self._sync.add_done_callback(_log_crash)
 
-    async def close(self) -> None:
+    async def close(self, release: bool = True) -> None:
+        """Stop pushing; `release`: the run is over, so its adapters are unloaded from the
+        replicas and no longer current (False: another learner holds the run now)."""
         await cancel_until_done([*([self._sync] if self._sync else []), *self._pushes.values()])
+        if not release:
+            return
         await replicas.retire_current(self.r, [self.adapter_name(p) for p in self.current])
         await self.release_adapters()
         await self.r.expire(acks_key(self.run_id), ACKS_KEPT_S)
@@ -167,6 +182,8 @@ class AdapterSync:
                 # tasks queued K versions before they are generated still find theirs
                 keep_versions=self.spec.train.versions_per_adapter,
                 owner=self.owner,
+                run_id=self.run_id,
+                fence=0 if self.lease is None else self.lease.fence,
             )
             current[p] = Published(self.versions[p], manifest, payload)
         return current
@@ -176,7 +193,10 @@ class AdapterSync:
         Publishing first means a replica that joins meanwhile either is one of these
         targets or waits for this version before it serves. While no replica took a
         version (none is live, or every live one is gone: the only one restarting), push
-        again to what is live each second, for up to REPLICA_WAIT_S."""
+        again to what is live each second, for up to REPLICA_WAIT_S. Nothing is published
+        or pushed once the run's lease is lost (LeaseLost)."""
+        if self.lease is not None:
+            await self.lease.check()
         for p, pub in current.items():
             recent = self.recent.setdefault(p, [])
             if not recent or recent[-1].version != pub.version:
@@ -215,6 +235,8 @@ class AdapterSync:
             if self.check_cancel is not None:
                 await self.check_cancel()
             await asyncio.sleep(1.0)
+            if self.lease is not None:
+                await self.lease.check()
 
     async def _push_round(
         self, targets: dict[str, dict[str, Any]], current: dict[str, Published]
@@ -277,6 +299,14 @@ class AdapterSync:
                         f"inference replica {rid} ({address}) unreachable for {ref}: "
                         f"{err.details()}"
                     ) from None
+                if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy: try it again
+                    raise ReplicaUnreachable(
+                        f"inference replica {rid} ({address}) busy for {ref}: {err.details()}"
+                    ) from None
+                if self.lease is not None and err.code() == grpc.StatusCode.ABORTED:
+                    raise self.lease.lost_to(
+                        f"inference replica {rid} refused {ref}: {err.details()}"
+                    ) from None
                 raise RunFailed(
                     f"inference replica {rid} ({address}) refused adapter {ref}: {err.details()}"
                 ) from None
@@ -318,7 +348,7 @@ class AdapterSync:
         """Keep the published versions fresh and push them to every live replica that has
         not acknowledged them: one that started mid-run waits for the current ones before
         it serves, and gets the K before them too (`recent`), which queued tasks name."""
-        while True:
+        while self.lease is None or self.lease.lost is None:
             await asyncio.sleep(SYNC_INTERVAL_S)
             if not self.recent:
                 continue

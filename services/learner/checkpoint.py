@@ -6,11 +6,18 @@
 optimizer and LR-scheduler states, the RNG states, and `state.json` (step, data
 position, adapter versions; with `routing`, role -> adapter, only the adapters it names are
 saved, and `adapters` lists them: a run that split a role off (guard.py) resumes with its
-routing, and its untrained spare adapters are not saved). Each is written to a temporary directory and renamed
-into place, then `latest` is replaced atomically: a learner killed at any point
-leaves the previous checkpoint whole. `best` is a copy of the checkpoint with the
-best validation accuracy; only the newest `train.checkpoints_kept` step
-checkpoints stay on disk.
+routing, and its untrained spare adapters are not saved). Each is written to a temporary directory,
+its files and the directory fsynced, and renamed into place, the parent fsynced, then
+`latest` is replaced atomically and fsynced too: a learner killed at any point, or a node
+that loses power, leaves the previous checkpoint whole and `latest` naming a checkpoint
+whose bytes are on disk. `best` is a copy of the checkpoint with the best validation
+accuracy; only the newest `train.checkpoints_kept` step checkpoints stay on disk.
+
+`checkpoints/fence` holds the fencing token of the newest lease on the run
+(marl.runtime.fences): a learner writes its token there when it takes the run
+(`Checkpointer.claim`), and a save whose token is below the one written there is
+refused before anything is renamed, so a learner that lost the run cannot move
+`latest` under the one that holds it.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from marl.runtime.fences import StaleFence
 from services.learner.policy import MultiAdapterPolicy
 from services.learner.ranks import PolicyHandle
 
@@ -71,7 +79,15 @@ def restore_snapshot(policy: MultiAdapterPolicy, snap: Snapshot) -> None:
     policy.updates = snap.updates
 
 
-def save(out_dir: Path, step: int, policy: PolicyHandle, state: dict[str, Any]) -> Path:
+def save(
+    out_dir: Path,
+    step: int,
+    policy: PolicyHandle,
+    state: dict[str, Any],
+    fence: int | None = None,
+) -> Path:
+    """Write step `step`'s checkpoint and point `latest` at it. `fence`: the writer's
+    fencing token; the save is refused (StaleFence) if the directory holds a newer one."""
     routing = state.get("routing")
     names = sorted(set(routing.values())) if routing else None
     snap = policy.call(snapshot, names)
@@ -93,16 +109,69 @@ def save(out_dir: Path, step: int, policy: PolicyHandle, state: dict[str, Any]) 
     (tmp / "state.json").write_text(
         json.dumps({**state, "step": step, "updates": snap.updates, "adapters": list(snap.adapters)})
     )
+    sync_tree(tmp)
+    if fence is not None:
+        check_fence(root, fence)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
+    sync_dir(root)
     _point(root, "latest", final.name)
     return final
 
 
+def sync_tree(folder: Path) -> None:
+    """fsync every file under `folder`, then every directory, deepest first: once this
+    returns, a rename of `folder` publishes bytes that are on disk."""
+    dirs = []
+    for here, _subdirs, files in os.walk(folder):
+        dirs.append(here)
+        for name in files:
+            fd = os.open(os.path.join(here, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for here in reversed(dirs):
+        sync_dir(Path(here))
+
+
+def sync_dir(folder: Path) -> None:
+    """fsync a directory: the names created, renamed or removed in it are on disk."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _point(root: Path, name: str, target: str) -> None:
     tmp = root / f".{name}.tmp"
-    tmp.write_text(target)
+    with open(tmp, "w") as f:
+        f.write(target)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, root / name)
+    sync_dir(root)
+
+
+FENCE_FILE = "fence"
+"""In `checkpoints/`: the fencing token of the newest lease that wrote there."""
+
+
+def written_fence(root: Path) -> int:
+    """The fencing token written beside the run's checkpoints; 0 before any."""
+    path = root / FENCE_FILE
+    return int(path.read_text().strip() or 0) if path.exists() else 0
+
+
+def check_fence(root: Path, fence: int) -> None:
+    """StaleFence if a lease newer than `fence`'s wrote its token beside the checkpoints."""
+    newest = written_fence(root)
+    if newest > fence:
+        raise StaleFence(
+            f"checkpoints of {root.parent.name}: fencing token {fence} is stale (a learner "
+            f"with token {newest} holds the run now); this checkpoint is not written"
+        )
 
 
 def load(ckpt: Path, policy: PolicyHandle) -> dict[str, Any]:
@@ -129,7 +198,12 @@ class Checkpointer:
     """Decides when to checkpoint (every `interval` steps, at the end, and whenever
     validation beats the best so far), keeps `best` and prunes old checkpoints."""
 
-    def __init__(self, out_dir: Path, interval: int, total_steps: int, keep: int):
+    def __init__(
+        self, out_dir: Path, interval: int, total_steps: int, keep: int, fence: int | None = None
+    ):
+        """`fence`: the fencing token of the lease this learner holds on the run (None:
+        unfenced, a run no other learner takes)."""
+        self.fence = fence
         self.root = out_dir / "checkpoints"
         self.out_dir = out_dir
         self.interval = interval
@@ -147,6 +221,15 @@ class Checkpointer:
         value = json.loads(state.read_text()).get("val_accuracy")
         return None if value is None else float(value)
 
+    def claim(self) -> None:
+        """Write this learner's fencing token beside the checkpoints (StaleFence if a newer
+        one is there): from now on a learner with an older token cannot save here."""
+        if self.fence is None:
+            return
+        check_fence(self.root, self.fence)
+        self.root.mkdir(parents=True, exist_ok=True)
+        _point(self.root, FENCE_FILE, str(self.fence))
+
     def improves(self, val_accuracy: float | None) -> bool:
         return val_accuracy is not None and (
             self.best_accuracy is None or val_accuracy > self.best_accuracy
@@ -162,15 +245,23 @@ class Checkpointer:
         state: dict[str, Any],
         val_accuracy: float | None,
     ) -> Path:
-        final = save(self.out_dir, step, policy, {**state, "val_accuracy": val_accuracy})
+        final = save(
+            self.out_dir,
+            step,
+            policy,
+            {**state, "val_accuracy": val_accuracy, "fence": self.fence},
+            self.fence,
+        )
         if self.improves(val_accuracy):
             tmp, old = self.root / ".best.tmp", self.root / ".best.old"
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.rmtree(old, ignore_errors=True)
             shutil.copytree(final, tmp)
+            sync_tree(tmp)
             if (self.root / "best").exists():
                 os.replace(self.root / "best", old)
             os.replace(tmp, self.root / "best")
+            sync_dir(self.root)
             shutil.rmtree(old, ignore_errors=True)
             self.best_accuracy = val_accuracy
         self.prune()

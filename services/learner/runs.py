@@ -2,7 +2,11 @@
 
 A learner training a run holds its lease (a Redis key with a time to live) and
 renews it while it lives; a RUNNING run whose lease lapsed lost its learner and
-is taken over, under the same run id, by the next learner that looks.
+is taken over, under the same run id, by the next learner that looks. Taking and
+renewing a lease are each one compare-and-set (WATCH/MULTI/EXEC, which Redis users
+that may not run scripts can send too), and each take counts the run's fencing token
+up (`marl.runtime.fences`) in the same transaction; a learner that lost the lease
+stops the run before its next push or checkpoint (services/learner/lease.py).
 
 A finished run's Redis state (its record, acknowledgements, metrics stream and rollouts
 stream: `run_keys`) expires `retention_s` after it ends (the learner config's
@@ -24,8 +28,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import WatchError
 
-from marl.runtime import streams
+from marl.runtime import fences, streams
 from marl.spec.users import ANONYMOUS_USER
 
 QUEUE = "marl:runs:queue"
@@ -48,8 +53,9 @@ def owner_of(record: dict[str, Any]) -> str:
 
 
 def run_key(run_id: str) -> str:
-    """The hash that is the run's record (state, step, counters such as dead_lettered)."""
-    return f"marl:run:{run_id}"
+    """The hash that is the run's record (state, step, counters such as dead_lettered,
+    the newest fencing token)."""
+    return fences.run_record_key(run_id)
 
 
 _key = run_key
@@ -196,20 +202,58 @@ class RunStore:
     async def cancel_requested(self, run_id: str) -> bool:
         return str(await self.r.hget(_key(run_id), "cancel")) == "1"
 
-    async def claim(self, run_id: str, learner_id: str) -> bool:
-        """Take the run's lease if no live learner holds it."""
-        return bool(await self.r.set(_lease(run_id), learner_id, nx=True, px=int(LEASE_S * 1000)))
+    async def claim(self, run_id: str, learner_id: str) -> tuple[str, int] | None:
+        """Take the run's lease if no live learner holds it: (the lease's holder string,
+        its fencing token), or None. One transaction: of two learners that see the lease
+        lapsed, one takes it, and the token counts up with the take."""
+        lease = _lease(run_id)
+        holder = f"{learner_id}:{secrets.token_hex(4)}"
+        async with self.r.pipeline(transaction=True) as pipe:
+            try:
+                await pipe.watch(lease)
+                if await pipe.exists(lease):
+                    return None
+                pipe.multi()
+                pipe.set(lease, holder, px=int(LEASE_S * 1000))
+                pipe.hincrby(_key(run_id), fences.FIELD, 1)
+                _, fence = await pipe.execute()
+            except WatchError:
+                return None
+        return holder, int(fence)
 
-    async def renew(self, run_id: str, learner_id: str) -> bool:
-        """Extend the lease; False if another learner holds it now."""
-        if str(await self.r.get(_lease(run_id))) != learner_id:
-            return False
-        await self.r.pexpire(_lease(run_id), int(LEASE_S * 1000))
+    async def renew(self, run_id: str, holder: str) -> bool:
+        """Extend the lease `holder` (what `claim` returned) holds; False if it holds it no more.
+        A compare-and-set: the lease is extended only while it still names `holder`."""
+        lease = _lease(run_id)
+        async with self.r.pipeline(transaction=True) as pipe:
+            try:
+                await pipe.watch(lease)
+                if str(await pipe.get(lease)) != holder:
+                    return False
+                pipe.multi()
+                pipe.pexpire(lease, int(LEASE_S * 1000))
+                await pipe.execute()
+            except WatchError:  # the lease changed between the read and the write
+                return False
         return True
 
-    async def release(self, run_id: str, learner_id: str) -> None:
-        if str(await self.r.get(_lease(run_id))) == learner_id:
-            await self.r.delete(_lease(run_id))
+    async def holds(self, run_id: str, holder: str) -> bool:
+        """Whether the run's lease is `holder`'s now."""
+        return str(await self.r.get(_lease(run_id))) == holder
+
+    async def release(self, run_id: str, holder: str) -> None:
+        """Drop the lease if it is still `holder`'s (a compare-and-delete)."""
+        lease = _lease(run_id)
+        async with self.r.pipeline(transaction=True) as pipe:
+            try:
+                await pipe.watch(lease)
+                if str(await pipe.get(lease)) != holder:
+                    return
+                pipe.multi()
+                pipe.delete(lease)
+                await pipe.execute()
+            except WatchError:
+                return
 
     async def orphaned(self) -> builtins.list[str]:
         """RUNNING runs whose learner's lease lapsed, oldest first."""

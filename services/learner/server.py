@@ -16,7 +16,7 @@ import logging
 import math
 import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +38,8 @@ from marl.spec.run import RunSpec, SpecError, dump_spec, load_spec_text
 from marl.spec.safe_input import shorten
 from marl.spec.services import LearnerConfig
 from marl.workflows import policy_of_role
-from services.learner.runs import (
-    LEASE_S,
-    TERMINAL,
-    Position,
-    RunStore,
-    new_run_id,
-    owner_of,
-)
+from services.learner.lease import Lease, LeaseLost
+from services.learner.runs import TERMINAL, Position, RunStore, new_run_id, owner_of
 from services.learner.trainer import RunCancelled, RunExecutor, RunFailed
 
 log = logging.getLogger(__name__)
@@ -313,40 +307,24 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
                 return
 
 
-async def _next_run(store: RunStore, learner_id: str) -> tuple[str, int] | None:
+async def _next_run(store: RunStore, learner_id: str) -> tuple[str, int, Lease] | None:
     """A queued run, or a RUNNING one whose learner died (its lease lapsed): (run id, the
-    number of times it has been taken over)."""
+    number of times it has been taken over, the lease taken on it)."""
     run_id = await store.take_next(timeout_s=1.0)
     if run_id is not None:
         record = await store.get(run_id)
-        if (
-            record is None
-            or record["state"] != "QUEUED"
-            or not await store.claim(run_id, learner_id)
-        ):
+        if record is None or record["state"] != "QUEUED":
             return None
-        return run_id, 0
+        taken = await store.claim(run_id, learner_id)
+        if taken is None:
+            return None
+        return run_id, 0, Lease(store, run_id, *taken)
     for orphan in await store.orphaned():
-        if await store.claim(orphan, learner_id):
+        taken = await store.claim(orphan, learner_id)
+        if taken is not None:
             log.info("taking over run %s: its learner stopped renewing its lease", orphan)
-            return orphan, await store.count_takeover(orphan)
+            return orphan, await store.count_takeover(orphan), Lease(store, orphan, *taken)
     return None
-
-
-async def _keep_lease(store: RunStore, run_id: str, learner_id: str) -> None:
-    from redis.exceptions import ConnectionError as RedisConnectionError
-    from redis.exceptions import TimeoutError as RedisTimeoutError
-
-    while True:
-        await asyncio.sleep(LEASE_S / 3)
-        raise_if_cancelled()  # a cancel that redis-py lost in the last renew (see aio_tasks)
-        try:
-            renewed = await store.renew(run_id, learner_id)
-        except (RedisConnectionError, RedisTimeoutError) as err:  # a restarting Redis
-            log.warning("could not renew the lease of run %s: %s; retrying", run_id, err)
-            continue
-        if not renewed:
-            log.error("lost the lease of run %s to another learner", run_id)
 
 
 async def run_loop(
@@ -378,11 +356,11 @@ async def run_loop(
             taken = await _next_run(store, learner_id)
             if taken is None:
                 continue
-            run_id, takeover = taken
+            run_id, takeover, lease = taken
             lane = RunLane(torch_thread)
             running.add(
                 asyncio.create_task(
-                    train_run(r, store, learner_id, cfg, run_id, takeover, lane, burst_threads),
+                    train_run(r, store, lease, cfg, takeover, lane, burst_threads),
                     name=f"run {run_id}",
                 )
             )
@@ -400,22 +378,23 @@ def _reap(running: set[asyncio.Task[None]]) -> None:
 async def train_run(
     r: aioredis.Redis,
     store: RunStore,
-    learner_id: str,
+    lease: Lease,
     cfg: LearnerConfig,
-    run_id: str,
     takeover: int,
     torch_thread: TorchThread,
     burst_threads: int,
 ) -> None:
     """Train one run, whose lease this learner holds, to its end and record how it ended:
     SUCCEEDED, CANCELLED, or FAILED with its error (a bad spec, a failed run, a crash in its
-    training). Its lease is kept while it trains and released after."""
+    training). Its lease is kept while it trains and released after. A run whose lease
+    was lost stops with nothing recorded: it is another learner's now."""
     retention_s = cfg.retention_s
+    run_id = lease.run_id
     record = await store.get(run_id)
     assert record is not None
     await store.update(run_id, state="RUNNING")
-    log.info("training run %s", run_id)
-    lease = asyncio.create_task(_keep_lease(store, run_id, learner_id))
+    log.info("training run %s (fencing token %d)", run_id, lease.fence)
+    keeper = asyncio.create_task(lease.keep())
     try:
         spec = load_spec_text(record["spec_yaml"])
         out_dir = Path(record["out_dir"])
@@ -426,28 +405,51 @@ async def train_run(
             out_dir,
             r,
             store,
-            learner_id,
+            lease.holder,
             takeover,
             extra_sinks=sinks,
             learner=cfg.model_copy(update={"burst_threads": burst_threads}),
             torch_thread=torch_thread,
             owner=owner_of(record),
+            lease=lease,
         )
-        await executor.execute()
+        await _until_lost(executor.execute(), lease)
+    except LeaseLost as err:
+        log.error("stopped run %s: %s", run_id, err)
+        return
     except RunCancelled:
         await store.finish(run_id, "CANCELLED", retention_s)
     except (RunFailed, SpecError) as err:
         await store.finish(run_id, "FAILED", retention_s, error=str(err))
     except Exception as err:
+        if lease.lost is not None:  # what failed after the loss is the new holder's to redo
+            log.error("stopped run %s after losing its lease: %s", run_id, err)
+            return
         log.exception("run %s crashed", run_id)
         await store.finish(run_id, "FAILED", retention_s, error=f"{type(err).__name__}: {err}")
     else:
         await store.finish(run_id, "SUCCEEDED", retention_s)
     finally:
-        await cancel_until_done([lease])
-        await store.release(run_id, learner_id)
+        await cancel_until_done([keeper])
+        await store.release(run_id, lease.holder)
     final = await store.get(run_id)
     log.info("run %s ended: %s", run_id, final and final["state"])
+
+
+async def _until_lost(work: Coroutine[Any, Any, None], lease: Lease) -> None:
+    """Run `work` to its end, or cancel it as soon as the lease is found lost and raise
+    LeaseLost: a learner that lost its run does not finish even the step it was on."""
+    task = asyncio.create_task(work)
+    lost = asyncio.create_task(lease.wait_lost())
+    try:
+        await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            await cancel_until_done([task])
+        await cancel_until_done([lost])
+    if task.cancelled():  # by the loss
+        lease.check_local()
+    task.result()
 
 
 async def sweep_loop(store: RunStore, period_s: float = SWEEP_PERIOD_S) -> None:

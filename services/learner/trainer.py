@@ -36,6 +36,7 @@ from marl.diagnostics.alarms import AlarmWatch
 from marl.diagnostics.signatures import parallel_roles
 from marl.models.identity import base_model_id
 from marl.runtime import trace
+from marl.runtime.fences import StaleFence
 from marl.runtime.torch_thread import TorchThread
 from marl.spec.run import RunSpec, dump_spec
 from marl.spec.services import LearnerConfig
@@ -45,6 +46,7 @@ from services.learner.checkpoint import Checkpointer
 from services.learner.episodes import Episodes
 from services.learner.errors import ReplicaUnreachable, RunCancelled, RunFailed
 from services.learner.guard import Action, Guard, GuardStopped, spare_adapters
+from services.learner.lease import Lease
 from services.learner.metrics import (
     JsonlSink,
     MetricsSink,
@@ -144,11 +146,14 @@ class RunExecutor:
         learner: LearnerConfig,
         torch_thread: TorchThread | None = None,
         owner: str = "",
+        lease: Lease | None = None,
     ):
         """`learner`: the learner process's settings this run reads, its bound on queued
         tasks and `burst_threads`, the torch threads the update may take once every rollout
         queued ahead is in (`threads.ThreadBurst`; 0, or a synchronous run: its own share).
-        `owner`: the user who submitted the run, the one user its adapters are served to."""
+        `owner`: the user who submitted the run, the one user its adapters are served to.
+        `lease`: the run's lease, checked before every push and checkpoint, whose fencing
+        token they carry (None: a run no other learner can take, as in tests)."""
         self.run_id = run_id
         self.torch = torch_thread or TorchThread("learner")
         """Where the policy's torch work runs: the learner process's one torch thread."""
@@ -160,6 +165,7 @@ class RunExecutor:
         self.roles = policy_of_role(spec)
         self.takeover = takeover
         """0 for the run's first learner; n for the n-th learner that took it over."""
+        self.lease = lease
         self.adapters = AdapterSync(
             run_id,
             spec,
@@ -171,6 +177,7 @@ class RunExecutor:
             version_base=takeover * (spec.guard.max_rollbacks + 1) * (spec.train.steps + 1),
             check_cancel=self.check_cancel,
             owner=owner,
+            lease=lease,
         )
         self.episodes = Episodes(
             run_id, spec, r, learner_id, self.adapters.refs, self.check_cancel,
@@ -206,8 +213,12 @@ class RunExecutor:
         finally:
             if self.burst is not None:
                 await self.torch.run(self.burst.keep_share)
-            await self.adapters.close()
-            await self.episodes.close()
+            # a run whose lease was lost is another learner's: its adapters and its
+            # rollouts stream stay for that learner
+            held = self.lease is None or self.lease.lost is None
+            await self.adapters.close(release=held)
+            if held:
+                await self.episodes.close()
             for sink in self.sinks:
                 await sink.close()
             if self._own_torch_thread:
@@ -296,7 +307,13 @@ class RunExecutor:
             spec.train.checkpoint_interval,
             spec.train.steps,
             spec.train.checkpoints_kept,
+            fence=None if self.lease is None else self.lease.fence,
         )
+        try:  # before anything is read: an older lease's learner can write no more here
+            await self.torch.run(checkpointer.claim)
+        except StaleFence as err:
+            assert self.lease is not None
+            raise self.lease.lost_to(str(err)) from None
         restored = await self.torch.run(checkpointer.restore, policy)
         start = 0 if restored is None else int(restored["step"])
         if restored is not None:
@@ -377,13 +394,27 @@ class RunExecutor:
         accuracy = record.get("val/accuracy")
         self.data_position = position
         if loop.checkpointer.due(done, accuracy):
-            state = self.checkpoint_state()
-            await self.torch.run(loop.checkpointer.save, done, policy, state, accuracy)
+            await self.save(loop.checkpointer, done, policy, accuracy)
         record.update(clock.push_times(time.monotonic()))
         clock.trace(self.run_id, done, clock.start + record["time/step_s"])
         with trace.span("record", run=self.run_id, step=done):
             await self.log(done, record, policy, loop.checkpointer, judged)
         await self.torch.run(trim_heap, policy)
+
+    async def save(
+        self, checkpointer: Checkpointer, step: int, policy: PolicyHandle, accuracy: float | None
+    ) -> None:
+        """Checkpoint the step, while this learner still holds the run's lease; the
+        checkpoint directory refuses it too if a newer lease's token is written there."""
+        if self.lease is not None:
+            await self.lease.check()
+        state = self.checkpoint_state()
+        try:
+            await self.torch.run(checkpointer.save, step, policy, state, accuracy)
+        except StaleFence as err:
+            if self.lease is not None:
+                raise self.lease.lost_to(str(err)) from None
+            raise
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What a checkpoint records besides the weights: where the data order resumes, the
@@ -495,7 +526,7 @@ class RunExecutor:
                 self.adapters.set_step(step)
                 await self.adapters.push(policy)
                 # before the record: a run resumed from here trains on with the new routing
-                await self.torch.run(checkpointer.save, step, policy, self.checkpoint_state(), None)
+                await self.save(checkpointer, step, policy, None)
         elif action is not None and policy is not None and checkpointer is not None:
             done = await self.torch.run(self.guard.roll_back, policy, checkpointer)
             if done is None:

@@ -46,12 +46,32 @@ def confine(policy: dict[str, Any], limits: dict[str, Any]) -> None:
         ):
             hard = value + 1 if which == resource.RLIMIT_CPU else value
             resource.setrlimit(which, (value, hard))
-        if policy["nproc"]:
-            resource.setrlimit(resource.RLIMIT_NPROC, (policy["nproc"], policy["nproc"]))
+        nproc = policy["nproc"]
+        if policy.get("nproc_above_uid"):
+            nproc = uid_tasks(os.getuid()) + policy["nproc_above_uid"]
+        if nproc:
+            resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
     if policy["namespaces"]:
         syscalls.drop_capabilities()
     if policy["seccomp"]:
         seccomp.install_strict(os.getpid())
+
+
+def uid_tasks(uid: int) -> int:
+    """Tasks (processes and threads) of `uid` now, as RLIMIT_NPROC counts them."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status", "rb") as f:
+                status = f.read()
+        except OSError:  # gone, or not ours to read
+            continue
+        fields = dict(line.split(b":", 1) for line in status.splitlines() if b":" in line)
+        if int(fields.get(b"Uid", b"-1 ").split()[0]) == uid:
+            total += int(fields.get(b"Threads", b"1").strip())
+    return total
 
 
 _HOST_PATHS = sorted({p for q in (sys.base_prefix, sys.prefix, sys.base_exec_prefix)

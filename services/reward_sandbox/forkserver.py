@@ -26,7 +26,7 @@ import socket
 import sys
 from typing import Any
 
-from . import candidate, harness, jail, namespaces, seccomp, syscalls, tiers, wire
+from . import candidate, harness, jail, landlock, namespaces, seccomp, syscalls, tiers, wire
 
 JAIL_UID_BASE = 990_000
 """First of the uids the jails run as when the server is root (namespaces tier)."""
@@ -67,6 +67,9 @@ def main() -> None:
         report = tiers.detect(spec, config["isolation"])
     spec["tier"] = report["tier"]
     spec["pidfd"] = harness.pidfds_work()
+    # below the namespaces tier, a job's writes are confined to its scratch where it can be
+    spec["landlock"] = spec["tier"] in ("seccomp", "rlimits") and landlock.available()
+    report["landlock"] = spec["landlock"]
     if spec["tier"] == "namespaces" and os.geteuid() == 0:
         # Jails will run as uids of their own (see _Pool): stage what they cannot
         # reach, once for all of them, in a mount namespace of the zygote's own.

@@ -13,6 +13,10 @@ exists:
 3. loads the base seccomp filter (`seccomp` and `namespaces` tiers);
 4. becomes non-dumpable, so no candidate can ptrace it or read its memory.
 
+Below the namespaces tier, once its job arrives, it confines every write to the job's
+scratch directory with Landlock where the kernel has it (`landlock`), and points TMPDIR
+there.
+
 Then it waits for the job: four descriptors (public job, secrets, nonces,
 record pipe) and the scratch directory for tiers below `namespaces`, and
 hands them to the harness (see `harness` for who forks the candidates and
@@ -30,7 +34,7 @@ import socket
 import traceback
 from typing import Any, NoReturn
 
-from . import naive, namespaces, seccomp, syscalls, wire
+from . import landlock, naive, namespaces, seccomp, syscalls, wire
 from .harness import Harness
 
 NOBODY = 65534
@@ -63,6 +67,10 @@ def warm(spec: dict[str, Any], sock: socket.socket, uid: int | None = None) -> N
         scratch = msg["spec"].get("scratch")
         if scratch:
             os.chdir(scratch)
+            if spec.get("landlock"):
+                landlock.restrict_writes_to(scratch)
+            # a job's temporary files go to its scratch, which is removed after it
+            os.environ["TMPDIR"] = scratch
         if harness is None:
             naive.run(wire.read_json_fd(job_fd), rec_fd, sec_fd, nonce_fd)
             os._exit(0)
@@ -108,6 +116,10 @@ def enter(tier: str, spec: dict[str, Any], keep: list[int],
         os.setresuid(NOBODY, NOBODY, NOBODY)
         # Every job shares uid 65534 here, so the process cap is shared too.
         policy["nproc"] = spec["max_processes"] * spec["max_jobs"]
+    elif tier != "none":
+        # the jobs share the server's uid: each candidate may add max_processes tasks to
+        # those its uid runs when it starts (candidate.confine counts them)
+        policy["nproc_above_uid"] = spec["max_processes"]
     if policy["seccomp"]:
         seccomp.install_base()
     if tier != "none":

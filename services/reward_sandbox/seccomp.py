@@ -5,9 +5,14 @@ template, candidate): no internet, netlink or datagram sockets (only Unix
 stream/seqpacket pairs), no connect/bind/listen, no ptrace or
 process_vm_readv/writev, no new namespaces, no mounts, no io_uring (it would
 bypass this filter), no bpf, perf, keyrings, kexec, modules or
-open_by_handle_at. The *strict* filter is added in the candidate process only:
-no execve, no fork/vfork/clone of a new process (threads are allowed), no
-setsid/setpgid, and signals only to itself.
+open_by_handle_at, and the calls that act on another process by its pid
+(prlimit64, sched_setaffinity/setparam/setscheduler/setattr, migrate_pages,
+move_pages) only on the caller itself (pid 0), setpriority and ioprio_set only on
+the caller or its own process group (who 0), process_madvise/process_mrelease not
+at all: a job cannot re-limit, renice, re-pin or page out its zygote, the server or
+another job of the same uid. The *strict* filter is added in the candidate process
+only: no execve, no fork/vfork/clone of a new process (threads are allowed), no
+setsid/setpgid, no pidfds, and signals only to itself.
 
 What it does not protect: syscalls not listed here are allowed (reading files,
 writing inside the scratch area, threads, memory); a kernel bug reachable from
@@ -41,6 +46,9 @@ _X86_64 = {
     "name_to_handle_at": 303, "open_by_handle_at": 304, "setns": 308,
     "process_vm_readv": 310, "process_vm_writev": 311, "kcmp": 312, "finit_module": 313,
     "kexec_file_load": 320, "bpf": 321, "execveat": 322, "userfaultfd": 323,
+    "setpriority": 141, "sched_setparam": 142, "sched_setscheduler": 144,
+    "migrate_pages": 256, "move_pages": 279, "sched_setaffinity": 203, "ioprio_set": 251,
+    "prlimit64": 302, "sched_setattr": 314,
 }
 _AARCH64 = {
     "lookup_dcookie": 18, "umount2": 39, "mount": 40, "pivot_root": 41, "chroot": 51,
@@ -55,13 +63,17 @@ _AARCH64 = {
     "open_by_handle_at": 265, "setns": 268, "process_vm_readv": 270,
     "process_vm_writev": 271, "kcmp": 272, "finit_module": 273, "bpf": 280,
     "execveat": 281, "userfaultfd": 282, "kexec_file_load": 294,
+    "ioprio_set": 30, "sched_setparam": 118, "sched_setscheduler": 119,
+    "sched_setaffinity": 122, "setpriority": 140, "migrate_pages": 238, "move_pages": 239,
+    "prlimit64": 261, "sched_setattr": 274,
 }
 # Numbers shared by every architecture since Linux 5.1.
 _COMMON = {
     "pidfd_send_signal": 424, "io_uring_setup": 425, "io_uring_enter": 426,
     "io_uring_register": 427, "open_tree": 428, "move_mount": 429, "fsopen": 430,
     "fsconfig": 431, "fsmount": 432, "fspick": 433, "pidfd_open": 434, "clone3": 435,
-    "pidfd_getfd": 438, "mount_setattr": 442,
+    "pidfd_getfd": 438, "process_madvise": 440, "mount_setattr": 442,
+    "process_mrelease": 448,
 }
 _TABLES = {"x86_64": {**_X86_64, **_COMMON}, "aarch64": {**_AARCH64, **_COMMON}}
 
@@ -74,8 +86,15 @@ _BASE_DENY = (
     "name_to_handle_at", "fanotify_init", "lookup_dcookie", "vhangup", "uselib", "iopl",
     "ioperm", "syslog", "personality", "open_tree", "move_mount", "fsopen", "fsconfig",
     "fsmount", "fspick", "mount_setattr", "pidfd_getfd", "kcmp", "sethostname",
-    "setdomainname", "connect", "bind", "listen", "accept", "accept4",
+    "setdomainname", "connect", "bind", "listen", "accept", "accept4", "process_madvise",
+    "process_mrelease",
 )
+_SELF_ONLY = ("prlimit64", "sched_setaffinity", "sched_setparam", "sched_setscheduler",
+              "sched_setattr", "migrate_pages", "move_pages")
+"""Calls whose first argument is a pid: allowed on pid 0 (the caller) only."""
+_WHO_SELF_ONLY = {"setpriority": (0, 1), "ioprio_set": (1, 2)}
+"""Calls taking (which, who): allowed only with who 0 and `which` one of these (the
+process itself or its process group, never a user's processes)."""
 _STRICT_DENY = ("execve", "execveat", "fork", "vfork", "setsid", "setpgid",
                 "pidfd_send_signal", "pidfd_open")
 _SIGNAL_CALLS = ("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")
@@ -147,6 +166,29 @@ def _arg_equals(nr: int, arg: int, value: int) -> list[Insn]:
     ])
 
 
+def _pid_zero(nr: int, arg: int) -> list[Insn]:
+    """Allow `nr` only when argument `arg` (a pid_t, so its low 32 bits) is 0."""
+    return _guarded(nr, [
+        (_LD_ABS, 0, 0, _arg_lo(arg)),
+        (_JEQ, 1, 0, 0),
+        (_RET, 0, 0, _errno(errno.EPERM)),
+        (_RET, 0, 0, _ALLOW),
+    ])
+
+
+def _which_who_self(nr: int, whiches: tuple[int, int]) -> list[Insn]:
+    """Allow `nr(which, who, ...)` only with who 0 and which in `whiches`."""
+    return _guarded(nr, [
+        (_LD_ABS, 0, 0, _arg_lo(1)),
+        (_JEQ, 0, 3, 0),
+        (_LD_ABS, 0, 0, _arg_lo(0)),
+        (_JEQ, 2, 0, whiches[0]),
+        (_JEQ, 1, 0, whiches[1]),
+        (_RET, 0, 0, _errno(errno.EPERM)),
+        (_RET, 0, 0, _ALLOW),
+    ])
+
+
 def _flags_clear(nr: int, mask: int) -> list[Insn]:
     return _guarded(nr, [
         (_LD_ABS, 0, 0, _arg_lo(0)),
@@ -192,6 +234,10 @@ def base_program() -> list[Insn]:
     rules += _unix_stream_only(t["socketpair"])
     rules += _null_arg(t["sendto"], 4)
     rules += _flags_clear(t["clone"], _NEW_NAMESPACE_FLAGS)
+    for name in _SELF_ONLY:
+        rules += _pid_zero(t[name], 0)
+    for name, whiches in _WHO_SELF_ONLY.items():
+        rules += _which_who_self(t[name], whiches)
     # glibc falls back to clone() when clone3 says ENOSYS; clone3's flags are
     # behind a pointer that BPF cannot read.
     rules += _deny(t["clone3"], errno.ENOSYS)

@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import tempfile
+from typing import Any
 
 from grpc_health.v1 import health_pb2
 
@@ -50,6 +51,21 @@ def zygote_config(cfg: SandboxConfig, sabotage: bool) -> dict[str, object]:
             "max_jobs": cfg.max_concurrency + cfg.warm_jails + 1, "sabotage": sabotage}
 
 
+def below_seccomp_problem(isolation: str, report: dict[str, Any]) -> None:
+    """ValueError when `isolation: auto` found nothing stronger than `rlimits`: jobs would
+    run with no network, exec or fork filter, which only an explicit `isolation: rlimits`
+    may choose."""
+    if isolation == "auto" and report["tier"] == "rlimits":
+        probes = report.get("probes") or {}
+        why = "; ".join(f"{k}: {v}" for k, v in probes.items() if v != "ok")
+        raise ValueError(
+            "isolation: auto found no tier stronger than rlimits on this host "
+            f"({why or 'no probe passed'}); jobs would run with no network, exec or fork "
+            "filter. Allow seccomp (and namespaces) to the sandbox, or set isolation: "
+            "rlimits to run without them"
+        )
+
+
 async def serve(cfg: SandboxConfig, host: str, port: int) -> None:
     sabotage = sabotage_requested()
     if sabotage:
@@ -77,6 +93,9 @@ async def serve(cfg: SandboxConfig, host: str, port: int) -> None:
         for name, result in report.get("probes", {}).items():
             if result != "ok":
                 log.warning("isolation tier %s unavailable: %s", name, result)
+        below_seccomp_problem(cfg.isolation, report)
+        log.info("isolation tier in force: %s (writes confined to the job's scratch by "
+                 "Landlock: %s)", tier, "yes" if report.get("landlock") else "no")
         service.attach(Executor(zygote, tier, scratch_root, cfg.job_overhead_seconds), report)
         await service_host.health.set(f"{SERVICE_NAME}/isolation={tier}",
                                       health_pb2.HealthCheckResponse.SERVING)

@@ -45,7 +45,14 @@ LAYERS: dict[str, list[tuple[str, str]]] = {
     "seccomp": [
         ("seccomp", "no internet, netlink or datagram sockets, no connect/bind, no ptrace or "
                     "process_vm_*, no exec, no fork (threads only), no setsid, signals only to "
-                    "itself, no io_uring, bpf, keyrings, mounts or new namespaces"),
+                    "itself, no io_uring, bpf, keyrings, mounts or new namespaces; prlimit, "
+                    "setpriority, sched_set*, ioprio_set, migrate/move_pages only on the "
+                    "job's own process (pid 0), no process_madvise"),
+        ("threads", "tasks per candidate capped (RLIMIT_NPROC): the uid's tasks when it "
+                    "starts plus max_processes"),
+        ("landlock", "where the kernel has Landlock (Info's probes say): writes only inside "
+                     "the job's scratch directory, signals only within the job; TMPDIR is "
+                     "the scratch directory"),
     ],
     "namespaces": [
         ("user namespace", "root inside maps to the server's uid outside; no capabilities "
@@ -63,8 +70,9 @@ NOT_PROTECTED = [
     "kernel bugs reachable through allowed system calls",
     "reading world-readable files of the system directories (and, below the namespaces tier, "
     "any file the sandbox uid may read)",
-    "below the namespaces tier: writes to world-writable host directories such as /tmp, and "
-    "jobs of the same uid seeing each other's scratch directories",
+    "below the namespaces tier on a kernel without Landlock: writes to world-writable host "
+    "directories such as /tmp; jobs of the same uid reading each other's scratch "
+    "directories",
     "in the rlimits tier (no seccomp): network access, fork, exec, and signals to any process "
     "of the sandbox uid (the server's own uid unless it runs as root)",
     "host memory pressure from memfds and tmpfs pages (bounded by the file-size limit and "

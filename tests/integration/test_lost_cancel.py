@@ -15,7 +15,7 @@ import pytest
 
 from marl.runtime import streams
 from marl.runtime.aio_tasks import raise_if_cancelled
-from services.learner import server as learner_server
+from services.learner import lease as learner_lease
 
 
 def test_a_redis_loop_ends_at_every_cancel(redis_url: str) -> None:
@@ -74,11 +74,12 @@ class SwallowingStore:
 
 
 def test_the_lease_loop_ends_when_its_cancel_is_lost(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(learner_server, "LEASE_S", 0.03)
+    monkeypatch.setattr(learner_lease, "LEASE_S", 0.03)
 
     async def main() -> Any:
         store = SwallowingStore()
-        lease = asyncio.create_task(learner_server._keep_lease(store, "run", "learner"))  # type: ignore[arg-type]
+        held = learner_lease.Lease(store, "run", "learner:1", 1)  # type: ignore[arg-type]
+        lease = asyncio.create_task(held.keep())
         await store.renewing.wait()
         lease.cancel()
         done, _ = await asyncio.wait({lease}, timeout=1.0)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14marl/v1/common.proto\x12\x07marl.v1\"+\n\nAdapterRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\xd6\x01\n\x0f\x41\x64\x61pterManifest\x12 \n\x03ref\x18\x01 \x01(\x0b\x32\x13.marl.v1.AdapterRef\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\r\n\x05\x61lpha\x18\x04 \x01(\x01\x12\x16\n\x0etarget_modules\x18\x05 \x03(\t\x12\x0e\n\x06sha256\x18\x06 \x01(\t\x12\x12\n\nsize_bytes\x18\x07 \x01(\x03\x12\x0e\n\x06\x66ormat\x18\x08 \x01(\t\x12\x15\n\rkeep_versions\x18\t \x01(\x05\x12\r\n\x05owner\x18\n \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14marl/v1/common.proto\x12\x07marl.v1\"+\n\nAdapterRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\xf5\x01\n\x0f\x41\x64\x61pterManifest\x12 \n\x03ref\x18\x01 \x01(\x0b\x32\x13.marl.v1.AdapterRef\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\r\n\x05\x61lpha\x18\x04 \x01(\x01\x12\x16\n\x0etarget_modules\x18\x05 \x03(\t\x12\x0e\n\x06sha256\x18\x06 \x01(\t\x12\x12\n\nsize_bytes\x18\x07 \x01(\x03\x12\x0e\n\x06\x66ormat\x18\x08 \x01(\t\x12\x15\n\rkeep_versions\x18\t \x01(\x05\x12\r\n\x05owner\x18\n \x01(\t\x12\x0e\n\x06run_id\x18\x0b \x01(\t\x12\r\n\x05\x66\x65nce\x18\x0c \x01(\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,5 +34,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ADAPTERREF']._serialized_start=33
   _globals['_ADAPTERREF']._serialized_end=76
   _globals['_ADAPTERMANIFEST']._serialized_start=79
-  _globals['_ADAPTERMANIFEST']._serialized_end=293
+  _globals['_ADAPTERMANIFEST']._serialized_end=324
 # @@protoc_insertion_point(module_scope)

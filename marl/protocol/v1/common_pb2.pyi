@@ -15,7 +15,7 @@ class AdapterRef(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class AdapterManifest(_message.Message):
-    __slots__ = ("ref", "base_model", "rank", "alpha", "target_modules", "sha256", "size_bytes", "format", "keep_versions", "owner")
+    __slots__ = ("ref", "base_model", "rank", "alpha", "target_modules", "sha256", "size_bytes", "format", "keep_versions", "owner", "run_id", "fence")
     REF_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,8 @@ class AdapterManifest(_message.Message):
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     KEEP_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
     ref: AdapterRef
     base_model: str
     rank: int
@@ -36,4 +38,6 @@ class AdapterManifest(_message.Message):
     format: str
     keep_versions: int
     owner: str
-    def __init__(self, ref: _Optional[_Union[AdapterRef, _Mapping]] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., format: _Optional[str] = ..., keep_versions: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
+    run_id: str
+    fence: int
+    def __init__(self, ref: _Optional[_Union[AdapterRef, _Mapping]] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., format: _Optional[str] = ..., keep_versions: _Optional[int] = ..., owner: _Optional[str] = ..., run_id: _Optional[str] = ..., fence: _Optional[int] = ...) -> None: ...
