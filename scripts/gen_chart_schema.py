@@ -201,14 +201,18 @@ def build() -> dict[str, Any]:
                 "config.max_concurrent_runs at once.",
                 1,
             ),
-            "worldSize": {
-                "type": "integer",
-                "minimum": 1,
-                "maximum": 1,
-                "description": "FSDP processes per learner pod (1 until the learner "
-                "trains across processes).",
+            "nodes": {**integer("Pods of one learner's FSDP2 group.", 1), "maximum": 64},
+            "gpu": {
+                **integer("GPUs per learner pod, one rank each (0: one rank on the CPU)."),
+                "maximum": 16,
             },
-            "gpu": integer("GPUs per training process."),
+            "rendezvousPort": {
+                **integer("Port of torch's c10d rendezvous on the learner's pod 0.", 1),
+                "maximum": 65535,
+            },
+            "maxRestarts": integer(
+                "Times a pod's launcher restarts its ranks when the group breaks.", 0
+            ),
             "resources": RESOURCES,
             "config": config_schema("learner"),
             "persistence": obj(

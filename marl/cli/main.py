@@ -208,7 +208,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     trace_dir = None if args.trace is None else Path(args.trace)
     return run_up(Path(args.dir), args.model, args.engine, args.cores, args.overlapped, trace_dir,
-                  max_concurrent_runs=args.max_concurrent_runs, learners=args.learners)
+                  max_concurrent_runs=args.max_concurrent_runs, learners=args.learners,
+                  learner_nodes=args.learner_nodes)
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -342,6 +343,9 @@ def _add_local_parsers(sub: Any) -> None:
                    help="runs each learner trains at once (default: learner.max_concurrent_runs)")
     p.add_argument("--learners", type=int, default=1, metavar="N",
                    help="learner processes taking runs from one queue")
+    p.add_argument("--learner-nodes", type=int, default=1, metavar="N",
+                   help="each learner as one group of N torchrun nodes on this machine, "
+                   "joined over TCP (gloo): multi-node training without a cluster")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="every service appends its trace spans to DIR (read with marl trace DIR)")
     p.set_defaults(fn=cmd_up)

@@ -224,6 +224,8 @@ def summarize(metrics_path: Path) -> dict[str, Any]:
 
 MAX_RESTARTS = 5
 """`marl up` restarts a service that dies, up to this many times in 10 minutes."""
+MAX_LEARNER_NODES = 8
+"""`marl up --learner-nodes`: nodes of one learner on this machine (a try of multi-node)."""
 
 
 def run_up(
@@ -235,6 +237,7 @@ def run_up(
     trace_dir: Path | None = None,
     max_concurrent_runs: int | None = None,
     learners: int = 1,
+    learner_nodes: int = 1,
 ) -> int:
     from marl.local.launcher import DEFAULT_CORES, Cluster, service_threads
     from marl.spec.errors import UserError
@@ -244,6 +247,10 @@ def run_up(
         raise UserError(f"--cores: must be at least 1, got {cores}")
     if learners < 1:
         raise UserError(f"--learners: must be at least 1, got {learners}")
+    if not 1 <= learner_nodes <= MAX_LEARNER_NODES:
+        raise UserError(
+            f"--learner-nodes: must be 1 to {MAX_LEARNER_NODES}, got {learner_nodes}"
+        )
     if max_concurrent_runs is not None:
         try:
             LearnerConfig(max_concurrent_runs=max_concurrent_runs)
@@ -262,7 +269,8 @@ def run_up(
     threads = service_threads(cores, overlapped)
     cluster = Cluster(workdir, model_path, engine=engine, redis_aof=True, threads=threads,
                       trace_dir=None if trace_dir is None else trace_dir.resolve(),
-                      max_concurrent_runs=max_concurrent_runs, learner_replicas=learners)
+                      max_concurrent_runs=max_concurrent_runs, learner_replicas=learners,
+                      learner_nodes=learner_nodes)
     cluster.start()
     cluster.write_endpoints(workdir / "endpoints.json")
     print(

@@ -70,6 +70,8 @@ class Process:
     """HTTP front end (inference: OpenAI /v1; sandbox: SandboxFusion /run_code)."""
     args: list[str] = field(default_factory=list)
     """The `marl serve KIND` arguments after --port (and --http-port): a restart reuses them."""
+    launch: list[str] = field(default_factory=list)
+    """torchrun's arguments when torch's launcher starts the service (a learner node)."""
 
     def exit_description(self) -> str | None:
         """None while it runs; else which service ended, how, and where its log is."""
@@ -80,6 +82,23 @@ class Process:
             f"the {self.kind} service (pid {self.proc.pid}) {how_it_ended(code)}; "
             f"its log: {self.log_path}"
         )
+
+
+LEARNER_NODE_RESTARTS = 100
+"""How often a learner node's agent restarts its rank: each time the group breaks (a node
+lost) counts one."""
+
+
+def torchrun_args(nodes: int, node: int, rendezvous_port: int) -> list[str]:
+    """torchrun's arguments for learner node `node` of `nodes` on this machine, one rank
+    each, meeting at torch's c10d rendezvous on loopback. The first node hosts the
+    rendezvous store; the others may die and be started again."""
+    return [
+        "--nnodes", str(nodes), "--nproc-per-node", "1",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{rendezvous_port}",
+        "--rdzv-id", "marl-learner", "--rdzv-conf", f"is_host={node == 0}",
+        "--max-restarts", str(LEARNER_NODE_RESTARTS), "--monitor-interval", "1",
+    ]
 
 
 @dataclass
@@ -104,6 +123,12 @@ class Cluster:
     such limit."""
     max_concurrent_runs: int | None = None
     """Runs the learner trains at once (None: the learner config's)."""
+    learner_nodes: int = 1
+    """Above 1: the learner is one group of this many "nodes", each a torchrun agent with
+    one rank, rendezvousing over TCP on loopback as machines of a cluster do
+    (services/learner/group.py). Rank 0 serves the Runs API; the group shares the learner's
+    threads. An agent restarts its rank when the group breaks (`--max-restarts`), and
+    `restart` starts a dead node again, which rejoins the group."""
     threads: dict[str, int] = field(
         default_factory=lambda: service_threads(DEFAULT_CORES, overlapped=False)
     )
@@ -123,6 +148,7 @@ class Cluster:
         port: int | None = None,
         http_port: int | None = None,
         log_path: Path | None = None,
+        launch: list[str] | None = None,
     ) -> Process:
         port = port or free_port()
         if kind in HTTP_SERVICES:
@@ -133,7 +159,8 @@ class Cluster:
         n = sum(p.kind == kind for p in self.processes)
         log_path = log_path or logs / f"{kind}-{n}.log"
         env = dict(os.environ)
-        threads = str(self.threads.get(kind, 1))
+        share = self.learner_nodes if launch else 1  # the nodes share the learner's cores
+        threads = str(max(1, self.threads.get(kind, 1) // share))
         env.update(
             OMP_NUM_THREADS=threads,
             MKL_NUM_THREADS=threads,
@@ -151,6 +178,10 @@ class Cluster:
         if self.trace_dir is not None:
             extra = [*extra, "--trace-dir", str(self.trace_dir)]
         cmd = [sys.executable, "-m", "marl.cli", "serve", kind, "--port", str(port), *extra]
+        if launch:
+            # the ranks' parent is torchrun's agent, which dies with this process
+            del env["MARL_PARENT_PID"]
+            cmd = [sys.executable, "-m", "torch.distributed.run", *launch, *cmd[1:]]
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
                 die_with_parent(cmd),
@@ -160,7 +191,7 @@ class Cluster:
                 start_new_session=True,
             )
         http = None if http_port is None else f"127.0.0.1:{http_port}"
-        p = Process(kind, f"127.0.0.1:{port}", proc, log_path, http, list(args))
+        p = Process(kind, f"127.0.0.1:{port}", proc, log_path, http, list(args), list(launch or []))
         self.processes.append(p)
         return p
 
@@ -172,7 +203,7 @@ class Cluster:
         self.processes.remove(dead)
         port = int(dead.address.rsplit(":", 1)[1])
         http_port = int(dead.http_address.rsplit(":", 1)[1]) if dead.http_address else None
-        p = self._spawn(dead.kind, dead.args, port, http_port, dead.log_path)
+        p = self._spawn(dead.kind, dead.args, port, http_port, dead.log_path, dead.launch)
         self.processes.insert(index, self.processes.pop())
         asyncio.run(self._wait([p], 300.0))
         return p
@@ -205,10 +236,17 @@ class Cluster:
             runs = () if self.max_concurrent_runs is None else (
                 "--max-concurrent-runs", str(self.max_concurrent_runs)
             )
+            args = [*redis_args, "--runs-dir", str(self.workdir / "runs"), *runs]
             for _ in range(self.learner_replicas):
-                self._spawn(
-                    "learner", [*redis_args, "--runs-dir", str(self.workdir / "runs"), *runs]
-                )
+                if self.learner_nodes == 1:
+                    self._spawn("learner", args)
+                    continue
+                port, http_port, rendezvous = free_port(), free_port(), free_port()
+                for node in range(self.learner_nodes):
+                    self._spawn(
+                        "learner", args, port, http_port,
+                        launch=torchrun_args(self.learner_nodes, node, rendezvous),
+                    )
         try:
             asyncio.run(self._wait(self.processes, timeout_s))
         except BaseException:

@@ -106,9 +106,15 @@ class PolicyArgs:
 def open_policy(
     spec: RunSpec, policies: list[str], burst: ThreadBurst | None = None
 ) -> PolicyHandle:
-    """The run's policy: in this process, in one of its own, or in `learner.world_size`
-    ranks. `burst` paces a one-process policy's forwards (threads.ThreadBurst)."""
+    """The run's policy: on every rank of the group a launcher started this learner in
+    (group.py), else in this process, in one of its own, or in `learner.world_size` ranks
+    it spawns. `burst` paces a one-process policy's forwards (threads.ThreadBurst)."""
+    from services.learner import group
+
     args = PolicyArgs.of(spec, policies)
+    launched = group.joined()
+    if launched is not None:
+        return group.GroupPolicy.open(args, launched, burst.pace if burst else None)
     if spec.learner.world_size == 1 and spec.learner.policy_process == "server":
         policy = args.build(resolve_device(args.device))
         if burst is not None:
@@ -118,7 +124,9 @@ def open_policy(
 
 
 def close_policy(policy: PolicyHandle) -> None:
-    if isinstance(policy, RankedPolicy):
+    from services.learner.group import GroupPolicy
+
+    if isinstance(policy, RankedPolicy | GroupPolicy):
         policy.close()
 
 
@@ -132,6 +140,17 @@ def _target_modules(policy: Any, name: str) -> list[str]:
 
 def _release_free_heap(policy: Any) -> None:
     policy.release_free_heap()
+
+
+def answer(policy: Any, fn: Callable[..., Any], args: tuple[Any, ...], keep: bool) -> tuple[str, Any]:
+    """A rank's answer to one call: ("ok", the result, if `keep`: rank 0's is the caller's)
+    or ("error", one line; the traceback goes to this rank's log)."""
+    try:
+        out = fn(policy, *args)
+    except BaseException as e:  # noqa: BLE001 - reported to the caller, which fails the run
+        traceback.print_exc()
+        return "error", f"{type(e).__name__}: {e}"
+    return "ok", out if keep else None
 
 
 def _rank_main(
@@ -173,12 +192,7 @@ def _rank_main(
         if message is None:
             break
         fn, fargs = message
-        try:
-            out = fn(policy, *fargs)
-            conn.send(("ok", out if rank == 0 else None))
-        except BaseException as e:  # noqa: BLE001
-            traceback.print_exc()  # to the learner's log; the run's error gets one line
-            conn.send(("error", f"{type(e).__name__}: {e}"))
+        conn.send(answer(policy, fn, fargs, keep=rank == 0))
     if size > 1:
         dist.destroy_process_group()
 

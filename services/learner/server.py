@@ -135,7 +135,18 @@ def device_problem(spec: RunSpec) -> None:
     """`learner.device` and `learner.world_size` against what this learner's torch sees."""
     import torch
 
+    from services.learner.group import joined
+
     device, size = spec.learner.device, spec.learner.world_size
+    launched = joined()
+    if launched is not None:
+        if size not in (1, launched.size):
+            raise SpecError(
+                f"field `learner.world_size`: this learner is one group of {launched.size} "
+                f"ranks started by a launcher, and every run trains on all of them; set it "
+                f"to 1 or {launched.size}"
+            )
+        return
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device == "cuda" and gpus == 0:
         raise SpecError(
@@ -501,6 +512,16 @@ async def _serve(cfg: LearnerConfig, runs_dir: Path) -> None:
 
 def run(cfg: LearnerConfig) -> None:
     """Serve the Runs API and train the runs it takes until SIGTERM/SIGINT; blocking."""
+    from services.learner import group
+
     configure_logging("learner")
+    launched = group.join()  # one rank of a group a launcher started (torchrun, srun, pods)
+    if launched is not None and launched.rank != 0:
+        group.follow(launched)
+        return
     keep_freed_heap_until_trimmed(LEARNER_MMAP_THRESHOLD)  # reused within a step, trimmed after
-    asyncio.run(_serve(cfg, Path(cfg.runs_dir).resolve()))
+    try:
+        asyncio.run(_serve(cfg, Path(cfg.runs_dir).resolve()))
+    finally:
+        if launched is not None:
+            group.stop(launched)

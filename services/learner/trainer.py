@@ -225,6 +225,7 @@ class RunExecutor:
                 self.torch.close()
 
     async def train(self) -> None:
+        from services.learner.group import joined
         from services.learner.ranks import close_policy, open_policy
         from services.learner.threads import ThreadBurst
 
@@ -241,7 +242,7 @@ class RunExecutor:
             )
         await self.episodes.open(fresh=self.takeover > 0)
         # a synchronous run's update has every core anyway; the ranks' threads are theirs
-        if spec.train.max_staleness > 0 and spec.learner.world_size == 1:
+        if spec.train.max_staleness > 0 and spec.learner.world_size == 1 and not joined():
             self.burst = ThreadBurst.of_this_process(self.burst_threads)
         # the spares after the routed adapters: those initialise as in a run without them
         adapters = sorted(set(self.roles.values())) + sorted(set(self.spares.values()))

@@ -188,7 +188,8 @@ def test_schema_is_generated_from_the_models() -> None:
         ),
         ("inference.config.temperature=0.5", "Additional property temperature is not allowed"),
         ("sandbox.config.isolation=chroot", "sandbox.config.isolation must be one of"),
-        ("learner.worldSize=2", "learner.worldSize: Must be less than or equal to 1"),
+        ("learner.worldSize=2", "Additional property worldSize is not allowed"),
+        ("learner.nodes=0", "learner.nodes: Must be greater than or equal to 1"),
     ],
 )
 def test_schema_refuses_bad_values_naming_them(setting: str, message: str) -> None:

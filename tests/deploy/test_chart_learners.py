@@ -34,3 +34,40 @@ def test_learner_replicas_below_one_are_refused() -> None:
 
     out = helm("template", "r", str(CHART), "--set", "learner.replicas=0")
     assert out.returncode != 0 and "learner.replicas" in out.stderr, out.stderr
+
+
+def test_learner_nodes_render_one_launched_group_across_pods() -> None:
+    """`learner.nodes=2, learner.gpu=4`: two pods of four GPUs, each running torch's
+    launcher with four ranks, world size 8, meeting at pod 0 through the headless Service."""
+    docs = render(CHART / "ci" / "learner-nodes-values.yaml")
+    learner = by_kind(docs, "StatefulSet")["r-marl-learner"]
+    spec = learner["spec"]
+    assert spec["replicas"] == 2 and spec["podManagementPolicy"] == "Parallel"
+    pod = spec["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert spec["template"]["metadata"]["annotations"]["marl.dev/world-size"] == "8"
+    command = container["command"]
+    assert command[:3] == ["python", "-m", "torch.distributed.run"]
+    assert "--nnodes=2" in command and "--nproc-per-node=4" in command
+    assert "--rdzv-backend=c10d" in command
+    assert "--rdzv-endpoint=r-marl-learner-0.r-marl-learner-headless.marl.svc:29400" in command
+    assert command[-4:] == ["-m", "marl.cli", "serve", "learner"]
+    assert container["args"] == ["--config", "/etc/marl/learner.yaml"]
+    assert spec["serviceName"] == "r-marl-learner-headless"
+    headless = by_kind(docs, "Service")["r-marl-learner-headless"]["spec"]
+    assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
+    assert "livenessProbe" not in container  # only rank 0's pod serves; torchrun watches ranks
+    assert {"name": "rendezvous", "containerPort": 29400} in container["ports"]
+    pdb = by_kind(docs, "PodDisruptionBudget")["r-marl-learner"]["spec"]
+    assert pdb["maxUnavailable"] == 0 and "minAvailable" not in pdb
+    policy = by_kind(docs, "NetworkPolicy")["r-marl-learner"]["spec"]
+    peers = [rule["from"][0].get("podSelector", {}).get("matchLabels") for rule in policy["ingress"]]
+    assert spec["selector"]["matchLabels"] in peers
+
+
+def test_a_multi_pod_learner_without_a_shared_volume_is_refused() -> None:
+    from chart_support import helm
+
+    out = helm("template", "r", str(CHART), "--set", "learner.nodes=2")
+    assert out.returncode != 0 and "learner.persistence.existingClaim" in out.stderr, out.stderr
