@@ -1,6 +1,6 @@
 """Do marl's mitigations of the paper's two drift mechanisms help on planted drift?
 
-The planted-drift runs of tests/integration/test_drift_planted.py, their specs reused as
+The planted-drift runs of tests/support/drift.py, their specs reused as
 they are, on the shipped demo model with every service a process:
 - `sp_capture`: Voting-SP whose planted reward pays the aggregator for the generators'
   long-form idiom (`sp_role_capture` on the aggregator), plain and with each mitigation of
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import queue
 import statistics
 import sys
@@ -39,14 +38,10 @@ from typing import Any
 import grpc
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the planted workflow (tests/integration/drift_workflows.py)
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-
-from marl.local.launcher import Cluster  # noqa: E402
-from marl.models.demo import demo_model_dir  # noqa: E402
-from marl.protocol.v1 import learner_pb2, learner_pb2_grpc  # noqa: E402
-from tests.integration import test_drift_planted as planted  # noqa: E402
+from marl.local.launcher import Cluster
+from marl.models.demo import demo_model_dir
+from marl.protocol.v1 import learner_pb2, learner_pb2_grpc
+from tests.support import drift as planted
 
 CELLS: dict[str, dict[str, Any]] = {
     "sp_capture": {

@@ -10,6 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cluster import cluster, clusters, endpoints, module_clusters
+
+__all__ = ["cluster", "clusters", "endpoints", "module_clusters"]  # fixtures every test may take
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

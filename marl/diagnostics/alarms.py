@@ -85,10 +85,6 @@ def roles(records: Sequence[Record]) -> list[str]:
     return sorted(found)
 
 
-def _first_positive(s: list[tuple[int, float]]) -> float | None:
-    return next((v for _, v in s if v > 0), None)
-
-
 def _current(records: Sequence[Record], key: str) -> list[tuple[int, float]] | None:
     """The key's series if the last record logs it (the check applies at this step)."""
     if not records or records[-1].get(key) is None:

@@ -265,10 +265,38 @@ class Cluster:
     def add_inference_replica(self, wait: bool = True, timeout_s: float = 300.0) -> Process:
         """Start one more inference replica in the running cluster (one that joins mid-run);
         with `wait`, return once it reports SERVING, i.e. holds every current adapter."""
-        p = self._spawn("inference", self._inference_args())
+        return self.add("inference", self._inference_args(), wait, timeout_s)
+
+    def learner_args(self) -> list[str]:
+        """The `marl serve learner` arguments of this cluster's learners (a replacement's)."""
+        assert self.redis_url is not None
+        return ["--redis", self.redis_url, "--runs-dir", str(self.workdir / "runs")]
+
+    def add(
+        self, kind: str, args: list[str], wait: bool = True, timeout_s: float = 300.0
+    ) -> Process:
+        """Start one more `kind` service (`marl serve KIND ARGS`) in the running cluster, on
+        new ports: one that joins mid-run or replaces a killed one. With `wait`, return once
+        it reports SERVING; else `wait_serving` waits on it."""
+        p = self._spawn(kind, args)
         if wait:
-            asyncio.run(self._wait([p], timeout_s))
+            self.wait_serving([p], timeout_s)
         return p
+
+    def wait_serving(self, processes: list[Process], timeout_s: float = 300.0) -> None:
+        """Return once every one of `processes` reports SERVING; raise with its log's tail
+        if one exits first."""
+        asyncio.run(self._wait(processes, timeout_s))
+
+    def kill(self, p: Process, sig: int = signal.SIGKILL, forget: bool = True) -> int:
+        """Send `sig` to the service's process group and wait for it to exit; returns its
+        exit code. With `forget` it leaves `processes` (a replacement is `add`ed); without,
+        it stays there for `restart`."""
+        os.killpg(p.proc.pid, sig)
+        code = p.proc.wait(timeout=60)
+        if forget:
+            self.processes.remove(p)
+        return code
 
     async def _wait(self, processes: list[Process], timeout_s: float) -> None:
         async def one(p: Process) -> None:

@@ -369,8 +369,3 @@ def http_middleware(book: TokenBook, users: bool) -> Any:
 
     return require_token
 
-
-def http_headers() -> dict[str, str]:
-    """Headers a marl HTTP client adds: the bearer token when one is set."""
-    token = auth_token()
-    return {"Authorization": bearer(token)} if token else {}

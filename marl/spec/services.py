@@ -354,11 +354,6 @@ def load_workflow(path: str | None = None, **overrides: Any) -> WorkflowConfig:
     return cfg
 
 
-def load_learner(path: str | None = None, **overrides: Any) -> LearnerConfig:
-    cfg: LearnerConfig = load_service_config("learner", path, overrides)
-    return cfg
-
-
 def load_sandbox(path: str | None = None, **overrides: Any) -> SandboxConfig:
     cfg: SandboxConfig = load_service_config("sandbox", path, overrides)
     return cfg

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from marl.models.limits import ModelLimits, model_limits  # noqa: F401 (re-exported)
+from marl.models.limits import ModelLimits
 
 if TYPE_CHECKING:
     import torch

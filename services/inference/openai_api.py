@@ -26,11 +26,12 @@ from typing import Any
 
 from aiohttp import web
 
+from marl.models.limits import ModelLimits
 from marl.protocol import openai as oa
 from marl.runtime import auth
 from marl.runtime.http_server import HttpServer, json_response, read_json_object
 from services.inference.adapters import AdapterNotLoaded, LoadedVersion
-from services.inference.engine import GenerationRequest, ModelLimits, check_request
+from services.inference.engine import GenerationRequest, check_request
 
 log = logging.getLogger(__name__)
 

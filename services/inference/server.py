@@ -25,6 +25,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from marl.models import names as model_names
+from marl.models.limits import ModelLimits, model_limits
 from marl.protocol import adapter_io
 from marl.protocol.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from marl.runtime import auth, replicas, streams, trace
@@ -52,9 +53,7 @@ from services.inference.engine import (
     AdapterWeights,
     Engine,
     GenerationRequest,
-    ModelLimits,
     check_request,
-    model_limits,
     room,
 )
 from services.inference.factory import make_engine

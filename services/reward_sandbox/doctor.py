@@ -13,13 +13,14 @@ import argparse
 import json
 import sys
 
+from marl.spec.services import load_sandbox
+
 from . import tiers
-from .config import load_config
 from .zygote import single_threaded_probe
 
 
 def report(config_path: str | None = None) -> dict[str, object]:
-    cfg = load_config(config_path)
+    cfg = load_sandbox(config_path)
     probed = single_threaded_probe({"isolation": cfg.isolation, "tmp_bytes": cfg.tmp_bytes,
                                     "tmp_inodes": cfg.tmp_inodes,
                                     "max_processes": cfg.max_processes,

@@ -23,8 +23,7 @@ from typing import Any
 
 from marl.protocol.v1 import sandbox_pb2
 from marl.spec.safe_input import too_deep
-
-from .config import SandboxConfig
+from marl.spec.services import SandboxConfig
 
 MAX_JSON_DEPTH = 100
 """Lists/objects a test's args_json or expected_json may nest (real tests use a few)."""

@@ -27,10 +27,9 @@ from grpc_health.v1 import health_pb2
 from marl.protocol.v1 import sandbox_pb2, sandbox_pb2_grpc
 from marl.runtime.http_server import HttpServer
 from marl.runtime.serving import ServiceHost, configure_logging, serve_until_stopped
-from marl.spec.services import add_flags, flag_values, load_sandbox
+from marl.spec.services import SandboxConfig, add_flags, flag_values, load_sandbox
 
 from . import http_api, syscalls
-from .config import SandboxConfig
 from .executor import Executor
 from .service import SandboxService
 from .zygote import ZygoteClient

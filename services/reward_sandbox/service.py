@@ -20,9 +20,9 @@ import grpc
 
 from marl.protocol.v1 import sandbox_pb2, sandbox_pb2_grpc
 from marl.runtime.prometheus_metrics import SANDBOX_VERDICTS
+from marl.spec.services import SandboxConfig
 
 from . import jobspec, tiers
-from .config import SandboxConfig
 from .executor import Executor, JobResult
 from .jobspec import Job
 from .zygote import ZygoteError

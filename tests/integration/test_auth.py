@@ -11,8 +11,6 @@ the token, because inference refuses them otherwise.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +25,13 @@ from marl.cli import main as cli
 from marl.clients.runs import RunRefused, RunsClient
 from marl.clients.sandbox import SandboxClient
 from marl.local.demo import DEMO_SPEC
-from marl.local.launcher import Cluster
 from marl.protocol.v1 import inference_pb2, learner_pb2, sandbox_pb2, workflow_pb2
 from marl.runtime import auth
 from marl.spec.run import apply_overrides, dump_spec, parse_spec
 from marl.spec.services import auth_token
 
 TOKEN = "s3cret-test-token"
+pytestmark = pytest.mark.cluster(env={"MARL_AUTH_TOKEN": TOKEN})
 SERVICES = {
     "inference": inference_pb2.DESCRIPTOR.services_by_name["Inference"],
     "workflow": workflow_pb2.DESCRIPTOR.services_by_name["Workflow"],
@@ -42,25 +40,8 @@ SERVICES = {
 }
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    before = os.environ.get("MARL_AUTH_TOKEN")
-    os.environ["MARL_AUTH_TOKEN"] = TOKEN
-    model = Path(marl.__file__).parent / "assets" / "demo-model"
-    c = Cluster(tmp_path_factory.mktemp("auth-cluster"), str(model))
-    try:
-        endpoints = c.start()
-        yield endpoints
-    finally:
-        c.stop()
-        if before is None:
-            os.environ.pop("MARL_AUTH_TOKEN", None)
-        else:
-            os.environ["MARL_AUTH_TOKEN"] = before
-
-
-def address(cluster: dict[str, Any], kind: str) -> str:
-    found = cluster[kind]
+def address(endpoints: dict[str, Any], kind: str) -> str:
+    found = endpoints[kind]
     return str(found if isinstance(found, str) else found[0])
 
 
@@ -83,9 +64,9 @@ def call_raw(channel: grpc.Channel, service: Any, method: Any,
 
 
 @pytest.mark.parametrize("kind", list(SERVICES))
-def test_deny_every_rpc_without_the_token(cluster: dict[str, Any], kind: str) -> None:
+def test_deny_every_rpc_without_the_token(endpoints: dict[str, Any], kind: str) -> None:
     service = SERVICES[kind]
-    with grpc.insecure_channel(address(cluster, kind)) as channel:
+    with grpc.insecure_channel(address(endpoints, kind)) as channel:
         for method in service.methods:
             for metadata in ([], [("authorization", "Bearer wrong")],
                              [("authorization", TOKEN)]):
@@ -101,9 +82,9 @@ def test_deny_every_rpc_without_the_token(cluster: dict[str, Any], kind: str) ->
         assert service.full_name in names
 
 
-def test_deny_http_front_ends_without_the_token(cluster: dict[str, Any]) -> None:
-    (inference,) = cluster["inference_http"]
-    (sandbox,) = cluster["sandbox_http"]
+def test_deny_http_front_ends_without_the_token(endpoints: dict[str, Any]) -> None:
+    (inference,) = endpoints["inference_http"]
+    (sandbox,) = endpoints["sandbox_http"]
     body = {"code": "print(1)", "language": "python"}
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         r = requests.get(f"http://{inference}/v1/models", headers=headers, timeout=10)
@@ -115,14 +96,14 @@ def test_deny_http_front_ends_without_the_token(cluster: dict[str, Any]) -> None
     ran = requests.post(f"http://{sandbox}/run_code", json=body, headers=good, timeout=60)
     assert ran.ok and ran.json()["status"] == "Success"
     for kind in ("inference", "sandbox", "workflow", "learner"):
-        (address,) = cluster[f"{kind}_http"]
+        (address,) = endpoints[f"{kind}_http"]
         assert requests.get(f"http://{address}/metrics", timeout=10).ok, kind
 
 
 def test_allow_marl_clients_with_the_token_train_one_step(
-        cluster: dict[str, Any], tmp_path: Path) -> None:
+        endpoints: dict[str, Any], tmp_path: Path) -> None:
     assert auth_token() == TOKEN
-    with SandboxClient(cluster["sandbox"][0]) as sandbox:  # what code-reward workers use
+    with SandboxClient(endpoints["sandbox"][0]) as sandbox:  # what code-reward workers use
         assert sandbox.execute("print(input())", [{"stdin": "7", "expected_stdout": "7"}]
                                ).pass_rate == 1.0
     data = apply_overrides(DEMO_SPEC, [
@@ -131,25 +112,25 @@ def test_allow_marl_clients_with_the_token_train_one_step(
     spec = parse_spec(data)
     spec.model.path = str(Path(marl.__file__).parent / "assets" / "demo-model")
     spec.out_dir = str(tmp_path / "run")
-    with RunsClient(cluster["learner"], timeout=30) as runs:
+    with RunsClient(endpoints["learner"], timeout=30) as runs:
         run_id = runs.submit(dump_spec(spec))
         run = runs.wait(run_id, timeout=240)
     assert run.state == "SUCCEEDED", run
 
 
 def test_client_channel_sends_the_token_only_when_set(
-        cluster: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+        endpoints: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
     from marl.protocol.v1 import learner_pb2_grpc
 
     request = learner_pb2.ListRunsRequest()
-    with auth.channel(cluster["learner"]) as ch:
+    with auth.channel(endpoints["learner"]) as ch:
         learner_pb2_grpc.LearnerStub(ch).ListRuns(request, timeout=10)
     monkeypatch.delenv("MARL_AUTH_TOKEN")
-    with auth.channel(cluster["learner"]) as ch, pytest.raises(grpc.RpcError) as err:
+    with auth.channel(endpoints["learner"]) as ch, pytest.raises(grpc.RpcError) as err:
         learner_pb2_grpc.LearnerStub(ch).ListRuns(request, timeout=10)
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    with RunsClient(cluster["learner"]) as runs, pytest.raises(RunRefused, match="token"):
+    with RunsClient(endpoints["learner"]) as runs, pytest.raises(RunRefused, match="token"):
         runs.list()
-    assert cli.main(["status", "some-run", "--learner", cluster["learner"]]) == 2
+    assert cli.main(["status", "some-run", "--learner", endpoints["learner"]]) == 2
     assert "MARL_AUTH_TOKEN" in capsys.readouterr().err

@@ -25,7 +25,7 @@ from marl.local.launcher import Cluster
 from marl.protocol.v1 import learner_pb2, learner_pb2_grpc
 from marl.rollout import Task
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.cluster(model_fixture="model_dir")]
 
 PROBLEMS_PER_STEP = 1
 FORMAT_PENALTY = -0.1
@@ -65,19 +65,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     build_model(tok, seed=0).save_pretrained(out)
     tok.save_pretrained(out)
     return out
-
-
-@pytest.fixture(scope="module")
-def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    c = Cluster(
-        tmp_path_factory.mktemp("cluster"),
-        str(model_dir),
-        engine="transformers",
-        sandbox_replicas=1,
-    )
-    c.start()
-    yield c
-    c.stop()
 
 
 @pytest.fixture(scope="module")

@@ -19,20 +19,13 @@ from marl.local.launcher import Cluster
 from marl.models.demo import demo_model_dir
 from marl.protocol.v1 import learner_pb2, learner_pb2_grpc
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+# the replica is given the model's name, as `marl serve inference --model demo` is: it
+# serves that directory, the one the runs' model.path names
+pytestmark = [
+    pytest.mark.slow, pytest.mark.timeout(1500), pytest.mark.cluster(model="demo"),
+]
 
 USER = "tests.integration.byo_user"
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    work = tmp_path_factory.mktemp("byo-cluster")
-    # the replica is given the model's name, as `marl serve inference --model demo` is: it
-    # serves that directory, the one the runs' model.path names
-    c = Cluster(work, "demo", engine="transformers", sandbox_replicas=1)
-    c.start()
-    yield c
-    c.stop()
 
 
 def base_spec(name: str, out: Path, **changes: Any) -> dict[str, Any]:

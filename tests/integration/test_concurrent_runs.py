@@ -15,34 +15,27 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from learner_runs import demo_model_dir, rows, stub, submit, voting_spec, wait_end
 
 from marl.local.launcher import Cluster
 from marl.protocol.v1 import learner_pb2
+from tests.support.runs import rows, stub, submit, wait_end
+from tests.support.specs import small_spec
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [
+    pytest.mark.timeout(600), pytest.mark.cluster(sandbox_replicas=0, max_concurrent_runs=2),
+]
 
 GROUP = 4
 PROBLEMS = 2
 STEPS = 2
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with Cluster(
-        tmp_path_factory.mktemp("cluster"), str(demo_model_dir()), engine="transformers",
-        sandbox_replicas=0, max_concurrent_runs=2,
-    ) as c:  # fmt: skip
-        yield c
-
-
 def spec(name: str, out: Path, policy: str, seed: int, steps: int = STEPS) -> dict[str, Any]:
-    s = voting_spec(name, out, steps, GROUP, PROBLEMS)
+    s = small_spec(name, out, steps=steps, group=GROUP, problems=PROBLEMS)
     s.update(policy=policy, seed=seed)
     return s
 

@@ -20,7 +20,6 @@ import asyncio
 import itertools
 import math
 import os
-import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -30,12 +29,9 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import torch
+from cpu_use import cpu_seconds
 
 from services.inference.engine import AdapterWeights, Engine, GenerationRequest, GenerationResult
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-from cpu_use import cpu_seconds  # noqa: E402
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -49,8 +49,10 @@ from marl.protocol.v1 import (
     workflow_pb2,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.fuzz, pytest.mark.timeout(1800)]
-
+pytestmark = [
+    pytest.mark.slow, pytest.mark.fuzz, pytest.mark.timeout(1800),
+    pytest.mark.cluster(max_lora_rank=8),  # the shipped demo model, MODEL
+]
 EXAMPLES = int(os.environ.get("MARL_FUZZ_EXAMPLES", "500"))
 WARMUP = min(100, EXAMPLES // 5)
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
@@ -300,12 +302,13 @@ def rss_kib(pid: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def primed(cluster: Cluster) -> Iterator[dict[str, Any]]:
+    """The module's cluster once each service took one valid call, with its adapter."""
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    c = Cluster(tmp_path_factory.mktemp("fuzz"), MODEL, max_lora_rank=8)
-    endpoints = c.start()
+    c = cluster
+    endpoints = c.endpoints()
     try:
         (inference,) = endpoints["inference"]
         stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(inference))
@@ -329,13 +332,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         yield {"endpoints": endpoints, "pids": pids, "manifest": manifest, "payload": payload,
                "procs": {p.kind: p.proc for p in c.processes}}
     finally:
-        c.stop()
         for name, r in sorted(RESULTS.items()):
             print(f"fuzz {name}: {r}")
 
 
-def address(cluster: dict[str, Any], kind: str) -> str:
-    found = cluster["endpoints"][kind]
+def address(primed: dict[str, Any], kind: str) -> str:
+    found = primed["endpoints"][kind]
     return str(found if isinstance(found, str) else found[0])
 
 
@@ -431,17 +433,17 @@ def test_every_public_rpc_is_fuzzed() -> None:
 
 
 @pytest.mark.parametrize("rpc", list(RPCS))
-def test_fuzz_rpc(cluster: dict[str, Any], rpc: str) -> None:
+def test_fuzz_rpc(primed: dict[str, Any], rpc: str) -> None:
     kind, strategy, timeout = RPCS[rpc]
     service, method = rpc.split("/")
     desc = {"Inference": inference_pb2, "Learner": learner_pb2, "Sandbox": sandbox_pb2,
             "Workflow": workflow_pb2}[service].DESCRIPTOR.services_by_name[service]
     m = desc.methods_by_name[method]
-    pid = cluster["pids"][kind]
+    pid = primed["pids"][kind]
     bad: list[str] = []
     codes: dict[str, int] = {}
     state = {"n": 0, "baseline": 0, "slowest": 0.0}
-    channel = grpc.insecure_channel(address(cluster, kind), options=[
+    channel = grpc.insecure_channel(address(primed, kind), options=[
         ("grpc.max_send_message_length", 256 << 20),
         ("grpc.max_receive_message_length", 256 << 20)])
     call = raw_call(channel, f"/{desc.full_name}/{method}", m.client_streaming,
@@ -450,7 +452,7 @@ def test_fuzz_rpc(cluster: dict[str, Any], rpc: str) -> None:
 
     @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck), phases=["generate"])
-    @given(strategy(cluster))
+    @given(strategy(primed))
     def one(request: Any) -> None:
         started = time.monotonic()
         code, details = call(request)
@@ -473,9 +475,9 @@ def test_fuzz_rpc(cluster: dict[str, Any], rpc: str) -> None:
     channel.close()
     assert state["n"] >= EXAMPLES, f"only {state['n']} inputs"
     assert not bad, f"{len(bad)} unclear answers, e.g.:\n" + "\n".join(bad[:8])
-    for k, proc in cluster["procs"].items():
+    for k, proc in primed["procs"].items():
         assert proc.poll() is None, f"{k} died during {rpc}"
-    with grpc.insecure_channel(address(cluster, kind)) as ch:
+    with grpc.insecure_channel(address(primed, kind)) as ch:
         health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     growth = end - state["baseline"]
@@ -516,13 +518,13 @@ STRICT_INPUTS: list[tuple[str, str, Any, str]] = [
 
 @pytest.mark.parametrize(("rpc", "what", "request_msg", "named"), STRICT_INPUTS,
                          ids=[s[1] for s in STRICT_INPUTS])
-def test_strict_inputs_are_invalid_argument(cluster: dict[str, Any], rpc: str, what: str,
+def test_strict_inputs_are_invalid_argument(primed: dict[str, Any], rpc: str, what: str,
                                             request_msg: Any, named: str) -> None:
     """The inputs that once got UNKNOWN or were accepted: each is INVALID_ARGUMENT naming
     the field (and the limit)."""
     kind = {"Learner": "learner", "Sandbox": "sandbox"}[rpc.split("/")[0]]
     service = {"Learner": "marl.v1.Learner", "Sandbox": "marl.v1.Sandbox"}[rpc.split("/")[0]]
-    with grpc.insecure_channel(address(cluster, kind)) as channel:
+    with grpc.insecure_channel(address(primed, kind)) as channel:
         call = raw_call(channel, f"/{service}/{rpc.split('/')[1]}", False, False, 60.0)
         code, details = call(request_msg.SerializeToString())
     assert code == grpc.StatusCode.INVALID_ARGUMENT, (what, code, details)

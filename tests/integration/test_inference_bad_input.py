@@ -26,10 +26,11 @@ import torch
 
 from marl.local.launcher import Cluster
 from marl.models.demo import demo_model_dir
+from marl.models.limits import ModelLimits, model_limits
 from marl.protocol import adapter_io
 from marl.protocol.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from marl.runtime.serving import MAX_DETAILS_BYTES
-from services.inference.engine import GenerationRequest, ModelLimits, check_request, model_limits
+from services.inference.engine import GenerationRequest, check_request
 
 TARGETS = ["q_proj", "v_proj"]
 ADAPTER = common_pb2.AdapterRef(name="bad-input/p", version=0)

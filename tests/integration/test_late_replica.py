@@ -16,7 +16,6 @@ import grpc
 import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from replica_runs import small_run_spec, submit, wait_for
 
 from marl.local.launcher import Cluster
 from marl.protocol.v1 import inference_pb2, inference_pb2_grpc, learner_pb2
@@ -24,6 +23,9 @@ from marl.runtime import replicas, streams
 from marl.spec.services import LearnerConfig
 from services.learner.adapter_sync import ACKS_KEPT_S
 from services.learner.runs import acks_key, run_key
+from tests.support import runs
+from tests.support.runs import submit, wait_for
+from tests.support.specs import small_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # the session's tiny model may be built first
 
@@ -60,8 +62,13 @@ def test_late_replica_serves_only_with_current_adapters(
         assert cluster.redis_url is not None
         r = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
         # two adapters (isolated), both to be synced; cancelled long before step 200
-        spec = small_run_spec(tiny_model_dir, tmp_path / "run", "it-late", "isolated", steps=200)
-        learner, run_id = submit(cluster, spec)
+        spec = small_spec(
+            "it-late", tmp_path / "run", tiny_model_dir, policy="isolated", steps=200, group=2,
+            rollouts_logged=0, step_timeout_s=120, temperature=2.0, max_tokens=4,
+            caps={"voting_candidates": 1},
+        )
+        run_id = submit(cluster, spec)
+        learner = runs.stub(cluster)
 
         # the late replica misses at least the initial push and the first step's
         missed = wait_for(

@@ -13,12 +13,10 @@ failed rollouts are handed in, and a different loss if they had been scored 0.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from grpo_replay import replay_shared_loss
-from learner_runs import submit, wait_end
 from transformers import AutoTokenizer
 
 from marl.data import load_problems
@@ -29,8 +27,9 @@ from marl.workflows import prompts
 from services.learner.grpo import good_rollouts, group_advantages
 from services.learner.sampler import DataSampler
 from services.learner.trainer import FAILED_STEPS_LIMIT
+from tests.support.runs import submit, wait_end
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.cluster(model_fixture="tiny_model_dir", sandbox_replicas=0)]
 
 PROBLEMS, GROUP, MAX_TOKENS = 4, 4, 6
 
@@ -73,14 +72,6 @@ def aggregator_cap(model_dir: Path, raw: dict) -> int:
 
     empty = max(length(prompts.selector(p, ["", "", ""])) for p in problems)
     return empty + 14
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with Cluster(
-        tmp_path_factory.mktemp("cluster"), str(tiny_model_dir), sandbox_replicas=0
-    ) as c:
-        yield c
 
 
 def test_failed_episodes_leave_their_groups_in_a_real_run(

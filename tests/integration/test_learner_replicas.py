@@ -13,10 +13,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from learner_runs import demo_model_dir, rows, submit, voting_spec, wait_end
 
 from marl.local.launcher import Cluster
 from marl.protocol.v1 import learner_pb2, learner_pb2_grpc
+from tests.support.runs import rows, submit, wait_end
+from tests.support.specs import demo_model_dir, small_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -29,7 +30,7 @@ def test_two_learners_each_train_one_of_two_runs_at_once(tmp_path: Path) -> None
         learners = [p for p in c.processes if p.kind == "learner"]
         assert len(learners) == 2
         outs = [tmp_path / "a", tmp_path / "b"]
-        run_ids = [submit(c, voting_spec(out.name, out, STEPS, 4, 2)) for out in outs]
+        run_ids = [submit(c, small_spec(out.name, out, steps=STEPS, group=4, problems=2)) for out in outs]
         both_running = False
         deadline = time.monotonic() + 300
         while not both_running:

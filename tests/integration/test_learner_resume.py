@@ -10,7 +10,6 @@ the same rollouts.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -18,15 +17,19 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from learner_runs import demo_model_dir, rows, submit, wait_end
 
-from marl.local.launcher import Cluster, Process
+from marl.local.launcher import Cluster
+from tests.support.runs import kill_learner, rows, start_learner, submit, wait_end
+from tests.support.specs import demo_model_dir
 
-pytestmark = [pytest.mark.slow, pytest.mark.resume, pytest.mark.timeout(900)]
+pytestmark = [
+    pytest.mark.slow, pytest.mark.resume, pytest.mark.timeout(900),
+    # one cluster for both kills, and the uninterrupted run they are compared with
+    pytest.mark.cluster(env=lambda work: stall_hook_env(work), sandbox_replicas=0),
+]
 
 
 def resume_spec(model_dir: Path, out_dir: Path) -> dict:
@@ -89,37 +92,13 @@ def stall_hook_env(work: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, list[dict]]]:
-    """One cluster for both kills, and the uninterrupted run they are compared with."""
+def uninterrupted(cluster: Cluster) -> list[dict]:
+    """The rows of the uninterrupted run both kills are compared with."""
     # the demo model ships warm-started: its rewards vary within a group, so losses do too
-    model_dir = demo_model_dir()
-    work = tmp_path_factory.mktemp("cluster")
-    saved = dict(os.environ)
-    os.environ.update(stall_hook_env(work))
-    try:
-        with Cluster(work, str(model_dir), engine="transformers", sandbox_replicas=0) as c:
-            plain = work / "plain"
-            run = wait_end(c, submit(c, resume_spec(model_dir, plain)))
-            assert run.state == "SUCCEEDED", run.error
-            yield c, rows(plain)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
-def kill_learner(cluster: Cluster) -> None:
-    learner: Process = [p for p in cluster.processes if p.kind == "learner"][0]
-    os.killpg(learner.proc.pid, signal.SIGKILL)
-    learner.proc.wait(timeout=30)
-    cluster.processes.remove(learner)
-
-
-def start_learner(cluster: Cluster) -> None:
-    assert cluster.redis_url is not None
-    replacement = cluster._spawn(
-        "learner", ["--redis", cluster.redis_url, "--runs-dir", str(cluster.workdir / "runs")]
-    )
-    asyncio.run(cluster._wait([replacement], 300))
+    plain = cluster.workdir / "plain"
+    run = wait_end(cluster, submit(cluster, resume_spec(demo_model_dir(), plain)))
+    assert run.state == "SUCCEEDED", run.error
+    return rows(plain)
 
 
 def wait_for_rows(out: Path, n: int) -> None:
@@ -151,9 +130,9 @@ def assert_resumed_equals_uninterrupted(uninterrupted: list[dict], out: Path) ->
 
 
 def test_sigkill_mid_step_resumes_under_the_same_run_id(
-    cluster: tuple[Cluster, list[dict]],
+    cluster: Cluster, uninterrupted: list[dict],
 ) -> None:
-    c, uninterrupted = cluster
+    c = cluster
     killed = c.workdir / "killed_mid_step"
     run_id = submit(c, resume_spec(demo_model_dir(), killed))
     # step 1 is logged (its checkpoint written): step 2's rollouts are under way
@@ -169,9 +148,9 @@ def test_sigkill_mid_step_resumes_under_the_same_run_id(
 
 
 def test_sigkill_during_a_checkpoint_write_resumes_from_the_last_whole_one(
-    cluster: tuple[Cluster, list[dict]],
+    cluster: Cluster, uninterrupted: list[dict],
 ) -> None:
-    c, uninterrupted = cluster
+    c = cluster
     killed = c.workdir / "killed_in_write"
     marker = Path(os.environ["MARL_TEST_STALL_MARKER"])
     run_id = submit(c, resume_spec(demo_model_dir(), killed))

@@ -9,18 +9,15 @@ service-specific gauges and counters.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
-import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 import marl
 from marl.clients.runs import RunsClient
-from marl.local.launcher import Cluster
 from marl.protocol.v1 import inference_pb2, inference_pb2_grpc
 
 
@@ -39,21 +36,10 @@ def value(samples: dict[Any, float], name: str, **labels: str) -> float | None:
     return samples.get((name, tuple(sorted(labels.items()))))
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    model = Path(marl.__file__).parent / "assets" / "demo-model"  # shipped: nothing to build
-    c = Cluster(tmp_path_factory.mktemp("metrics-cluster"), str(model))
-    endpoints = c.start()
-    try:
-        yield endpoints
-    finally:
-        c.stop()
-
-
-def test_every_service_serves_metrics_with_its_grpc_calls(cluster: dict[str, Any]) -> None:
+def test_every_service_serves_metrics_with_its_grpc_calls(endpoints: dict[str, Any]) -> None:
     health = "/grpc.health.v1.Health/Check"
     for kind in ("inference", "workflow", "sandbox", "learner"):
-        (address,) = cluster[f"{kind}_http"]
+        (address,) = endpoints[f"{kind}_http"]
         samples = scrape(address)
         # the launcher waited on each service's health check: counted with its code
         ok = value(samples, "marl_requests_total", protocol="grpc", method=health, code="OK")
@@ -61,9 +47,9 @@ def test_every_service_serves_metrics_with_its_grpc_calls(cluster: dict[str, Any
         assert value(samples, "process_resident_memory_bytes") is not None, kind
 
 
-def test_inference_counts_generate_calls_and_loaded_adapters(cluster: dict[str, Any]) -> None:
-    (address,) = cluster["inference"]
-    (http,) = cluster["inference_http"]
+def test_inference_counts_generate_calls_and_loaded_adapters(endpoints: dict[str, Any]) -> None:
+    (address,) = endpoints["inference"]
+    (http,) = endpoints["inference_http"]
     stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(address))
     before = scrape(http)
     method = "/marl.v1.Inference/GetInfo"
@@ -81,8 +67,8 @@ def test_inference_counts_generate_calls_and_loaded_adapters(cluster: dict[str, 
     assert models == 1.0
 
 
-def test_sandbox_counts_verdicts(cluster: dict[str, Any]) -> None:
-    (http,) = cluster["sandbox_http"]
+def test_sandbox_counts_verdicts(endpoints: dict[str, Any]) -> None:
+    (http,) = endpoints["sandbox_http"]
     body = {"code": "print(int(input()) + 1)", "language": "python", "stdin": "41"}
     reply = requests.post(f"http://{http}/run_code", json=body, timeout=60)
     assert reply.status_code == 200, reply.text
@@ -99,20 +85,20 @@ def test_sandbox_counts_verdicts(cluster: dict[str, Any]) -> None:
     assert posted == 1.0
 
 
-def test_workflow_in_flight_and_learner_list_runs(cluster: dict[str, Any]) -> None:
-    (wf_http,) = cluster["workflow_http"]
+def test_workflow_in_flight_and_learner_list_runs(endpoints: dict[str, Any]) -> None:
+    (wf_http,) = endpoints["workflow_http"]
     samples = scrape(wf_http)
     assert value(samples, "marl_inflight_episodes") == 0.0
     assert value(samples, "marl_stream_lag", stream="marl:tasks", group="workers") == 0.0
-    (learner_http,) = cluster["learner_http"]
-    with RunsClient(cluster["learner"]) as runs:
+    (learner_http,) = endpoints["learner_http"]
+    with RunsClient(endpoints["learner"]) as runs:
         assert runs.list() == []
     samples = scrape(learner_http)
     method = "/marl.v1.Learner/ListRuns"
     assert value(samples, "marl_requests_total", protocol="grpc", method=method, code="OK") == 1.0
 
 
-def test_learner_exports_each_runs_training_by_run_and_role(cluster: dict[str, Any]) -> None:
+def test_learner_exports_each_runs_training_by_run_and_role(endpoints: dict[str, Any]) -> None:
     """After a real run: its step, reward, accuracy, failed steps and every role's χ²,
     entropy and response length, labelled by run (and role), on the learner's /metrics."""
     from marl.local.demo import DEMO_SPEC
@@ -121,10 +107,10 @@ def test_learner_exports_each_runs_training_by_run_and_role(cluster: dict[str, A
     spec = {**DEMO_SPEC, "engine": "transformers", "model": {"path": str(model)},
             "train": {**DEMO_SPEC["train"], "steps": 2, "problems_per_step": 4,
                       "val_interval": 2, "val_problems": 8}}
-    with RunsClient(cluster["learner"]) as runs:
+    with RunsClient(endpoints["learner"]) as runs:
         run_id = runs.submit(spec)
         assert runs.wait(run_id, timeout=600).state == "SUCCEEDED"
-    (learner_http,) = cluster["learner_http"]
+    (learner_http,) = endpoints["learner_http"]
     samples = scrape(learner_http)
     assert value(samples, "marl_run_step", run=run_id) == 2.0
     assert value(samples, "marl_run_reward_mean", run=run_id) is not None

@@ -18,12 +18,14 @@ import grpc
 import pytest
 import redis
 import yaml
-from learner_runs import demo_model_dir, rows, voting_spec
 
 from marl.local.launcher import Cluster
 from marl.local.redis_server import PrivateRedis
 from marl.protocol.v1 import learner_pb2, learner_pb2_grpc
 from marl.runtime import streams
+from tests.support.cluster import ClusterFactory
+from tests.support.runs import rows
+from tests.support.specs import small_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(600)]
 
@@ -35,16 +37,15 @@ took ~0.3 s finished the run in the 1.5 s the test waits after step 2 (2026-11-2
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, PrivateRedis]]:
-    work = tmp_path_factory.mktemp("redis-restart")
-    server = PrivateRedis(workdir=str(work / "redis-data"), aof=True).start()
+def cluster(
+    module_clusters: ClusterFactory, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Cluster, PrivateRedis]]:
+    """The module's cluster on a Redis of its own (append-only), which the test kills."""
+    server = PrivateRedis(workdir=str(tmp_path_factory.mktemp("redis-data")), aof=True).start()
     try:
-        with Cluster(
-            work, str(demo_model_dir()), engine="transformers", sandbox_replicas=0,
-            workflow_replicas=2, redis_url=server.url,
-        ) as c:
-            yield c, server
+        yield module_clusters(sandbox_replicas=0, workflow_replicas=2, redis_url=server.url), server
     finally:
+        module_clusters.close()  # the services before their Redis
         server.stop()
 
 
@@ -64,7 +65,7 @@ def test_redis_sigkilled_mid_run_loses_nothing_acknowledged(
     address = [p.address for p in c.processes if p.kind == "learner"][-1]
     with grpc.insecure_channel(address) as ch:
         run_id = learner_pb2_grpc.LearnerStub(ch).SubmitRun(
-            learner_pb2.SubmitRunRequest(spec_yaml=yaml.safe_dump(voting_spec("redis-restart", out, STEPS, GROUP, PROBLEMS))), timeout=60
+            learner_pb2.SubmitRunRequest(spec_yaml=yaml.safe_dump(small_spec("redis-restart", out, steps=STEPS, group=GROUP, problems=PROBLEMS))), timeout=60
         ).run_id
     # step 2 is logged: step 3's rollouts are under way
     deadline = time.monotonic() + 300

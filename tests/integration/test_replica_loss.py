@@ -13,11 +13,12 @@ from typing import Any
 
 import pytest
 import redis
-from replica_runs import small_run_spec, submit, wait_for
 
 from marl.local.launcher import Cluster
 from marl.protocol.v1 import learner_pb2
 from services.learner.runs import acks_key
+from tests.support.runs import stub, submit, wait_for
+from tests.support.specs import small_spec
 
 pytestmark = pytest.mark.timeout(600)  # the session's tiny model may be built first
 
@@ -57,8 +58,13 @@ def test_run_survives_the_loss_of_one_inference_replica(
         assert cluster.redis_url is not None
         r = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
         out = tmp_path / "run"
-        spec = small_run_spec(tiny_model_dir, out, "it-replica-loss", "shared", steps=STEPS)
-        learner, run_id = submit(cluster, spec)
+        spec = small_spec(
+            "it-replica-loss", out, tiny_model_dir, policy="shared", steps=STEPS, group=2,
+            rollouts_logged=0, step_timeout_s=120, temperature=2.0, max_tokens=4,
+            caps={"voting_candidates": 1},
+        )
+        run_id = submit(cluster, spec)
+        learner = stub(cluster)
         wait_for(lambda: steps_done(out / "metrics.jsonl") >= 2, 300, "the run to reach step 2")
 
         victim = [p for p in cluster.processes if p.kind == "inference"][0]
@@ -96,8 +102,13 @@ def test_run_rides_out_the_restart_of_its_only_inference_replica(
     cluster.start()
     try:
         out = tmp_path / "run"
-        spec = small_run_spec(tiny_model_dir, out, "it-replica-restart", "shared", steps=STEPS)
-        learner, run_id = submit(cluster, spec)
+        spec = small_spec(
+            "it-replica-restart", out, tiny_model_dir, policy="shared", steps=STEPS, group=2,
+            rollouts_logged=0, step_timeout_s=120, temperature=2.0, max_tokens=4,
+            caps={"voting_candidates": 1},
+        )
+        run_id = submit(cluster, spec)
+        learner = stub(cluster)
         wait_for(lambda: steps_done(out / "metrics.jsonl") >= 2, 300, "the run to reach step 2")
 
         victim = next(p for p in cluster.processes if p.kind == "inference")

@@ -11,17 +11,16 @@ ends SUCCEEDED with the same counts.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from learner_runs import submit, wait_end
 
 from marl.cli import main as cli
 from marl.local.launcher import Cluster
 from marl.protocol.v1 import learner_pb2
+from tests.support.runs import submit, wait_end
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.cluster(model_fixture="tiny_model_dir", sandbox_replicas=0)]
 
 PROBLEMS, GROUP, STEPS = 2, 4, 4
 WORKFLOW = "tests.integration.failing_workflows:EVERY_OTHER_STEP"
@@ -50,12 +49,6 @@ def spec(model_dir: Path, out: Path, **train: float) -> dict:
         "sampling": {"temperature": 1.5, "max_tokens": 6},
         "data": {"train": "arithmetic", "val": "arithmetic"},
     }
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with Cluster(tmp_path_factory.mktemp("cluster"), str(tiny_model_dir), sandbox_replicas=0) as c:
-        yield c
 
 
 FAILED_EPISODES = (STEPS // 2) * PROBLEMS * (GROUP - 1)

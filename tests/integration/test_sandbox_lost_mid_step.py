@@ -17,10 +17,7 @@ been scored 0.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -99,13 +96,14 @@ def test_sandbox_killed_mid_step_leaves_its_episodes_out(
         assert cluster.redis_url is not None
         kept_sandbox, lost_sandbox = [p for p in cluster.processes if p.kind == "sandbox"]
         workers = [
-            cluster._spawn(
+            cluster.add(
                 "workflow",
                 ["--redis", cluster.redis_url, "--sandbox", s.address, "--concurrency", n],
+                wait=False,
             )
             for s, n in ((kept_sandbox, "4"), (lost_sandbox, "5"))
         ]
-        asyncio.run(cluster._wait(workers, 300))
+        cluster.wait_serving(workers, 300)
         kept_worker, lost_worker = (worker_id(w.address) for w in workers)
         wait_until_reading(workers)
 
@@ -117,7 +115,7 @@ def test_sandbox_killed_mid_step_leaves_its_episodes_out(
         while not (out / "metrics.jsonl").exists():  # step 0's validation scored on both
             assert time.monotonic() < deadline, "step 0 was never logged"
             time.sleep(0.05)
-        os.killpg(lost_sandbox.proc.pid, signal.SIGKILL)
+        cluster.kill(lost_sandbox, forget=False)
         for _ in stub.WatchRun(
             learner_pb2.WatchRunRequest(run_id=run_id, from_start=True), timeout=500
         ):

@@ -21,11 +21,11 @@ from typing import Any
 
 import grpc
 import pytest
-from learner_runs import demo_model_dir, voting_spec
 
 from marl.local.launcher import Cluster
 from marl.protocol.v1 import learner_pb2, learner_pb2_grpc
 from marl.spec.services import WorkflowConfig
+from tests.support.specs import demo_model_dir, small_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -50,7 +50,7 @@ def start_training(learner: str, out: Path) -> None:
     """Submit a long Voting run and return once its first step is logged: the learner and
     the worker are busy with it."""
     stub = learner_pb2_grpc.LearnerStub(grpc.insecure_channel(learner))
-    spec = voting_spec("shutdown", out, steps=200, group=4, problems=4)
+    spec = small_spec("shutdown", out, steps=200, group=4, problems=4)
     request = learner_pb2.SubmitRunRequest(spec_yaml=json.dumps(spec))
     run_id = stub.SubmitRun(request, timeout=60).run_id
     deadline = time.monotonic() + 300

@@ -18,19 +18,11 @@ import time
 from pathlib import Path
 
 import pytest
-from learner_runs import (
-    busy_worker,
-    demo_model_dir,
-    inflight_episodes,
-    rows,
-    sigterm,
-    submit,
-    voting_spec,
-    wait_end,
-)
 
 from marl.clients.sandbox import AsyncSandboxClient
 from marl.local.launcher import Cluster, Process
+from tests.support.runs import busy_worker, inflight_episodes, rows, sigterm, submit, wait_end
+from tests.support.specs import demo_model_dir, small_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(900)]
 
@@ -107,7 +99,7 @@ def test_inference_worker_and_learner_sigterm_mid_run(tmp_path: Path) -> None:
     try:
         out = tmp_path / "run"
         steps = 24
-        spec = voting_spec("sigterm", out, steps=steps, group=4, problems=4)
+        spec = small_spec("sigterm", out, steps=steps, group=4, problems=4)
         spec["train"]["checkpoint_interval"] = 1
         run_id = submit(cluster, spec)
         exits = {}

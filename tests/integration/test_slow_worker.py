@@ -13,17 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-from learner_runs import (
-    busy_worker,
-    demo_model_dir,
-    inflight_episodes,
-    rows,
-    submit,
-    voting_spec,
-    wait_end,
-)
 
 from marl.local.launcher import Cluster, Process
+from tests.support.runs import busy_worker, inflight_episodes, rows, submit, wait_end
+from tests.support.specs import demo_model_dir, small_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(600)]
 
@@ -56,7 +49,7 @@ def test_workers_waiting_on_a_paused_engine_keep_their_tasks(tmp_path: Path) -> 
     cluster.start()
     try:
         out = tmp_path / "run"
-        run_id = submit(cluster, voting_spec("slow", out, steps=6, group=4, problems=4))
+        run_id = submit(cluster, small_spec("slow", out, steps=6, group=4, problems=4))
         deadline = time.monotonic() + 300
         while len(rows(out)) < 2:
             assert time.monotonic() < deadline

@@ -13,10 +13,7 @@ moves the aggregator's terse rate by ~0.1 a step (test_drift_planted.py's measur
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,12 +22,12 @@ from typing import Any
 import pytest
 import redis
 import yaml
-from learner_runs import rows, submit, wait_end
 
 from marl.local.demo import DEMO_SPEC
-from marl.local.launcher import Cluster, Process
+from marl.local.launcher import Cluster
 from marl.models.demo import demo_model_dir
 from services.learner.runs import acks_key
+from tests.support.runs import kill_learner, rows, start_learner, submit, wait_end
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -48,21 +45,6 @@ def split_spec(out: Path) -> dict[str, Any]:
     data["alarms"] = {"min_points": 2, "capture_terse_drop": 0.15}
     data["guard"] = {"on_alarm": {"sp_role_capture": "split"}}
     return data
-
-
-def kill_learner(cluster: Cluster) -> None:
-    learner: Process = [p for p in cluster.processes if p.kind == "learner"][0]
-    os.killpg(learner.proc.pid, signal.SIGKILL)
-    learner.proc.wait(timeout=30)
-    cluster.processes.remove(learner)
-
-
-def start_learner(cluster: Cluster) -> None:
-    assert cluster.redis_url is not None
-    replacement = cluster._spawn(
-        "learner", ["--redis", cluster.redis_url, "--runs-dir", str(cluster.workdir / "runs")]
-    )
-    asyncio.run(cluster._wait([replacement], 300))
 
 
 def logged(out: Path) -> list[dict[str, Any]]:

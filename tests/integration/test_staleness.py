@@ -7,46 +7,40 @@ are in, and `staleness_scope: turn` episodes take a newer version mid-episode.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from learner_runs import demo_model_dir, rows, submit, voting_spec, wait_end
 
 from marl.local.launcher import Cluster, service_threads
 from marl.monitor import trace_summary
+from tests.support.cluster import ClusterFactory
+from tests.support.runs import rows, submit, wait_end
+from tests.support.specs import small_spec
 
-pytestmark = pytest.mark.timeout(600)
+OVERLAPPED: dict[str, Any] = {
+    "sandbox_replicas": 0,
+    # the split an overlapped run gets: inference 1 thread, learner 1, or 2 once the
+    # rollouts queued ahead are in
+    "threads": service_threads(2, overlapped=True),
+    "traced": True,
+}
+pytestmark = [
+    pytest.mark.timeout(600),
+    # two workers of 3 episodes at a time
+    pytest.mark.cluster(env={"MARL_WORKFLOW_CONCURRENCY": "3"}, workflow_replicas=2, **OVERLAPPED),
+]
 
 STEPS = 6
 
 
-def started_cluster(root: Path, workers: int, episodes_each: int) -> Iterator[Cluster]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MARL_WORKFLOW_CONCURRENCY", str(episodes_each))
-        # the split an overlapped run gets: inference 1 thread, learner 1, or 2 once the
-        # rollouts queued ahead are in
-        c = Cluster(root, str(demo_model_dir()), engine="transformers", sandbox_replicas=0,
-                    workflow_replicas=workers, threads=service_threads(2, overlapped=True),
-                    trace_dir=root / "trace")
-        c.start()
-    yield c
-    c.stop()
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """Two workers of 3 episodes at a time."""
-    yield from started_cluster(tmp_path_factory.mktemp("cluster"), workers=2, episodes_each=3)
-
-
-@pytest.fixture(scope="module")
-def one_at_a_time(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def one_at_a_time(module_clusters: ClusterFactory) -> Cluster:
     """One worker, one episode at a time: a step's episodes take several times as long to
     generate as to train, however fast the engine answers, so every push lands while an
     episode is under way."""
-    yield from started_cluster(tmp_path_factory.mktemp("serial"), workers=1, episodes_each=1)
+    return module_clusters(
+        env={"MARL_WORKFLOW_CONCURRENCY": "1"}, workflow_replicas=1, **OVERLAPPED
+    )
 
 
 def logged_rollouts(out: Path, step: int) -> list[dict[str, Any]]:
@@ -58,7 +52,7 @@ def run(cluster: Cluster, tmp_path: Path, name: str, problems: int = 4,
         workflow: str = "voting", learner: dict[str, Any] | None = None,
         **train: Any) -> tuple[Path, str]:
     out = tmp_path / name
-    spec = voting_spec(name, out, steps=STEPS, group=4, problems=problems)
+    spec = small_spec(name, out, steps=STEPS, group=4, problems=problems)
     spec["workflow"] = workflow
     spec["train"].update(train)
     if learner is not None:
@@ -144,7 +138,7 @@ def test_a_guard_stop_on_an_overlapped_step_stops_there(
     `sampler_mismatch` threshold of 1e-4 nats fires there (the first step's gap is the
     engines' rounding alone, ~1e-7)."""
     out = tmp_path / "stop"
-    spec = voting_spec("stop", out, steps=STEPS, group=4, problems=4)
+    spec = small_spec("stop", out, steps=STEPS, group=4, problems=4)
     spec["train"].update(max_staleness=1, checkpoint_interval=100)
     spec["alarms"] = {"logprob_gap_max": 1e-4}
     spec["guard"] = {"on_alarm": {"sampler_mismatch": "stop"}}
@@ -183,11 +177,11 @@ def test_synchronous_run_is_on_policy(cluster: Cluster, tmp_path: Path) -> None:
 
 
 def test_turn_scope_episodes_take_newer_versions_mid_episode(
-    one_at_a_time: Cluster, tmp_path: Path
+    module_clusters: ClusterFactory, tmp_path: Path
 ) -> None:
     # Eval-Opt's turns are sequential (generator, evaluator, up to 3 rounds), so the one
     # episode under way when a push lands most likely has a turn left
-    out, _ = run(one_at_a_time, tmp_path, "turn", workflow="eval_opt", max_staleness=1,
+    out, _ = run(one_at_a_time(module_clusters), tmp_path, "turn", workflow="eval_opt", max_staleness=1,
                  staleness_scope="turn")
     changed = 0
     for step in range(1, STEPS + 1):
@@ -200,13 +194,13 @@ def test_turn_scope_episodes_take_newer_versions_mid_episode(
 
 
 def test_tasks_queued_k_versions_ahead_find_their_version(
-    one_at_a_time: Cluster, tmp_path: Path
+    module_clusters: ClusterFactory, tmp_path: Path
 ) -> None:
     """K = 2 on replicas that keep 2 versions of an adapter by their own setting: with one
     episode at a time, a step's last tasks start after two more pushes, and each push asks
     the replica to keep K + 1 = 3 versions (`AdapterManifest.keep_versions`). Before it
     did, ~90 % of such a run's episodes failed with 'adapter ... is not loaded'."""
-    out, _ = run(one_at_a_time, tmp_path, "k2", workflow="single", max_staleness=2)
+    out, _ = run(one_at_a_time(module_clusters), tmp_path, "k2", workflow="single", max_staleness=2)
     records = [r for r in rows(out) if r["step"] > 0]
     assert [r["train/episode_errors"] for r in records] == [0] * STEPS
     assert all(r["train/stale_dropped"] == 0 for r in records)

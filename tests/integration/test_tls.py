@@ -4,10 +4,8 @@ a one-step run trains. A self-signed certificate for 127.0.0.1 is made with open
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,16 +17,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import marl
 from marl.clients.runs import RunsClient
 from marl.local.demo import DEMO_SPEC
-from marl.local.launcher import Cluster
 from marl.runtime import auth
 from marl.spec.run import apply_overrides, dump_spec, parse_spec
+from tests.support.cluster import ClusterFactory
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 TOKEN = "tls-test-token"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def endpoints(
+    module_clusters: ClusterFactory, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    """The module's cluster, every service given a self-signed certificate for 127.0.0.1,
+    and "ca": the certificate its clients verify against."""
     d = tmp_path_factory.mktemp("tls")
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
                     "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem"),
@@ -36,50 +38,39 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
                    check=True, capture_output=True)
     env = {"MARL_TLS_CERT": str(d / "cert.pem"), "MARL_TLS_KEY": str(d / "key.pem"),
            "MARL_TLS_CA": str(d / "cert.pem"), "MARL_AUTH_TOKEN": TOKEN}
-    before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    c = Cluster(d / "cluster", str(Path(marl.__file__).parent / "assets" / "demo-model"))
-    try:
-        yield {**c.start(), "ca": env["MARL_TLS_CA"]}
-    finally:
-        c.stop()
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return {**module_clusters(env=env).endpoints(), "ca": env["MARL_TLS_CA"]}
 
 
-def first(cluster: dict[str, Any], key: str) -> str:
-    found = cluster[key]
+def first(endpoints: dict[str, Any], key: str) -> str:
+    found = endpoints[key]
     return str(found if isinstance(found, str) else found[0])
 
 
 @pytest.mark.parametrize("kind", ["inference", "workflow", "learner", "sandbox"])
-def test_grpc_is_tls_only(cluster: dict[str, Any], kind: str) -> None:
+def test_grpc_is_tls_only(endpoints: dict[str, Any], kind: str) -> None:
     request = health_pb2.HealthCheckRequest()
-    with grpc.insecure_channel(first(cluster, kind)) as plain, pytest.raises(grpc.RpcError):
+    with grpc.insecure_channel(first(endpoints, kind)) as plain, pytest.raises(grpc.RpcError):
         health_pb2_grpc.HealthStub(plain).Check(request, timeout=5)
-    with auth.channel(first(cluster, kind)) as tls:
+    with auth.channel(first(endpoints, kind)) as tls:
         status = health_pb2_grpc.HealthStub(tls).Check(request, timeout=10).status
     assert status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_http_is_tls_only(cluster: dict[str, Any]) -> None:
-    address = first(cluster, "inference_http")
+def test_http_is_tls_only(endpoints: dict[str, Any]) -> None:
+    address = first(endpoints, "inference_http")
     headers = {"Authorization": f"Bearer {TOKEN}"}
     assert requests.get(f"https://{address}/v1/models", headers=headers, timeout=10,
-                        verify=cluster["ca"]).ok
+                        verify=endpoints["ca"]).ok
     with pytest.raises(requests.ConnectionError):
         requests.get(f"http://{address}/v1/models", headers=headers, timeout=10)
 
 
-def test_one_step_run_over_tls(cluster: dict[str, Any], tmp_path: Path) -> None:
+def test_one_step_run_over_tls(endpoints: dict[str, Any], tmp_path: Path) -> None:
     spec = parse_spec(apply_overrides(DEMO_SPEC, [
         "train.steps=1", "train.problems_per_step=2", "grpo.group_size=2",
         "train.val_problems=2", "train.step_timeout_s=120"]))
     spec.model.path = str(Path(marl.__file__).parent / "assets" / "demo-model")
     spec.out_dir = str(tmp_path / "run")
-    with RunsClient(cluster["learner"], timeout=30) as runs:
+    with RunsClient(endpoints["learner"], timeout=30) as runs:
         run = runs.wait(runs.submit(dump_spec(spec)), timeout=240)
     assert run.state == "SUCCEEDED", run

@@ -6,10 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from learner_runs import demo_model_dir, rows, submit, voting_spec, wait_end
 
 from marl.local.launcher import Cluster, service_threads
 from marl.monitor import trace_summary
+from tests.support.runs import rows, submit, wait_end
+from tests.support.specs import demo_model_dir, small_spec
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -22,7 +23,7 @@ def test_a_traced_run_splits_every_step_as_the_learner_logged_it(tmp_path: Path)
                  sandbox_replicas=0, workflow_replicas=2,
                  threads=service_threads(2, overlapped=False), trace_dir=traces) as cluster:
         out = tmp_path / "run"
-        spec = voting_spec("traced", out, steps=STEPS, group=GROUP, problems=PROBLEMS)
+        spec = small_spec("traced", out, steps=STEPS, group=GROUP, problems=PROBLEMS)
         run_id = submit(cluster, spec)
         assert wait_end(cluster, run_id).state == "SUCCEEDED"
     assert sorted(p.name.split("-")[0] for p in traces.glob("*.jsonl")) == [

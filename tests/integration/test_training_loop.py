@@ -24,7 +24,7 @@ from marl.protocol.v1 import (
 )
 from marl.runtime import streams
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.cluster(model_fixture="tiny_model_dir", sandbox_replicas=0)]
 
 
 def small_spec(model_dir: Path, out_dir: Path, policy: str) -> dict:
@@ -48,19 +48,6 @@ def small_spec(model_dir: Path, out_dir: Path, policy: str) -> dict:
         "sampling": {"temperature": 2.0, "max_tokens": 6},  # diverse samples: rewards vary
         "data": {"train": "arithmetic", "val": "arithmetic"},
     }
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    c = Cluster(
-        tmp_path_factory.mktemp("cluster"),
-        str(tiny_model_dir),
-        engine="transformers",
-        sandbox_replicas=0,
-    )
-    c.start()
-    yield c
-    c.stop()
 
 
 def run_to_end(cluster: Cluster, spec: dict) -> learner_pb2.Run:

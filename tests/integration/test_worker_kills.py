@@ -11,48 +11,35 @@ replacement is started each time. Workers heartbeat a key that lives
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
 import random
-import signal
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
-from learner_runs import demo_model_dir, rows, stub, submit, voting_spec, wait_end
 
 from marl.local.launcher import Cluster, Process
 from marl.protocol.v1 import learner_pb2
 from marl.runtime import streams
-
-pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(900)]
+from tests.support.runs import rows, stub, submit, wait_end
+from tests.support.specs import small_spec
 
 KILLS = 12
 GROUP = 4
 PROBLEMS = 4
 WORKERS = 3
 
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    work = tmp_path_factory.mktemp("kills")
-    saved = dict(os.environ)
+pytestmark = [
+    pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(900),
     # max_deliveries stays at its default: a delivery whose worker died is not a failure,
     # so a task under several of the kills must not be dead-lettered for them
-    os.environ.update(MARL_WORKFLOW_HEARTBEAT_TTL_S="3", MARL_WORKFLOW_CONCURRENCY="4")
-    try:
-        with Cluster(
-            work, str(demo_model_dir()), engine="transformers", sandbox_replicas=0,
-            workflow_replicas=WORKERS,
-        ) as c:
-            yield c
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    pytest.mark.cluster(
+        env={"MARL_WORKFLOW_HEARTBEAT_TTL_S": "3", "MARL_WORKFLOW_CONCURRENCY": "4"},
+        sandbox_replicas=0, workflow_replicas=WORKERS,
+    ),
+]
 
 
 def holders(r: redis.Redis, workers: list[Process]) -> list[Process]:
@@ -104,7 +91,9 @@ def test_twelve_sigkilled_workers_lose_and_double_count_nothing(cluster: Cluster
 
     plain = c.workdir / "plain"
     t0 = time.monotonic()
-    run = wait_end(c, submit(c, voting_spec("kills", plain, 3, GROUP, PROBLEMS)))
+    run = wait_end(c, submit(c, small_spec(
+        "kills", plain, steps=3, group=GROUP, problems=PROBLEMS)),
+    )
     assert run.state == "SUCCEEDED", run.error
     undisturbed = step_seconds(plain)
     print(f"undisturbed: {time.monotonic() - t0:.0f}s, steps {[round(s, 1) for s in undisturbed]}")
@@ -112,7 +101,7 @@ def test_twelve_sigkilled_workers_lose_and_double_count_nothing(cluster: Cluster
     steps = 16
     out = c.workdir / "killed"
     t0 = time.monotonic()
-    run_id = submit(c, voting_spec("kills", out, steps, GROUP, PROBLEMS))
+    run_id = submit(c, small_spec("kills", out, steps=steps, group=GROUP, problems=PROBLEMS))
     rng = random.Random(0)
     killed_in = 0
     """Steps logged when the last kill fell: the next waits for the next step's rollouts."""
@@ -132,15 +121,12 @@ def test_twelve_sigkilled_workers_lose_and_double_count_nothing(cluster: Cluster
             time.sleep(0.1)
             continue
         victim = rng.choice(held)
-        os.killpg(victim.proc.pid, signal.SIGKILL)
-        victim.proc.wait(timeout=30)
-        c.processes.remove(victim)
+        c.kill(victim)
         killed_in = logged(out)
         kills += 1
         kill_times.append(time.monotonic() - t0)
         # the replacement; the next kill waits for it, so the fleet never runs dry
-        replacement = c._spawn("workflow", ["--redis", c.redis_url])
-        asyncio.run(c._wait([replacement], 120))
+        c.add("workflow", ["--redis", str(c.redis_url)], timeout_s=120)
     run = wait_end(c, run_id)
     seconds = time.monotonic() - t0
     assert run.state == "SUCCEEDED", run.error

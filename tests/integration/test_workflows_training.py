@@ -26,7 +26,8 @@ from marl.rollout import AdapterRef, Task
 from marl.runtime import streams
 from marl.workflows import resolve
 
-pytestmark = pytest.mark.timeout(1800)  # the tiny model's warm start counts as setup
+# the tiny model's warm start counts as setup
+pytestmark = [pytest.mark.timeout(1800), pytest.mark.cluster(model_fixture="tiny_model_dir", sandbox_replicas=1)]
 
 DEBATE = "examples.workflows.debate:DEBATE"
 DATA = {"math": "arithmetic", "code": "humaneval"}
@@ -53,15 +54,6 @@ def spec(model_dir: Path, out: Path, workflow: str, policy: str, task: str) -> d
         "sampling": {"temperature": 2.0, "max_tokens": 4},
         "data": {"train": DATA[task], "val": DATA[task]},
     }
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    c = Cluster(tmp_path_factory.mktemp("cluster"), str(tiny_model_dir), engine="transformers",
-                sandbox_replicas=1)
-    c.start()
-    yield c
-    c.stop()
 
 
 def learner(cluster: Cluster) -> learner_pb2_grpc.LearnerStub:

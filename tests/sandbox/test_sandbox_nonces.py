@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from marl.clients.sandbox import build_request
+from marl.spec.services import SandboxConfig
 from services.reward_sandbox import executor as executor_module
 from services.reward_sandbox import jobspec, wire
-from services.reward_sandbox.config import SandboxConfig
 from services.reward_sandbox.executor import Executor, JobResult
 from services.reward_sandbox.server import zygote_config
 from services.reward_sandbox.zygote import ZygoteClient

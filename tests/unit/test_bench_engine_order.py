@@ -4,17 +4,13 @@
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import e2e
 
-import e2e  # noqa: E402
-
-from marl.models.demo import demo_model_dir  # noqa: E402
-from services.inference.engine import GenerationRequest  # noqa: E402
+from marl.models.demo import demo_model_dir
+from services.inference.engine import GenerationRequest
 
 
 def turn(role: str, slot: int, prompt: list[int]) -> dict[str, Any]:

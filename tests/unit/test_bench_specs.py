@@ -8,18 +8,15 @@ import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import e2e
+import host
+import inference
 import pytest
+import vs_trl
+from models import bench_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import e2e  # noqa: E402
-import host  # noqa: E402
-import inference  # noqa: E402
-import vs_trl  # noqa: E402
-from models import bench_model  # noqa: E402
-
-from marl.models.demo import demo_model_dir  # noqa: E402
-from marl.spec.run import parse_spec  # noqa: E402
+from marl.models.demo import demo_model_dir
+from marl.spec.run import parse_spec
 
 
 @pytest.mark.parametrize("model", ["demo", "smollm2"])

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from marl.clients.sandbox import build_request, default_deadline
+from marl.spec.services import SandboxConfig
+from marl.spec.services import load_sandbox as load_config
 from services.reward_sandbox import jobspec
-from services.reward_sandbox.config import SandboxConfig, load_config
 
 CFG = SandboxConfig()
 

@@ -93,7 +93,8 @@ def test_not_a_mapping_or_missing(tmp_path: Path) -> None:
 
 
 def test_sandbox_module_uses_the_same_model() -> None:
-    from services.reward_sandbox.config import SandboxConfig, load_config
+    from marl.spec.services import SandboxConfig
+    from marl.spec.services import load_sandbox as load_config
 
     assert SandboxConfig is MODELS["sandbox"]
     assert isinstance(load_config(None), SandboxConfig)

@@ -120,7 +120,7 @@ def test_dump_stacks_writes_threads_and_tasks_to_the_service_log(tmp_path: Path)
     """What a hung run's services were waiting on: every thread (SIGUSR1, written from C)
     and every asyncio task (SIGUSR2), in each service's own log."""
     cluster = Cluster(tmp_path, "unused")
-    sandbox = cluster._spawn("sandbox", [])
+    sandbox = cluster.add("sandbox", [], wait=False)
     try:
         deadline = time.monotonic() + 60
         while "\nlistening on" not in _read(sandbox.log_path) and time.monotonic() < deadline:

@@ -16,8 +16,8 @@ import pytest
 from marl.clients.sandbox import build_request
 from marl.spec.run import SpecError, load_spec_text, parse_spec
 from marl.spec.safe_input import load_yaml
+from marl.spec.services import SandboxConfig
 from services.reward_sandbox import http_api, jobspec
-from services.reward_sandbox.config import SandboxConfig
 
 CFG = SandboxConfig()
 DEEP = 100_000

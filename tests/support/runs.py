@@ -1,5 +1,6 @@
-"""Runs on a launcher `Cluster` driven through the learner's Runs API, for the fault tests
-(learner, worker and Redis kills): submit, wait for the end, read what was logged."""
+"""The Runs API of a launcher `Cluster`'s learner, and its services' state, as the cluster
+tests drive them: submit, watch or wait for the end, read what was logged, find a busy
+worker, stop a service gracefully, wait for a condition."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import json
 import signal
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import yaml
@@ -16,37 +18,7 @@ import yaml
 from marl.local.launcher import Cluster, Process
 from marl.protocol.v1 import learner_pb2, learner_pb2_grpc
 
-
-def demo_model_dir() -> Path:
-    from marl.models.demo import demo_model_dir as shipped
-
-    return shipped()
-
-
-def voting_spec(name: str, out_dir: Path, steps: int, group: int, problems: int) -> dict[str, Any]:
-    """A shared-adapter Voting run on the shipped demo model: small steps, no validation
-    after step 0, no checkpoints, every rollout logged."""
-    return {
-        "name": name,
-        "workflow": "voting",
-        "policy": "shared",
-        "out_dir": str(out_dir),
-        "model": {"path": str(demo_model_dir())},
-        "lora": {"rank": 4, "alpha": 8},
-        "optim": {"lr": 1e-2, "warmup_steps": 0},
-        "grpo": {"group_size": group, "mini_batch_size": problems},
-        "train": {
-            "steps": steps,
-            "problems_per_step": problems,
-            "val_interval": 1000,
-            "val_problems": 2,
-            "checkpoint_interval": 1000,
-            "rollouts_logged": group * problems,
-            "step_timeout_s": 300,
-        },
-        "sampling": {"temperature": 1.5, "max_tokens": 12},
-        "data": {"train": "arithmetic", "val": "arithmetic"},
-    }
+T = TypeVar("T")
 
 
 def stub(cluster: Cluster) -> learner_pb2_grpc.LearnerStub:
@@ -110,3 +82,34 @@ def busy_worker(cluster: Cluster) -> Process:
             if inflight_episodes(worker) > 0:
                 return worker
     raise AssertionError("no worker ran an episode")
+
+
+def run_to_end(cluster: Cluster, spec: dict[str, Any], timeout_s: float = 800) -> learner_pb2.Run:
+    """Submit `spec` and follow the run's events (WatchRun) to its end."""
+    learner = stub(cluster)
+    run_id = submit(cluster, spec)
+    request = learner_pb2.WatchRunRequest(run_id=run_id, from_start=True)
+    for _ in learner.WatchRun(request, timeout=timeout_s):
+        pass
+    return learner.GetRun(learner_pb2.GetRunRequest(run_id=run_id), timeout=10)
+
+
+def wait_for(predicate: Callable[[], T], timeout_s: float, what: str) -> T:
+    """`predicate()`'s first truthy value, polled every 0.1 s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def kill_learner(cluster: Cluster) -> None:
+    """SIGKILL the cluster's first learner and forget it (`start_learner` replaces it)."""
+    cluster.kill(next(p for p in cluster.processes if p.kind == "learner"))
+
+
+def start_learner(cluster: Cluster) -> Process:
+    """A new learner on new ports, once it serves; it takes over the runs of a killed one."""
+    return cluster.add("learner", cluster.learner_args())
