@@ -17,12 +17,14 @@ from pathlib import Path
 
 import grpc
 import pytest
-from learner_runs import demo_model_dir, rows, submit, voting_spec, wait_end
 
-from marl.local.launcher import Cluster, Process
+from marl.local.launcher import Process
 from marl.protocol import adapter_io
 from marl.protocol.v1 import inference_pb2, inference_pb2_grpc
 from services.learner.runs import LEASE_S
+from tests.support.cluster import ClusterFactory
+from tests.support.runs import rows, submit, wait_end
+from tests.support.specs import small_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.resume, pytest.mark.timeout(900)]
 
@@ -43,64 +45,64 @@ def loaded_versions(inference: Process, run_id: str) -> list[int]:
 
 
 def test_a_learner_whose_lease_is_taken_stops_and_its_writes_are_refused(
-    tmp_path: Path,
+    tmp_path: Path, clusters: ClusterFactory
 ) -> None:
-    with Cluster(tmp_path / "cluster", str(demo_model_dir()), engine="transformers",
-                 sandbox_replicas=0, learner_replicas=2, max_concurrent_runs=1) as c:
-        out = tmp_path / "fenced"
-        spec = voting_spec("fenced", out, STEPS, 4, 2)
-        spec["train"]["checkpoint_interval"] = 1
-        run_id = submit(c, spec)
-        learners = [p for p in c.processes if p.kind == "learner"]
-        (inference,) = [p for p in c.processes if p.kind == "inference"]
-        wait_for("step 2 was never logged", lambda: len(rows(out)) >= 3)
+    c = clusters(sandbox_replicas=0, learner_replicas=2, max_concurrent_runs=1)
+    out = tmp_path / "fenced"
+    spec = small_spec("fenced", out, steps=STEPS, group=4, problems=2, policy="shared")
+    spec["train"]["checkpoint_interval"] = 1
+    run_id = submit(c, spec)
+    learners = [p for p in c.processes if p.kind == "learner"]
+    (inference,) = [p for p in c.processes if p.kind == "inference"]
+    wait_for("step 2 was never logged", lambda: len(rows(out)) >= 3)
 
-        def trains(p: Process) -> bool:
-            return f"training run {run_id}" in p.log_path.read_text()
+    def trains(p: Process) -> bool:
+        return f"training run {run_id}" in p.log_path.read_text()
 
-        (stale,) = [p for p in learners if trains(p)]
-        (holder,) = [p for p in learners if p is not stale]
-        os.killpg(stale.proc.pid, signal.SIGSTOP)
-        try:
-            stopped_at = len(rows(out))
-            assert stopped_at <= STEPS, "the run ended before its learner was stopped"
-            wait_for("the other learner never took the run over", lambda: trains(holder),
-                     timeout_s=LEASE_S * 10)
-            fence_file = out / "checkpoints" / "fence"
-            wait_for("the new holder never wrote its token beside the checkpoints",
-                     lambda: fence_file.exists() and fence_file.read_text() == "2")
-            stale_range = max(loaded_versions(inference, run_id))
-            wait_for("the new holder never pushed",
-                     lambda: max(loaded_versions(inference, run_id)) > STEPS)
-        finally:
-            os.killpg(stale.proc.pid, signal.SIGCONT)
-        wait_for("the stale learner never stopped the run",
-                 lambda: f"stopped run {run_id}" in stale.log_path.read_text(), timeout_s=120)
-        run = wait_end(c, run_id)
-        assert run.state == "SUCCEEDED", run.error
-        assert run.step == STEPS
+    (stale,) = [p for p in learners if trains(p)]
+    (holder,) = [p for p in learners if p is not stale]
+    os.killpg(stale.proc.pid, signal.SIGSTOP)
+    try:
+        stopped_at = len(rows(out))
+        assert stopped_at <= STEPS, "the run ended before its learner was stopped"
+        wait_for("the other learner never took the run over", lambda: trains(holder),
+                 timeout_s=LEASE_S * 10)
+        fence_file = out / "checkpoints" / "fence"
+        wait_for("the new holder never wrote its token beside the checkpoints",
+                 lambda: fence_file.exists() and fence_file.read_text() == "2")
+        stale_range = max(loaded_versions(inference, run_id))
+        wait_for("the new holder never pushed",
+                 lambda: max(loaded_versions(inference, run_id)) > STEPS)
+    finally:
+        os.killpg(stale.proc.pid, signal.SIGCONT)
+    wait_for("the stale learner never stopped the run",
+             lambda: f"stopped run {run_id}" in stale.log_path.read_text(), timeout_s=120)
+    run = wait_end(c, run_id)
+    assert run.state == "SUCCEEDED", run.error
+    assert run.step == STEPS
 
-        # nothing the stale learner (versions 0..STEPS) pushed loaded after the holder's
-        versions = loaded_versions(inference, run_id)
-        first_new = next(i for i, v in enumerate(versions) if v > STEPS)
-        assert all(v > STEPS for v in versions[first_new:]), versions
-        assert stale_range <= STEPS
-        # every checkpoint from the takeover on is the holder's, `latest` among them
-        checkpoints = out / "checkpoints"
-        latest = checkpoints / (checkpoints / "latest").read_text()
-        assert json.loads((latest / "state.json").read_text())["fence"] == 2
-        # each step logged once, in order: the stale learner wrote no record after waking
-        assert [r["step"] for r in rows(out)] == list(range(STEPS + 1))
-        stale_log = stale.log_path.read_text()
-        assert f"run {run_id} ended" not in stale_log  # it recorded no end of its own
+    # nothing the stale learner (versions 0..STEPS) pushed loaded after the holder's
+    versions = loaded_versions(inference, run_id)
+    first_new = next(i for i, v in enumerate(versions) if v > STEPS)
+    assert all(v > STEPS for v in versions[first_new:]), versions
+    assert stale_range <= STEPS
+    # every checkpoint from the takeover on is the holder's, `latest` among them
+    checkpoints = out / "checkpoints"
+    latest = checkpoints / (checkpoints / "latest").read_text()
+    assert json.loads((latest / "state.json").read_text())["fence"] == 2
+    # each step logged once, in order: the stale learner wrote no record after waking
+    assert [r["step"] for r in rows(out)] == list(range(STEPS + 1))
+    stale_log = stale.log_path.read_text()
+    assert f"run {run_id} ended" not in stale_log  # it recorded no end of its own
 
-        # the holder's token refuses the stale one's push, as the replica saw it
-        stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(inference.address))
-        base = stub.GetInfo(inference_pb2.GetInfoRequest(), timeout=10).base_model
-        payload = (latest / "adapters" / "shared" / "adapter_model.safetensors").read_bytes()
-        manifest = adapter_io.make_manifest(f"{run_id}/shared", 10_000, base, 4, 8.0,
-                                            ["q_proj"], payload, run_id=run_id, fence=1)
-        with pytest.raises(grpc.RpcError) as err:
-            stub.PushAdapter(adapter_io.chunks(manifest, payload), timeout=60)
-        assert err.value.code() == grpc.StatusCode.ABORTED
-        assert "fencing token 1 is stale" in (err.value.details() or "")
+    # the holder's token refuses the stale one's push, as the replica saw it
+    stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(inference.address))
+    base = stub.GetInfo(inference_pb2.GetInfoRequest(), timeout=10).base_model
+    payload = (latest / "adapters" / "shared" / "adapter_model.safetensors").read_bytes()
+    manifest = adapter_io.make_manifest(f"{run_id}/shared", 10_000, base, 4, 8.0,
+                                        ["q_proj"], payload, run_id=run_id, fence=1)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.PushAdapter(adapter_io.chunks(manifest, payload), timeout=60)
+    assert err.value.code() == grpc.StatusCode.ABORTED
+    assert "fencing token 1 is stale" in (err.value.details() or "")
+

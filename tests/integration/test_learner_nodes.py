@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from learner_runs import demo_model_dir, rows, submit, wait_end
 from safetensors.torch import load_file
 from test_learner_resume import resume_spec, wait_for_rows
 
-from marl.local.launcher import Cluster
+from tests.support.cluster import ClusterFactory
+from tests.support.runs import rows, submit, wait_end
+from tests.support.specs import demo_model_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.resume, pytest.mark.timeout(1500)]
 LOSSES = ("policy/generator/loss", "policy/aggregator/loss")
@@ -37,44 +37,42 @@ def final_adapters(out: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 
 @pytest.fixture(scope="module")
-def one_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+def one_node(tmp_path_factory: pytest.TempPathFactory, module_clusters: ClusterFactory) -> Path:
     """The uninterrupted run on a one-process learner."""
-    model_dir = demo_model_dir()
-    work = tmp_path_factory.mktemp("one")
-    with Cluster(work, str(model_dir), engine="transformers", sandbox_replicas=0) as c:
-        run = wait_end(c, submit(c, resume_spec(model_dir, work / "out")))
-        assert run.state == "SUCCEEDED", run.error
-    yield work / "out"
+    out = tmp_path_factory.mktemp("one") / "out"
+    c = module_clusters(sandbox_replicas=0)
+    run = wait_end(c, submit(c, resume_spec(demo_model_dir(), out)))
+    assert run.state == "SUCCEEDED", run.error
+    return out
 
 
 def test_two_learner_nodes_train_as_one_and_survive_losing_one(
-    one_node: Path, tmp_path: Path
+    one_node: Path, tmp_path: Path, clusters: ClusterFactory
 ) -> None:
     model_dir = demo_model_dir()
     want = rows(one_node)
-    with Cluster(tmp_path, str(model_dir), engine="transformers", sandbox_replicas=0,
-                 learner_nodes=2) as c:
-        nodes = [p for p in c.processes if p.kind == "learner"]
-        assert len(nodes) == 2 and all(p.launch for p in nodes)
+    c = clusters(sandbox_replicas=0, learner_nodes=2)
+    nodes = [p for p in c.processes if p.kind == "learner"]
+    assert len(nodes) == 2 and all(p.launch for p in nodes)
 
-        run = wait_end(c, submit(c, resume_spec(model_dir, tmp_path / "whole")))
-        assert run.state == "SUCCEEDED", run.error
-        got = rows(tmp_path / "whole")
-        assert [r["step"] for r in got] == [r["step"] for r in want]
-        for a, b in zip(want, got, strict=True):
-            for key in LOSSES:
-                if key in a:
-                    assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
+    run = wait_end(c, submit(c, resume_spec(model_dir, tmp_path / "whole")))
+    assert run.state == "SUCCEEDED", run.error
+    got = rows(tmp_path / "whole")
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(want, got, strict=True):
+        for key in LOSSES:
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
 
-        killed = tmp_path / "killed"
-        run_id = submit(c, resume_spec(model_dir, killed))
-        wait_for_rows(killed, 2)
-        second = nodes[1]
-        os.killpg(second.proc.pid, signal.SIGKILL)
-        second.proc.wait(timeout=30)
-        c.restart(second)
-        run = wait_end(c, run_id, timeout_s=900)
-        assert run.state == "SUCCEEDED", run.error
+    killed = tmp_path / "killed"
+    run_id = submit(c, resume_spec(model_dir, killed))
+    wait_for_rows(killed, 2)
+    second = nodes[1]
+    os.killpg(second.proc.pid, signal.SIGKILL)
+    second.proc.wait(timeout=30)
+    c.restart(second)
+    run = wait_end(c, run_id, timeout_s=900)
+    assert run.state == "SUCCEEDED", run.error
 
     assert [r["step"] for r in rows(killed)][-1] == want[-1]["step"]
     want_adapters = final_adapters(one_node)
@@ -83,3 +81,4 @@ def test_two_learner_nodes_train_as_one_and_survive_losing_one(
     for p, weights in want_adapters.items():
         for k, v in weights.items():
             torch.testing.assert_close(got_adapters[p][k], v, rtol=1e-5, atol=1e-5)
+
