@@ -4,7 +4,7 @@ Each service process exposes one registry (prometheus_client's default, with its
 collector) on its HTTP server's `/metrics`: request counts and latencies of every gRPC
 method (an aio server interceptor in `marl.serving.ServiceHost`) and every HTTP route (an
 aiohttp middleware in `marl.http_server.HttpServer`), plus what the service itself
-knows: episodes in flight (workflow), adapter versions loaded and generation requests in
+knows: episodes in flight and task entries refused for their signature (workflow), adapter versions loaded and generation requests in
 flight (inference), sandbox verdicts by kind (sandbox), the lag of the task stream
 (workflow). Values that live elsewhere (Redis) are read when Prometheus scrapes, by hooks a
 service adds with `on_scrape`. Prometheus scrapes the port the service's HTTP server
@@ -54,6 +54,12 @@ INFERENCE_IN_FLIGHT = Gauge(
     "marl_inference_requests_in_flight",
     "Generation requests this inference replica serves now, queued or decoding (each request "
     "of a GenerateMany counts, and each OpenAI completion served with an adapter)",
+)
+TASKS_REFUSED = Counter(
+    "marl_tasks_refused",
+    "Task entries this workflow worker refused to run: unsigned or with a bad signature "
+    "(forged into Redis by someone without the services' token), by reason",
+    ["reason"],
 )
 SANDBOX_VERDICTS = Counter(
     "marl_sandbox_verdicts", "Sandbox test verdicts, by verdict", ["verdict"]

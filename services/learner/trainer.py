@@ -37,9 +37,10 @@ from marl.diagnostics.signatures import parallel_roles
 from marl.models.identity import base_model_id
 from marl.runtime import trace
 from marl.runtime.fences import StaleFence
+from marl.runtime.task_signing import TaskSigner
 from marl.runtime.torch_thread import TorchThread
 from marl.spec.run import RunSpec, dump_spec
-from marl.spec.services import LearnerConfig
+from marl.spec.services import LearnerConfig, auth_token
 from marl.workflows import policy_of_role
 from services.learner.adapter_sync import AdapterSync, Published
 from services.learner.checkpoint import Checkpointer
@@ -181,7 +182,7 @@ class RunExecutor:
         )
         self.episodes = Episodes(
             run_id, spec, r, learner_id, self.adapters.refs, self.check_cancel,
-            learner.max_queued_tasks,
+            learner.max_queued_tasks, TaskSigner(auth_token()),
         )
         self.jsonl = JsonlSink(out_dir / "metrics.jsonl")
         self.stream = StreamSink(r, run_id)
