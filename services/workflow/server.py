@@ -17,7 +17,12 @@ from marl.protocol.v1 import workflow_pb2, workflow_pb2_grpc
 from marl.rollout import Task
 from marl.runtime import replicas, streams
 from marl.runtime.http_server import HttpServer
-from marl.runtime.prometheus_metrics import INFLIGHT_EPISODES, on_scrape, stream_lag_hook
+from marl.runtime.prometheus_metrics import (
+    INFLIGHT_EPISODES,
+    on_scrape,
+    redis_memory_hook,
+    stream_lag_hook,
+)
 from marl.runtime.serving import ServiceHost, configure_logging, serve_until_stopped
 from marl.runtime.task_signing import TaskSigner
 from marl.spec.safe_input import check_path, load_json, shorten
@@ -133,6 +138,7 @@ async def _serve(cfg: WorkflowConfig) -> None:
     if cfg.http_port is not None:  # Prometheus /metrics
         http = HttpServer(cfg.host, cfg.http_port)
         on_scrape(http.app, stream_lag_hook(r, streams.TASKS, streams.WORKERS_GROUP))
+        on_scrape(http.app, redis_memory_hook(r))
         await http.start()
 
     async def ready() -> None:
