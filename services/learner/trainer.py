@@ -49,7 +49,7 @@ from services.learner.checkpoint import Checkpointer
 from services.learner.episodes import Episodes
 from services.learner.errors import ReplicaUnreachable, RunCancelled, RunFailed, RunStopped
 from services.learner.guard import Action, Guard, GuardStopped, spare_adapters
-from services.learner.lease import Lease
+from services.learner.lease import Lease, LeaseLost
 from services.learner.metrics import (
     JsonlSink,
     MetricsSink,
@@ -326,13 +326,22 @@ class RunExecutor:
                         ) -> NoReturn:
         """The learner is stopping before step `step` trains: the step before's push and
         record finish, a checkpoint of `step` steps done is written (unless one is there),
-        then RunStopped. The next learner resumes at `step` and draws its problems again."""
-        await schedule.drain()
-        if self.saved_step != step and step > 0:
-            self.data_position = schedule.ahead.position(step)
-            await self.save(loop.checkpointer, step, loop.policy, None)
-            log.info("stopping: checkpointed run %s at step %d", self.run_id, step)
-        raise RunStopped(f"the learner stopped; run {self.run_id} resumes at step {step}")
+        then RunStopped. The next learner resumes at `step` and draws its problems again.
+        What fails meanwhile (Redis gone, a push refused) is logged, not recorded: the run
+        stays the next learner's, from the last checkpoint there is."""
+        try:
+            await schedule.drain()
+            if self.saved_step != step and step > 0:
+                self.data_position = schedule.ahead.position(step)
+                await self.save(loop.checkpointer, step, loop.policy, None)
+                log.info("stopping: checkpointed run %s at step %d", self.run_id, step)
+        except LeaseLost:
+            raise
+        except Exception as err:
+            log.error("stopping: could not checkpoint run %s at step %d: %s", self.run_id,
+                      step, err)
+        raise RunStopped(f"the learner stopped; run {self.run_id} resumes from its last "
+                         "checkpoint")
 
     async def resume(self, policy: PolicyHandle, train: list[Problem], val: list[Problem]) -> Loop:
         """The loop's parts, from the last checkpoint if there is one (its data position,
