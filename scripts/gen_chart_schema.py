@@ -247,6 +247,10 @@ def build() -> dict[str, Any]:
                 }
             ),
             "resources": RESOURCES,
+            "maxmemory": string(
+                "Redis maxmemory (policy noeviction), e.g. 3gb; below the memory limit.",
+                pattern=r"^[1-9][0-9]*(kb|mb|gb)$",
+            ),
             "persistence": PERSISTENCE,
             "external": obj(
                 {

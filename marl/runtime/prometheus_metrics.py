@@ -4,9 +4,9 @@ Each service process exposes one registry (prometheus_client's default, with its
 collector) on its HTTP server's `/metrics`: request counts and latencies of every gRPC
 method (an aio server interceptor in `marl.serving.ServiceHost`) and every HTTP route (an
 aiohttp middleware in `marl.http_server.HttpServer`), plus what the service itself
-knows: episodes in flight (workflow), adapter versions loaded and generation requests in
+knows: episodes in flight and task entries refused for their signature (workflow), adapter versions loaded and generation requests in
 flight (inference), sandbox verdicts by kind (sandbox), the lag of the task stream
-(workflow). Values that live elsewhere (Redis) are read when Prometheus scrapes, by hooks a
+(workflow), and Redis's memory against its maxmemory (workflow). Values that live elsewhere (Redis) are read when Prometheus scrapes, by hooks a
 service adds with `on_scrape`. Prometheus scrapes the port the service's HTTP server
 listens on (`http_port`; the Helm chart's workflow pods serve it on 8080).
 
@@ -55,6 +55,12 @@ INFERENCE_IN_FLIGHT = Gauge(
     "Generation requests this inference replica serves now, queued or decoding (each request "
     "of a GenerateMany counts, and each OpenAI completion served with an adapter)",
 )
+TASKS_REFUSED = Counter(
+    "marl_tasks_refused",
+    "Task entries this workflow worker refused to run: unsigned or with a bad signature "
+    "(forged into Redis by someone without the services' token), by reason",
+    ["reason"],
+)
 SANDBOX_VERDICTS = Counter(
     "marl_sandbox_verdicts", "Sandbox test verdicts, by verdict", ["verdict"]
 )
@@ -67,6 +73,15 @@ STREAM_LAG = Gauge(
 past the group's position were deleted, where XINFO GROUPS' own `lag` is NULL (the entries
 are then counted inside Redis), so autoscaling on it keeps working where a scaler that reads
 `lag` (KEDA's redis-streams `lagCount`) gets nothing to use."""
+
+REDIS_MEMORY_USED = Gauge(
+    "marl_redis_memory_used_bytes", "Memory Redis uses (INFO memory used_memory)"
+)
+REDIS_MEMORY_MAX = Gauge(
+    "marl_redis_memory_max_bytes",
+    "Redis's maxmemory (0: none); past it a noeviction Redis refuses writes, so alert on "
+    "used / max approaching 1",
+)
 
 RUN_STEP = Gauge("marl_run_step", "The run's last logged training step", ["run"])
 RUN_REWARD_MEAN = Gauge(
@@ -131,6 +146,17 @@ def stream_lag_hook(r: Any, stream: str, group: str) -> ScrapeHook:
         STREAM_LAG.labels(stream, group).set(await streams.lag(r, stream, group))
 
     return stream_lag
+
+
+def redis_memory_hook(r: Any) -> ScrapeHook:
+    """A scrape hook that sets `marl_redis_memory_used_bytes` and `_max_bytes` from INFO."""
+
+    async def redis_memory() -> None:
+        info = await r.info("memory")
+        REDIS_MEMORY_USED.set(int(info.get("used_memory", 0)))
+        REDIS_MEMORY_MAX.set(int(info.get("maxmemory", 0)))
+
+    return redis_memory
 
 
 async def metrics_handler(request: web.Request) -> web.Response:

@@ -252,6 +252,12 @@ class ServiceHost:
         """A stop was requested (SIGTERM, SIGINT or `request_stop`)."""
         return self._stop.is_set()
 
+    @property
+    def stop_event(self) -> asyncio.Event:
+        """Set once a stop is requested: for work that ends itself early on a stop (a
+        learner's run checkpointing the step it is on)."""
+        return self._stop
+
     async def wait_for_stop(self, grace: float = 5.0) -> None:
         await self._stop.wait()
         if self.watchdog is not None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -113,6 +113,8 @@ class Entry:
     """Of them, deliveries whose consumer died holding the entry or handed it back."""
     holder_deaths: int = 0
     """Consumers that died (heartbeat lapsed) holding the entry."""
+    fields: dict[str, str] = field(default_factory=dict)
+    """The entry as stored: its payload's bytes and signature (`marl.runtime.task_signing`)."""
 
     @property
     def charged(self) -> int:
@@ -187,7 +189,13 @@ async def add_many(r: aioredis.Redis, stream: str, payloads: list[dict[str, Any]
 
 
 def _decode(stream: str, entry_id: str, fields: dict[str, str]) -> Entry:
-    return Entry(stream, entry_id, json.loads(fields["json"]))
+    """The entry; one whose payload is no JSON object (anyone can XADD) has empty `data`,
+    which its consumer refuses, rather than failing the read that found it."""
+    try:
+        data = json.loads(fields["json"])
+    except (KeyError, ValueError):
+        data = None
+    return Entry(stream, entry_id, data if isinstance(data, dict) else {}, fields=fields)
 
 
 async def read_group(

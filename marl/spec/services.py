@@ -180,6 +180,11 @@ class LearnerConfig(_RedisConfig):
     """A finished run's Redis state (its record, metrics stream, rollouts stream) expires
     this long after the run ends, and the run leaves `marl runs`; its directory on disk
     stays. 0: kept for good (Redis memory then grows with every run)."""
+    drain_s: float = Field(default=100.0, ge=0, le=3600)
+    """On SIGTERM each run abandons the step whose rollouts it is gathering (or finishes
+    the update under way), checkpoints the steps done and is left to the next learner;
+    the process waits up to this long for that, then exits within ~10 s more. Keep it
+    below the pod's terminationGracePeriodSeconds (the chart gives it this plus 20 s)."""
 
 
 class SandboxConfig(_ServiceConfig):

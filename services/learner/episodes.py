@@ -16,12 +16,12 @@ until their own step gathers them.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -30,6 +30,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from marl.data.problem import Problem
 from marl.rollout import AdapterRef, Rollout, Task
 from marl.runtime import streams, trace
+from marl.runtime.task_signing import TaskSigner
 from marl.spec.run import RunSpec
 from services.learner.errors import RunFailed
 from services.learner.runs import run_key
@@ -66,6 +67,7 @@ class Episodes:
         adapters: Callable[[], dict[str, AdapterRef]],
         check_cancel: Callable[[], Awaitable[None]],
         max_queued_tasks: int,
+        signer: TaskSigner | None = None,
     ):
         self.run_id = run_id
         self.spec = spec
@@ -76,6 +78,8 @@ class Episodes:
         self.check_cancel = check_cancel
         self.stream = streams.rollouts_stream(run_id)
         self.max_queued_tasks = max_queued_tasks
+        self.signer = signer or TaskSigner(None)
+        """Signs each task queued (workers run only tasks signed with the services' token)."""
         self.queue: list[tuple[Task, Pending]] = []
         """Submitted tasks not yet in the tasks stream, in submission order."""
         self.expected: dict[str, Task] = {}
@@ -202,7 +206,8 @@ class Episodes:
         with trace.span("queue tasks", "tasks", tasks=len(batch)):
             async with self.r.pipeline(transaction=True) as pipe:
                 for t, _ in batch:
-                    pipe.xadd(streams.TASKS, {"json": json.dumps(t.to_dict())})
+                    entry: dict[Any, Any] = self.signer.fields(streams.TASKS, t.to_dict())
+                    pipe.xadd(streams.TASKS, entry)
                 added = await pipe.execute()
         for (_, pending), entry_id in zip(batch, added, strict=True):
             pending.ids.append(entry_id)

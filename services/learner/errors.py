@@ -7,6 +7,11 @@ class RunCancelled(Exception):
     pass
 
 
+class RunStopped(Exception):
+    """The learner is stopping (SIGTERM): the run was checkpointed at the step it was on and
+    is left, unfinished, to the next learner that takes it."""
+
+
 class RunFailed(Exception):
     """A run cannot go on; the message is for the user."""
 

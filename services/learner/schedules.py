@@ -38,9 +38,11 @@ class TasksAhead:
         self.steps[step] = (self.run.episodes.submit(problems, step, "train", after), position)
 
     async def gather(self, step: int, clock: StepClock) -> list[Rollout]:
-        """Step `step`'s rollouts, once all are in."""
-        pending = self.steps.pop(step)[0]
+        """Step `step`'s rollouts, once all are in. The step stays among those ahead until
+        then: a gather abandoned (a learner stopping) leaves its data position."""
+        pending = self.steps[step][0]
         rollouts = await self.run.episodes.gather(pending)
+        del self.steps[step]
         clock.gathered = time.monotonic()
         clock.released = clock.start if pending.released is None else pending.released
         return rollouts

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import functools
 import json
 import logging
@@ -40,7 +41,7 @@ from marl.spec.services import LearnerConfig
 from marl.workflows import policy_of_role
 from services.learner.lease import Lease, LeaseLost
 from services.learner.runs import TERMINAL, Position, RunStore, new_run_id, owner_of
-from services.learner.trainer import RunCancelled, RunExecutor, RunFailed
+from services.learner.trainer import RunCancelled, RunExecutor, RunFailed, RunStopped
 
 log = logging.getLogger(__name__)
 
@@ -339,7 +340,8 @@ async def _next_run(store: RunStore, learner_id: str) -> tuple[str, int, Lease] 
 
 
 async def run_loop(
-    r: aioredis.Redis, store: RunStore, learner_id: str, cfg: LearnerConfig
+    r: aioredis.Redis, store: RunStore, learner_id: str, cfg: LearnerConfig,
+    stop: asyncio.Event | None = None,
 ) -> None:
     """Take queued runs, and runs whose learner died, and train up to
     `cfg.max_concurrent_runs` of them at once, each in a task of its own (`train_run`); a
@@ -349,16 +351,20 @@ async def run_loop(
     generators), and its queue takes their calls in turn. A run's own failures end that run
     alone; what escapes `train_run` (Redis lost while a run's end is recorded) stops the
     loop as it did with one run at a time, and the runs it held are taken over from their
-    checkpoints by the next learner."""
+    checkpoints by the next learner.
+
+    Once `stop` is set (SIGTERM) it takes no more runs; the runs under way checkpoint the
+    step they are on and end (`RunExecutor.stop_here`), and then so does the loop."""
     from services.learner.run_lane import RunLane
 
+    stop = stop or asyncio.Event()
     torch_thread = TorchThread("learner")
     # the burst takes the cores inference leaves idle once a run's rollouts are in; with
     # several runs one run's rollouts being in says nothing of the others' generation
     burst_threads = cfg.burst_threads if cfg.max_concurrent_runs == 1 else 0
     running: set[asyncio.Task[None]] = set()
     try:
-        while True:
+        while not stop.is_set():
             raise_if_cancelled()  # a cancel that redis-py lost in `_next_run` (see aio_tasks)
             _reap(running)
             if len(running) >= cfg.max_concurrent_runs:
@@ -371,10 +377,14 @@ async def run_loop(
             lane = RunLane(torch_thread)
             running.add(
                 asyncio.create_task(
-                    train_run(r, store, lease, cfg, takeover, lane, burst_threads),
+                    train_run(r, store, lease, cfg, takeover, lane, burst_threads, stop),
                     name=f"run {run_id}",
                 )
             )
+        if running:
+            log.info("stopping: %d runs checkpoint the step they are on", len(running))
+            await asyncio.wait(running)
+            _reap(running)
     finally:
         await cancel_until_done(running)
 
@@ -394,6 +404,7 @@ async def train_run(
     takeover: int,
     torch_thread: TorchThread,
     burst_threads: int,
+    stop: asyncio.Event | None = None,
 ) -> None:
     """Train one run, whose lease this learner holds, to its end and record how it ended:
     SUCCEEDED, CANCELLED, or FAILED with its error (a bad spec, a failed run, a crash in its
@@ -423,10 +434,14 @@ async def train_run(
             torch_thread=torch_thread,
             owner=owner_of(record),
             lease=lease,
+            stop=stop,
         )
         await _until_lost(executor.execute(), lease)
     except LeaseLost as err:
         log.error("stopped run %s: %s", run_id, err)
+        return
+    except RunStopped as err:  # its lease is released below: the next learner resumes it
+        log.info("%s", err)
         return
     except RunCancelled:
         await store.finish(run_id, "CANCELLED", retention_s)
@@ -463,20 +478,24 @@ async def _until_lost(work: Coroutine[Any, Any, None], lease: Lease) -> None:
     task.result()
 
 
-async def sweep_loop(store: RunStore, period_s: float = SWEEP_PERIOD_S) -> None:
+async def sweep_loop(
+    store: RunStore, period_s: float = SWEEP_PERIOD_S, stop: asyncio.Event | None = None
+) -> None:
     """Forget finished runs whose retention passed (`RunStore.sweep`), every `period_s`;
-    a Redis outage is waited out."""
+    a Redis outage is waited out. Ends once `stop` is set."""
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 
-    while True:
+    stop = stop or asyncio.Event()
+    while not stop.is_set():
         try:
             if swept := await store.sweep():
                 log.info("forgot %d finished runs past their retention", swept)
         except (RedisConnectionError, RedisTimeoutError) as err:
             raise_if_cancelled()
             log.warning("could not sweep finished runs: %s; retrying", err)
-        await asyncio.sleep(period_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), period_s)
 
 
 async def _serve(cfg: LearnerConfig, runs_dir: Path) -> None:
@@ -497,17 +516,19 @@ async def _serve(cfg: LearnerConfig, runs_dir: Path) -> None:
         await r.ping()
 
     async def loop() -> None:
-        await run_loop(r, store, learner_id, cfg)
+        await run_loop(r, store, learner_id, cfg, server.stop_event)
 
     async def sweep() -> None:
-        await sweep_loop(store)
+        await sweep_loop(store, stop=server.stop_event)
 
     async def on_stop() -> None:
         if http is not None:
             await http.stop()
         await r.aclose()
 
-    await serve_until_stopped(server, ready=ready, background=[loop, sweep], on_stop=on_stop)
+    await serve_until_stopped(
+        server, ready=ready, background=[loop, sweep], on_stop=on_stop, drain_s=cfg.drain_s
+    )
 
 
 def run(cfg: LearnerConfig) -> None:

@@ -24,10 +24,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import redis.asyncio as aioredis
 
@@ -36,17 +37,19 @@ from marl.diagnostics.alarms import AlarmWatch
 from marl.diagnostics.signatures import parallel_roles
 from marl.models.identity import base_model_id
 from marl.runtime import trace
+from marl.runtime.aio_tasks import cancel_until_done
 from marl.runtime.fences import StaleFence
+from marl.runtime.task_signing import TaskSigner
 from marl.runtime.torch_thread import TorchThread
 from marl.spec.run import RunSpec, dump_spec
-from marl.spec.services import LearnerConfig
+from marl.spec.services import LearnerConfig, auth_token
 from marl.workflows import policy_of_role
 from services.learner.adapter_sync import AdapterSync, Published
 from services.learner.checkpoint import Checkpointer
 from services.learner.episodes import Episodes
-from services.learner.errors import ReplicaUnreachable, RunCancelled, RunFailed
+from services.learner.errors import ReplicaUnreachable, RunCancelled, RunFailed, RunStopped
 from services.learner.guard import Action, Guard, GuardStopped, spare_adapters
-from services.learner.lease import Lease
+from services.learner.lease import Lease, LeaseLost
 from services.learner.metrics import (
     JsonlSink,
     MetricsSink,
@@ -147,13 +150,17 @@ class RunExecutor:
         torch_thread: TorchThread | None = None,
         owner: str = "",
         lease: Lease | None = None,
+        stop: asyncio.Event | None = None,
     ):
         """`learner`: the learner process's settings this run reads, its bound on queued
         tasks and `burst_threads`, the torch threads the update may take once every rollout
         queued ahead is in (`threads.ThreadBurst`; 0, or a synchronous run: its own share).
         `owner`: the user who submitted the run, the one user its adapters are served to.
         `lease`: the run's lease, checked before every push and checkpoint, whose fencing
-        token they carry (None: a run no other learner can take, as in tests)."""
+        token they carry (None: a run no other learner can take, as in tests).
+        `stop`: set when the learner is stopping (SIGTERM): the run abandons the step whose
+        rollouts it is gathering, or finishes the one it is updating, checkpoints the steps
+        done and raises RunStopped (`stop_here`)."""
         self.run_id = run_id
         self.torch = torch_thread or TorchThread("learner")
         """Where the policy's torch work runs: the learner process's one torch thread."""
@@ -166,6 +173,9 @@ class RunExecutor:
         self.takeover = takeover
         """0 for the run's first learner; n for the n-th learner that took it over."""
         self.lease = lease
+        self.stop = stop or asyncio.Event()
+        self.saved_step: int | None = None
+        """The step of the last checkpoint this run has (restored or saved)."""
         self.adapters = AdapterSync(
             run_id,
             spec,
@@ -181,7 +191,7 @@ class RunExecutor:
         )
         self.episodes = Episodes(
             run_id, spec, r, learner_id, self.adapters.refs, self.check_cancel,
-            learner.max_queued_tasks,
+            learner.max_queued_tasks, TaskSigner(auth_token()),
         )
         self.jsonl = JsonlSink(out_dir / "metrics.jsonl")
         self.stream = StreamSink(r, run_id)
@@ -265,8 +275,12 @@ class RunExecutor:
         try:
             for step in range(loop.start, spec.train.steps):
                 await self.check_cancel()
+                if self.stop.is_set():
+                    await self.stop_here(schedule, loop, step)
                 clock = StepClock(time.monotonic())
-                rollouts = await schedule.rollouts(step, clock)
+                rollouts = await self.unless_stopped(schedule.rollouts(step, clock))
+                if rollouts is None:
+                    await self.stop_here(schedule, loop, step)
                 failed_step = await self.count_failures(loop, step, rollouts)
                 rollouts, trained, selection = await self.select(loop, step, rollouts)
                 result, burst_s = await self.update(
@@ -296,6 +310,40 @@ class RunExecutor:
         finally:
             await schedule.close()
 
+    async def unless_stopped(self, gathering: Awaitable[list[Rollout]]) -> list[Rollout] | None:
+        """The step's rollouts, or None when the learner is asked to stop first: the
+        gathering is abandoned (nothing of the step has touched the policy yet)."""
+        task = asyncio.ensure_future(gathering)
+        stopped = asyncio.create_task(self.stop.wait())
+        try:
+            await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                await cancel_until_done([task])
+            await cancel_until_done([stopped])
+        return None if task.cancelled() else task.result()
+
+    async def stop_here(self, schedule: RolloutsAhead | Synchronous, loop: Loop, step: int
+                        ) -> NoReturn:
+        """The learner is stopping before step `step` trains: the step before's push and
+        record finish, a checkpoint of `step` steps done is written (unless one is there),
+        then RunStopped. The next learner resumes at `step` and draws its problems again.
+        What fails meanwhile (Redis gone, a push refused) is logged, not recorded: the run
+        stays the next learner's, from the last checkpoint there is."""
+        try:
+            await schedule.drain()
+            if self.saved_step != step and step > 0:
+                self.data_position = schedule.ahead.position(step)
+                await self.save(loop.checkpointer, step, loop.policy, None)
+                log.info("stopping: checkpointed run %s at step %d", self.run_id, step)
+        except LeaseLost:
+            raise
+        except Exception as err:
+            log.error("stopping: could not checkpoint run %s at step %d: %s", self.run_id,
+                      step, err)
+        raise RunStopped(f"the learner stopped; run {self.run_id} resumes from its last "
+                         "checkpoint")
+
     async def resume(self, policy: PolicyHandle, train: list[Problem], val: list[Problem]) -> Loop:
         """The loop's parts, from the last checkpoint if there is one (its data position,
         rollbacks and routing; the records logged after it cut back and the rest replayed),
@@ -317,6 +365,7 @@ class RunExecutor:
             raise self.lease.lost_to(str(err)) from None
         restored = await self.torch.run(checkpointer.restore, policy)
         start = 0 if restored is None else int(restored["step"])
+        self.saved_step = None if restored is None else start
         if restored is not None:
             sampler.position = int(restored["data_position"])
             log.info("resumed %s at step %d", self.run_id, start)
@@ -412,6 +461,7 @@ class RunExecutor:
         state = self.checkpoint_state()
         try:
             await self.torch.run(checkpointer.save, step, policy, state, accuracy)
+            self.saved_step = step
         except StaleFence as err:
             if self.lease is not None:
                 raise self.lease.lost_to(str(err)) from None

@@ -17,10 +17,16 @@ from marl.protocol.v1 import workflow_pb2, workflow_pb2_grpc
 from marl.rollout import Task
 from marl.runtime import replicas, streams
 from marl.runtime.http_server import HttpServer
-from marl.runtime.prometheus_metrics import INFLIGHT_EPISODES, on_scrape, stream_lag_hook
+from marl.runtime.prometheus_metrics import (
+    INFLIGHT_EPISODES,
+    on_scrape,
+    redis_memory_hook,
+    stream_lag_hook,
+)
 from marl.runtime.serving import ServiceHost, configure_logging, serve_until_stopped
+from marl.runtime.task_signing import TaskSigner
 from marl.spec.safe_input import check_path, load_json, shorten
-from marl.spec.services import WorkflowConfig
+from marl.spec.services import WorkflowConfig, auth_token
 from marl.workflows import resolve
 from services.workflow.worker import EpisodeRunner, work_loop
 
@@ -122,6 +128,7 @@ async def _serve(cfg: WorkflowConfig) -> None:
     name = workflow_pb2.DESCRIPTOR.services_by_name["Workflow"].full_name
     server = ServiceHost([name], cfg.host, cfg.port)
     r = streams.connect(cfg.redis)
+    signer = TaskSigner(auth_token())  # with the services' token, only signed tasks run
     # host and pid make a consumer in XINFO traceable to its pod and process
     worker_id = f"workflow-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     runner = EpisodeRunner(r, worker_id, cfg.sandbox, replica_wait_s=cfg.replica_wait_s)
@@ -131,6 +138,7 @@ async def _serve(cfg: WorkflowConfig) -> None:
     if cfg.http_port is not None:  # Prometheus /metrics
         http = HttpServer(cfg.host, cfg.http_port)
         on_scrape(http.app, stream_lag_hook(r, streams.TASKS, streams.WORKERS_GROUP))
+        on_scrape(http.app, redis_memory_hook(r))
         await http.start()
 
     async def ready() -> None:
@@ -140,7 +148,7 @@ async def _serve(cfg: WorkflowConfig) -> None:
         await asyncio.to_thread(math_reward.warm_up)
 
     async def loop() -> None:
-        await work_loop(runner, cfg, stopping=lambda: server.stopping)
+        await work_loop(runner, cfg, stopping=lambda: server.stopping, signer=signer)
 
     async def on_stop() -> None:
         if http is not None:

@@ -46,6 +46,8 @@ from marl.rollout import Rollout, Task
 from marl.runtime import auth, replicas, streams, trace
 from marl.runtime.aio_tasks import cancel_until_done, raise_if_cancelled
 from marl.runtime.gc_pauses import freeze_long_lived
+from marl.runtime.prometheus_metrics import TASKS_REFUSED
+from marl.runtime.task_signing import PAYLOAD_FIELD, TaskSigner
 from marl.spec.run import SpecError, WorkflowCaps
 from marl.spec.services import WorkflowConfig
 from marl.workflows import EpisodeError, Workflow, resolve
@@ -458,11 +460,14 @@ async def work_loop(  # noqa: C901, PLR0915 (older than the limit; split it when
     runner: EpisodeRunner,
     cfg: WorkflowConfig,
     stopping: Callable[[], bool] = lambda: False,
+    signer: TaskSigner | None = None,
 ) -> None:
     """Run tasks from the stream until cancelled, or until `stopping()`: then take no new
     task, let the episodes under way finish for up to `cfg.drain_s` (their rollouts are
     sent), and hand back what is left at once (another worker claims it without waiting).
-    `cfg`'s concurrency, heartbeat, claim and delivery settings shape the loop."""
+    `cfg`'s concurrency, heartbeat, claim and delivery settings shape the loop. With a
+    `signer` holding the services' token, an entry without its valid signature is refused
+    (`refuse`): never run, nor dead-lettered as a failed episode of a run."""
     concurrency, drain_s = cfg.concurrency, cfg.drain_s
     claim_idle_s, heartbeat_ttl_s = cfg.claim_idle_s, cfg.heartbeat_ttl_s
     max_deliveries = cfg.max_deliveries
@@ -472,6 +477,7 @@ async def work_loop(  # noqa: C901, PLR0915 (older than the limit; split it when
     held: dict[str, tuple[float, asyncio.Task[None]]] = {}
     withdrawn: set[str] = set()
     sender = RolloutSender(r)
+    signer = signer or TaskSigner(None)
 
     async def handle(entry: streams.Entry) -> None:
         try:
@@ -493,7 +499,25 @@ async def work_loop(  # noqa: C901, PLR0915 (older than the limit; split it when
             except REDIS_DOWN:  # still ours; claimed once this worker is gone or hung
                 log.warning("could not release task entry %s: redis unreachable", entry.id)
 
+    async def refuse(entry: streams.Entry, reason: str) -> None:
+        """A task entry no holder of the services' token queued: counted, logged and
+        acknowledged (and deleted: no producer will), never run."""
+        TASKS_REFUSED.labels(reason).inc()
+        log.warning("refused task entry %s (%s): not signed with the services' token, so "
+                    "not queued by a learner; not run. Its payload: %.300s", entry.id,
+                    reason, entry.fields.get(PAYLOAD_FIELD, ""))
+        try:
+            await streams.ack(r, streams.TASKS, streams.WORKERS_GROUP, entry.id, delete=True)
+        except REDIS_DOWN:  # still ours: refused again when claimed
+            log.warning("could not acknowledge refused task entry %s: redis unreachable",
+                        entry.id)
+
     async def on_dead(entry: streams.Entry) -> None:
+        if (reason := signer.refusal(streams.TASKS, entry.fields)) is not None:
+            TASKS_REFUSED.labels(reason).inc()
+            log.warning("dead-lettered entry %s is no signed task (%s): no run is told",
+                        entry.id, reason)
+            return
         try:
             rollout = dead_rollout(entry, worker_id)
         except (ValueError, TypeError, KeyError) as err:  # not a task: nobody waits for it
@@ -577,6 +601,9 @@ async def work_loop(  # noqa: C901, PLR0915 (older than the limit; split it when
                 continue
             backoff = 0.1
             for entry in entries:
+                if (reason := signer.refusal(streams.TASKS, entry.fields)) is not None:
+                    await refuse(entry, reason)
+                    continue
                 t = asyncio.create_task(handle(entry))
                 running.add(t)
                 t.add_done_callback(running.discard)

@@ -95,13 +95,40 @@ def test_redis_url_in_release_external_and_with_a_token() -> None:
     assert env["MARL_WORKFLOW_REDIS"] == "redis://:$(MARL_AUTH_TOKEN)@r-marl-redis:6379/0"
     assert env["MARL_AUTH_TOKEN"]["secretKeyRef"] == {"name": "r-marl-auth", "key": "token"}
     redis_args = workloads(authed)["r-marl-redis"]["spec"]["template"]["spec"]["containers"][0]
-    assert "--requirepass" in redis_args["args"] and "--appendonly" in redis_args["args"]
+    assert "--appendonly" in redis_args["args"]
     external = render(CHART / "ci" / "external-redis-values.yaml")
     assert "r-marl-redis" not in workloads(external)
     assert not by_kind(external, "Secret")  # existingSecret: the chart makes none
     env = _env(workloads(external)["r-marl-inference"])
     assert env["MARL_INFERENCE_REDIS"].endswith("@redis.data.svc.cluster.local:6379/2")
     assert env["MARL_AUTH_TOKEN"]["secretKeyRef"]["name"] == "marl-redis-password"
+
+
+def test_redis_password_is_never_on_a_command_line_and_memory_is_bounded() -> None:
+    """Redis reads the token from the mounted Secret and keeps only its SHA-256 (an ACL
+    file): no argument and no environment variable of its container holds the token or a
+    reference to it. maxmemory (a value) with noeviction: past it writes are refused."""
+    token = "t0k-never-in-args"
+    for docs in (render(None, f"auth.token={token}"), render(CHART / "ci" / "tls-values.yaml")):
+        redis = workloads(docs)["r-marl-redis"]["spec"]["template"]["spec"]
+        (c,) = redis["containers"]
+        words = [*c["command"], *c["args"]]
+        assert not any(token in w or "MARL_AUTH_TOKEN" in w or "requirepass" in w
+                       for w in words), words
+        assert "env" not in c
+        assert "--aclfile" in c["command"][2] and "sha256sum" in c["command"][2]
+        assert "/etc/marl-redis-auth/token" in c["command"][2]
+        mount = next(m for m in c["volumeMounts"] if m["name"] == "auth")
+        assert mount["mountPath"] == "/etc/marl-redis-auth" and mount["readOnly"]
+        auth = next(v for v in redis["volumes"] if v["name"] == "auth")
+        assert auth["secret"]["defaultMode"] == 0o400
+        args = c["args"]
+        assert args[args.index("--maxmemory") + 1] == "3gb"
+        assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
+    plain = workloads(render(None, "auth.enabled=false", "redis.maxmemory=512mb"))
+    (c,) = plain["r-marl-redis"]["spec"]["template"]["spec"]["containers"]
+    assert c["command"] == ["redis-server"]
+    assert c["args"][c["args"].index("--maxmemory") + 1] == "512mb"
 
 
 def test_inference_gets_gpus_probes_and_a_headless_service() -> None:
@@ -208,11 +235,12 @@ def test_default_install_has_auth_on_with_a_generated_token_every_service_reads(
     assert len(token) == 48 and token.isalnum()
     again = base64.b64decode(by_kind(render(), "Secret")["r-marl-auth"]["data"]["token"])
     assert again.decode() != token  # generated per install, not a constant of the chart
-    for s in (*services, "redis"):
+    for s in services:
         ref = _env(workloads(docs)[f"r-marl-{s}"])["MARL_AUTH_TOKEN"]["secretKeyRef"]
         assert ref == {"name": "r-marl-auth", "key": "token"}, s
-    redis = workloads(docs)["r-marl-redis"]["spec"]["template"]["spec"]["containers"][0]
-    assert "--requirepass" in redis["args"]
+    redis = workloads(docs)["r-marl-redis"]["spec"]["template"]
+    assert any(v.get("secret", {}).get("secretName") == "r-marl-auth"
+               for v in redis["spec"]["volumes"])
     assert _env(workloads(docs)["r-marl-learner"])["MARL_LEARNER_REDIS"].startswith(
         "redis://:$(MARL_AUTH_TOKEN)@")
     # an upgrade keeps the installed token: the template reads its own Secret back
@@ -250,3 +278,12 @@ def test_a_trace_dir_in_the_values_reaches_the_service_config() -> None:
     assert MODELS["learner"](**learner).trace_dir == "/tmp/marl-trace"
     workflow = yaml.safe_load(docs["r-marl-workflow"]["data"]["workflow.yaml"])
     assert workflow.get("trace_dir") is None
+
+
+def test_learner_grace_covers_its_drain_on_sigterm() -> None:
+    """The learner checkpoints the step it is on within config.drain_s of SIGTERM and exits
+    within ~10 s more: the pod's grace is drain_s + 20."""
+    learner = workloads(render())["r-marl-learner"]["spec"]["template"]["spec"]
+    assert learner["terminationGracePeriodSeconds"] == 120
+    longer = workloads(render(None, "learner.config.drain_s=300"))["r-marl-learner"]
+    assert longer["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 320

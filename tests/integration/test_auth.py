@@ -11,11 +11,14 @@ the token, because inference refuses them otherwise.
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+import redis
 import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -24,9 +27,12 @@ import marl
 from marl.cli import main as cli
 from marl.clients.runs import RunRefused, RunsClient
 from marl.clients.sandbox import SandboxClient
+from marl.data.problem import Problem
 from marl.local.demo import DEMO_SPEC
 from marl.protocol.v1 import inference_pb2, learner_pb2, sandbox_pb2, workflow_pb2
-from marl.runtime import auth
+from marl.rollout import AdapterRef, Task
+from marl.runtime import auth, streams
+from marl.runtime.task_signing import PAYLOAD_FIELD, TaskSigner, canonical
 from marl.spec.run import apply_overrides, dump_spec, parse_spec
 from marl.spec.services import auth_token
 
@@ -116,6 +122,52 @@ def test_allow_marl_clients_with_the_token_train_one_step(
         run_id = runs.submit(dump_spec(spec))
         run = runs.wait(run_id, timeout=240)
     assert run.state == "SUCCEEDED", run
+
+
+def refused_tasks(metrics_urls: list[str]) -> float:
+    """marl_tasks_refused_total over every reason, summed over the workers."""
+    total = 0.0
+    for url in metrics_urls:
+        for line in requests.get(url, timeout=10).text.splitlines():
+            if line.startswith("marl_tasks_refused_total{"):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_deny_a_task_forged_into_redis_while_signed_ones_run(
+        endpoints: dict[str, Any], tmp_path: Path) -> None:
+    """A Redis writer without the token queues a well-formed task (unsigned, and signed
+    with a guessed token): the worker refuses both (counted on its /metrics, acknowledged,
+    no rollout, no dead letter); the learner's signed tasks then train a step."""
+    r = redis.Redis.from_url(endpoints["redis"], decode_responses=True)
+    metrics = endpoints["metrics"]["workflow"]
+    before = refused_tasks(metrics)
+    spec = parse_spec(DEMO_SPEC)
+    spec.model.path = str(Path(marl.__file__).parent / "assets" / "demo-model")
+    task = Task.for_spec(spec, "forged-run", Problem(id="p", prompt="1+1?", answer="2"), 0,
+                         "train", 0, {"generator": AdapterRef("forged-run/generator", 1)})
+    r.xadd(streams.TASKS, {PAYLOAD_FIELD: canonical(task.to_dict())})
+    r.xadd(streams.TASKS, TaskSigner("guessed").fields(streams.TASKS, task.to_dict()))
+    deadline = time.monotonic() + 60
+    while refused_tasks(metrics) < before + 2:
+        assert time.monotonic() < deadline, "the worker did not refuse the forged tasks"
+        time.sleep(0.2)
+    assert refused_tasks(metrics) == before + 2
+    assert r.xlen(streams.TASKS) == 0 or all(
+        json.loads(f[PAYLOAD_FIELD])["run_id"] != "forged-run"
+        for _, f in r.xrange(streams.TASKS))
+    assert not r.exists(streams.rollouts_stream("forged-run"))
+    assert not r.exists(streams.dead_letter_stream(streams.TASKS))
+    data = apply_overrides(DEMO_SPEC, [
+        "train.steps=1", "train.problems_per_step=2", "grpo.group_size=2",
+        "train.val_problems=2", "train.step_timeout_s=120"])
+    run_spec = parse_spec(data)
+    run_spec.model.path = spec.model.path
+    run_spec.out_dir = str(tmp_path / "run")
+    with RunsClient(endpoints["learner"], timeout=30) as runs:
+        run = runs.wait(runs.submit(dump_spec(run_spec)), timeout=240)
+    assert run.state == "SUCCEEDED", run
+    assert refused_tasks(metrics) == before + 2  # the learner's tasks all ran
 
 
 def test_client_channel_sends_the_token_only_when_set(

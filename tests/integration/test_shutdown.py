@@ -3,8 +3,8 @@ and orphaned (its launcher SIGKILLed) with Redis reachable or gone.
 
 Each case is a whole cluster of real processes (inference, workflow worker, sandbox,
 learner) with a run in training, so the learner and the worker hold work when they are
-stopped. The bound per service is its drain time (the worker's `drain_s`, 20 s; none for
-the others) plus 10 s, counted from the signal or from the launcher's death.
+stopped. The bound per service is its drain time (the worker's `drain_s`, 20 s; the
+learner's, 100 s, to checkpoint the step it is on; none for the others) plus 10 s, counted from the signal or from the launcher's death.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ import pytest
 
 from marl.local.launcher import Cluster
 from marl.protocol.v1 import learner_pb2, learner_pb2_grpc
-from marl.spec.services import WorkflowConfig
+from marl.spec.services import LearnerConfig, WorkflowConfig
 from tests.support.specs import demo_model_dir, small_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 BOUND_S = {
     "workflow": WorkflowConfig().drain_s + 10,
-    "learner": 10.0,
+    "learner": LearnerConfig().drain_s + 10,  # it checkpoints the step it is on first
     "inference": 10.0,
     "sandbox": 10.0,
 }
