@@ -38,6 +38,7 @@ from typing import Any
 
 import grpc
 import yaml
+from snapshot import add_save_option, emit
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the planted workflow (tests/integration/drift_workflows.py)
@@ -208,6 +209,7 @@ def main() -> None:
     ap.add_argument("--cells", default=",".join(CELLS))
     ap.add_argument("--clusters", type=int, default=2,
                     help="clusters side by side, each training one run at a time")
+    add_save_option(ap)
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     cells = args.cells.split(",")
@@ -241,14 +243,14 @@ def main() -> None:
             )
             print(f"{cell:<17} {mitigation:<21} fired {e['fired']}/{e['runs']}, "
                   f"final {e['val_final_mean']:.3f}, peak {e['val_peak_mean']:.3f}{vs}")
-    print(json.dumps({
+    emit({
         "bench": "mitigations",
         "steps": args.steps,
         "seeds": seeds,
         "minutes": round((time.monotonic() - started) / 60, 1),
         "summary": summary,
         "runs": rows,
-    }))
+    }, args.save)
 
 
 if __name__ == "__main__":
