@@ -131,16 +131,16 @@ def matrix_figures(work: Path, docs: Path, host: str) -> None:
     if not found:
         sys.exit(f"{report / 'table1.md'}: no {TABLE1_LAYOUT!r} section")
     train = example["base"]["train"]
+    shown = ("steps", "problems_per_step", "val_interval", "val_problems")
+    settings = "{" + ", ".join(f"{k}: {train[k]}" for k in shown) + "}"
     axes = example["axes"]
     block = f"""
 ### A real demo matrix
 
 {stamp(root, host)} It ran `{MATRIX_EXAMPLE}` (workflows {", ".join(axes["workflow"])} ×
-SP/IP, the base and SA-RL controls) with `train: {{steps: {train["steps"]}, problems_per_step:
-{train["problems_per_step"]}, val_interval: {train["val_interval"]}, val_problems:
-{train["val_problems"]}}}`, then `marl matrix report`. At a few steps on the demo model
-the differences between cells are within noise: the pictures show what the report draws,
-not a finding.
+SP/IP, the base and SA-RL controls) with `train: {settings}`, then `marl matrix report`. At
+a few steps on the demo model the differences between cells are within noise: the
+pictures show what the report draws, not a finding.
 
 **Table 1** ({TABLE1_LAYOUT[0].lower()}{TABLE1_LAYOUT[1:]}, from `report/table1.md`):
 
