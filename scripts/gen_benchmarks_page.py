@@ -70,7 +70,7 @@ def fmt(value: Any) -> str:
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, float):
-        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:,.0f}"
+        return f"{value:.4g}" if abs(value) < 1000 else f"{value:.0f}"
     if isinstance(value, list):
         if len(value) <= INLINE_LIST and all(not isinstance(v, (dict, list)) for v in value):
             return ", ".join(fmt(v) for v in value)
