@@ -72,7 +72,7 @@ check: setup ## ruff, mypy and the import layers (lint-imports, pyproject's [too
 	$(BIN)/lint-imports
 
 .PHONY: docs
-docs: setup ## the docs site into site/ (mkdocs build --strict; the config and CLI references are generated from the code)
+docs: setup ## the docs site into site/ (mkdocs build --strict; the config and CLI references are generated from the code, docs/benchmarks.md from bench/results/)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 protos: setup ## regenerate marl/v1 from proto/marl/v1

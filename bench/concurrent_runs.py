@@ -1,4 +1,4 @@
-"""Four runs at once against one after another, on one cluster (issue 70).
+"""Four runs at once against one after another, on one cluster.
 
 One cluster of the demo model (one inference replica, one workflow worker, one learner
 with `learner.max_concurrent_runs` 4, or `--learners N` learner processes taking 4/N
@@ -32,6 +32,7 @@ from typing import Any
 
 from cpu_use import cpu_seconds
 from host import describe, host
+from snapshot import add_save_option, emit
 
 from marl.clients.runs import RunsClient
 from marl.local.launcher import DEFAULT_CORES, Cluster, service_threads
@@ -125,6 +126,7 @@ def main() -> None:
     ap.add_argument("--learners", type=int, default=1,
                     help="learner processes taking runs from the one queue, each training "
                     "up to 4/learners runs at once on a torch thread of its own")
+    add_save_option(ap)
     args = ap.parse_args()
     facts = host()
     print(describe(facts), flush=True)
@@ -177,7 +179,7 @@ def main() -> None:
               + "  ".join(f"{r['cpu_s'][k]:>14.1f}" for k in kinds))
     print(f"at once / one after another: {ratio:.2f}x (goal >= 1.5x on 2 cores)")
     print(f"largest per-step loss difference from the cell's first run: {max(diffs):.3g}")
-    print(json.dumps({
+    emit({
         "bench": "concurrent_runs", "cells": [f"{w}/{p}" for w, p in CELLS],
         "steps": args.steps, "problems": args.problems, "group": args.group,
         "rounds": args.rounds, "cores": args.cores, "split": args.split,
@@ -187,7 +189,7 @@ def main() -> None:
         "ratio": round(ratio, 3), "max_loss_diff": max(diffs),
         "cores_busy": {way: round(r["cores_busy"], 2) for way, r in mean.items()},
         "host": facts,
-    }))  # fmt: skip
+    }, args.save)  # fmt: skip
 
 
 if __name__ == "__main__":

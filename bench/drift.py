@@ -17,7 +17,6 @@ ratio whole / cut; the metrics of both must agree. The last line is one JSON obj
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
@@ -26,6 +25,7 @@ from unittest.mock import patch
 
 import torch
 from learner import make_spec
+from snapshot import add_save_option, emit
 
 from marl.models.demo import demo_model_dir
 from marl.runtime.heap import LEARNER_MMAP_THRESHOLD, keep_freed_heap_until_trimmed
@@ -107,6 +107,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    add_save_option(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     keep_freed_heap_until_trimmed(LEARNER_MMAP_THRESHOLD)  # as the learner's process
@@ -131,7 +132,7 @@ def main() -> None:
             f"{r['completion_tokens']:>17} {r['sequences_picked']:>7} {r['whole_ms']:>9.1f} "
             f"{r['cut_ms']:>7.1f} {r['whole_over_cut']:>9.2f}x"
         )
-    print(json.dumps({"bench": "drift", "threads": args.threads, "shapes": rows}))
+    emit({"bench": "drift", "threads": args.threads, "shapes": rows}, args.save)
 
 
 if __name__ == "__main__":

@@ -84,6 +84,7 @@ import yaml
 from cpu_use import cpu_seconds
 from host import describe, host
 from models import bench_model
+from snapshot import add_save_option, emit
 
 from marl.cli.episode import load_checkpoint
 from marl.local.launcher import DEFAULT_CORES, Cluster, service_threads
@@ -358,6 +359,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-burst", action="store_true",
                    help="K=1's update keeps its share of the cores throughout (the baseline "
                    "of services.learner.threads)")
+    add_save_option(p)
     args = p.parse_args()
     for name, default in MODEL_DEFAULTS[args.model].items():
         if getattr(args, name) is None:
@@ -507,7 +509,7 @@ def main() -> None:
     figures["host"] = host()
     print_table(figures)
     print(describe(figures["host"]))
-    print(json.dumps(figures))
+    emit(figures, args.save)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ the trim's own time between steps. The last line is one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import statistics
 import threading
@@ -29,6 +28,7 @@ import time
 
 import torch
 from learner import demo_policy, voting_batch
+from snapshot import add_save_option, emit
 from transformers import AutoTokenizer
 
 from marl.models.demo import demo_model_dir
@@ -48,6 +48,7 @@ def main() -> None:
                     help="torch threads: 1 is the learner's share one step ahead")
     ap.add_argument("--delay", type=float, default=0.3, help="mid: seconds into the step")
     ap.add_argument("--repeats", type=int, default=5)
+    add_save_option(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not keep_freed_heap_until_trimmed():
@@ -91,9 +92,9 @@ def main() -> None:
     ratio = figures["mid_step_s"] / figures["between_step_s"]
     trim_ms = 1000 * statistics.median(trim_s)
     print(f"mid / between step time: {ratio:.3f}; the trim between steps: {trim_ms:.1f} ms")
-    print(json.dumps({"bench": "heap_trim", "threads": args.threads,
+    emit({"bench": "heap_trim", "threads": args.threads,
                       "mid_over_between": round(ratio, 4), "trim_ms": round(trim_ms, 2),
-                      **figures}))
+                      **figures}, args.save)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import functools
 import importlib.util
-import json
 import os
 import statistics
 import subprocess
@@ -45,6 +44,7 @@ from typing import Any
 
 import torch
 from host import describe, host
+from snapshot import add_save_option, emit
 
 from marl.local.redis_server import free_port
 from marl.models.identity import base_model_id
@@ -360,6 +360,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--stagger-ms", type=float, default=10.0, help="gap between (c)'s starts")
     p.add_argument("--skip", choices=["throughput", "push", "staggered"],
                    help="leave one part out")
+    add_save_option(p)
     return p.parse_args()
 
 
@@ -413,7 +414,7 @@ def main() -> None:
     figures["host"] = host()
     print_table(figures)
     print(describe(figures["host"]))
-    print(json.dumps(figures))
+    emit(figures, args.save)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ import time
 from typing import Any
 
 import torch
+from snapshot import add_save_option, emit
 
 from marl.data import arithmetic
 from marl.local.demo import DEMO_SPEC
@@ -223,6 +224,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1,
                     help="qwen3-0.6b-shape: GRPO steps; with more than one the first is a "
                          "warm-up and the median of the rest is reported")
+    add_save_option(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     keep_freed_heap_until_trimmed(LEARNER_MMAP_THRESHOLD)  # as the learner's process
@@ -281,16 +283,15 @@ def main() -> None:
     diag_share = max(figures["shared_diagnostics_share"], figures["isolated_diagnostics_share"])
     print(f"IP / SP step time: {ratio:.3f} (goal <= 1.15)")
     print(f"diagnostics' share of step time (worse of the two): {diag_share:.1%} (goal < 15 %)")
-    print(
-        json.dumps(
-            {
-                "bench": "learner",
-                "sequences": seqs,
-                "ip_over_sp_step_time": round(ratio, 4),
-                "diagnostics_share": round(diag_share, 4),
-                **figures,
-            }
-        )
+    emit(
+        {
+            "bench": "learner",
+            "sequences": seqs,
+            "ip_over_sp_step_time": round(ratio, 4),
+            "diagnostics_share": round(diag_share, 4),
+            **figures,
+        },
+        args.save,
     )
 
 

@@ -37,6 +37,7 @@ from typing import Any
 
 import grpc
 import yaml
+from snapshot import add_save_option, emit
 
 from marl.local.launcher import Cluster
 from marl.models.demo import demo_model_dir
@@ -203,6 +204,7 @@ def main() -> None:
     ap.add_argument("--cells", default=",".join(CELLS))
     ap.add_argument("--clusters", type=int, default=2,
                     help="clusters side by side, each training one run at a time")
+    add_save_option(ap)
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     cells = args.cells.split(",")
@@ -236,14 +238,14 @@ def main() -> None:
             )
             print(f"{cell:<17} {mitigation:<21} fired {e['fired']}/{e['runs']}, "
                   f"final {e['val_final_mean']:.3f}, peak {e['val_peak_mean']:.3f}{vs}")
-    print(json.dumps({
+    emit({
         "bench": "mitigations",
         "steps": args.steps,
         "seeds": seeds,
         "minutes": round((time.monotonic() - started) / 60, 1),
         "summary": summary,
         "runs": rows,
-    }))
+    }, args.save)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from snapshot import add_save_option, emit
+
 from marl.runtime.heap import LEARNER_MMAP_THRESHOLD, MMAP_THRESHOLD
 
 WAYS_MIB = (LEARNER_MMAP_THRESHOLD >> 20, MMAP_THRESHOLD >> 20)
@@ -83,6 +85,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
+    add_save_option(ap)
     args = ap.parse_args()
     problems, group = (4, 4) if args.model == "smollm2" else (16, 8)
     if args.child is not None:
@@ -119,11 +122,11 @@ def main() -> None:
     step_ratio, peak_ratio = low["step_s"] / high["step_s"], low["peak_gib"] / high["peak_gib"]
     ways = f"{WAYS_MIB[0]} MiB / {WAYS_MIB[1]} MiB"
     print(f"step time {ways}: {step_ratio:.2f}x; peak RSS {ways}: {peak_ratio:.2f}x")
-    print(json.dumps({
+    emit({
         "bench": "mmap_threshold", "model": args.model, "problems": problems, "group": group,
         "summary": {str(k): v for k, v in summary.items()}, "step_ratio": round(step_ratio, 3),
         "peak_ratio": round(peak_ratio, 3), "runs": {str(k): v for k, v in runs.items()},
-    }))
+    }, args.save)
 
 
 if __name__ == "__main__":

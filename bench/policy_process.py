@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from e2e import WARMUP_STEPS, run_marl, spec
+from snapshot import add_save_option, emit
 
 from marl.local.launcher import DEFAULT_CORES, Cluster, service_threads
 from marl.models.demo import demo_model_dir
@@ -43,6 +44,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=14)
     ap.add_argument("--workflows", default="single,voting")
     ap.add_argument("--cores", type=int, default=DEFAULT_CORES)
+    add_save_option(ap)
     args = ap.parse_args()
     if args.steps <= WARMUP_STEPS + 1:
         ap.error(f"--steps must leave two steps after the {WARMUP_STEPS} warm-up steps")
@@ -92,7 +94,7 @@ def main() -> None:
                   f"  learner CPU {f['learner_cpu_s']:.3f} s a step")
         print(f"{wf:<8} own / server steps/s: {row['own_vs_server_steps_per_s']:.2f}x; "
               f"update time server / own: {row['server_vs_own_update_s']:.2f}x")
-    print(json.dumps(figures))
+    emit(figures, args.save)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ from typing import Any
 import grpc
 import yaml
 from host import describe, host
+from snapshot import add_save_option, emit
 
 from marl.local.launcher import DEFAULT_CORES, Cluster, service_threads
 from marl.models.names import resolve
@@ -472,6 +473,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--merge", nargs="+", metavar="LOG",
                    help="no runs: combine the cells of earlier runs' outputs (their last line, "
                    "the JSON) into one table, PNG and JSON (cells run as separate processes)")
+    add_save_option(p)
     args = p.parse_args()
     if args.merge or args.numeric:
         return args
@@ -509,14 +511,14 @@ def main() -> None:
             c["numeric"] = numeric_check(Path(runs_dir) / f"{c['cell']}-s{c['seed']}",
                                          resolve("smollm2"), st["val_problems"],
                                          st["max_tokens"], policy)
-        print(json.dumps(numbered))
+        emit(numbered, args.save)
         return
     if args.merge:
         merged = merge(args.merge, Path(args.png))
         print_table(merged)
         print(describe(merged["host"]) + f"; {', '.join(sorted(set(merged['dates'])))}; "
               f"curves: {merged['png']}")
-        print(json.dumps(merged))
+        emit(merged, args.save)
         return
     s = GPU if args.gpu else SMOKE if args.smoke else CPU
     if args.steps is not None:
@@ -558,7 +560,7 @@ def main() -> None:
     print_table(figures)
     print(describe(figures["host"]) + f"; {figures['date']}; bench wall "
           f"{figures['wall_s'] / 60:.1f} min; curves: {png}")
-    print(json.dumps(figures))
+    emit(figures, args.save)
 
 
 if __name__ == "__main__":

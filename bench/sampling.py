@@ -19,13 +19,13 @@ The last line is one JSON object with those figures.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from snapshot import add_save_option, emit
 
 import services.inference.running_batch as running_batch
 from services.inference.engine import GenerationRequest
@@ -132,6 +132,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=128)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
+    add_save_option(p)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     calls = sampler_calls(args.rows, args.repeats)
@@ -144,8 +145,8 @@ def main() -> None:
     print(f"SmolLM2-shaped decode step, {args.rows} seeded rows: inverse CDF "
           f"{step['inverse_cdf']:.0f} ms, Gumbel-max {step['gumbel']:.0f} ms, "
           f"{step['ratio']:.2f}x")
-    print(json.dumps({"rows": args.rows, "threads": args.threads, "sampler": calls,
-                      "decode_step": step}))
+    emit({"rows": args.rows, "threads": args.threads, "sampler": calls,
+                      "decode_step": step}, args.save)
 
 
 if __name__ == "__main__":

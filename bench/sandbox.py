@@ -46,6 +46,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from host import describe, host
+from snapshot import add_save_option, emit
 
 from marl.clients import SandboxClient
 from marl.local.redis_server import free_port
@@ -129,6 +130,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=400, help="jobs per side per measurement")
     parser.add_argument("--workers", type=int, default=4, help="jobs in flight")
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds")
+    add_save_option(parser)
     args = parser.parse_args()
     per_round = max(1, args.jobs // args.rounds)
 
@@ -180,7 +182,7 @@ def main() -> None:
     print(f"namespaces+seccomp on top of the rlimits tier: {sand_ms - floor_ms:+.2f} ms")
     print(f"HTTP (SandboxFusion) vs gRPC throughput: {http_rate / sand_rate:.2f}x")
     print(describe(facts))
-    print(json.dumps({
+    emit({
         "host": facts, "tier": tier, "cores": cores, "workers": args.workers,
         "bare_jobs_per_s": round(bare_rate, 1), "sandbox_jobs_per_s": round(sand_rate, 1),
         "ratio_vs_bare": round(sand_rate / bare_rate, 3),
@@ -190,7 +192,7 @@ def main() -> None:
         "namespace_seccomp_cost_ms": round(sand_ms - floor_ms, 2),
         "http_jobs_per_s": round(http_rate, 1), "http_p50_ms": round(http_ms, 2),
         "http_vs_grpc_ratio": round(http_rate / sand_rate, 3),
-    }))
+    }, args.save)
 
 
 if __name__ == "__main__":

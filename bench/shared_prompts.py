@@ -19,7 +19,6 @@ answers are longer than the demo's 8 tokens).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 from learner import make_spec, voting_batch
 from models import bench_model
+from snapshot import add_save_option, emit
 from transformers import AutoTokenizer
 
 from marl.rollout import Rollout
@@ -68,6 +68,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    add_save_option(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     keep_freed_heap_until_trimmed(LEARNER_MMAP_THRESHOLD)  # as the learner's process
@@ -119,7 +120,7 @@ def main() -> None:
         "sequences": seqs, "positions": pos, "step_s": median, "speedup": round(ratio, 3),
         "loss": loss, "step_times_s": times,
     }
-    print(json.dumps(figures))
+    emit(figures, args.save)
 
 
 if __name__ == "__main__":

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from host import describe, host
+from snapshot import add_save_option, emit
 
 from marl.local.redis_server import PrivateRedis
 from marl.runtime import streams
@@ -81,6 +81,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--entries", default="128,1024,4096")
     ap.add_argument("--repeats", type=int, default=9)
+    add_save_option(ap)
     args = ap.parse_args()
     sizes = [int(n) for n in args.entries.split(",")]
     with PrivateRedis() as server:
@@ -91,7 +92,7 @@ def main() -> None:
               f"  {row['read_vs_script']:.1f}x")
     facts = host()
     print(describe(facts))
-    print(json.dumps({"repeats": args.repeats, "rows": rows, "host": facts}))
+    emit({"repeats": args.repeats, "rows": rows, "host": facts}, args.save)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from typing import Any
 from e2e import run_marl
 from e2e import spec as e2e_spec
 from host import describe, host
+from snapshot import add_save_option, emit
 
 from marl.data import load_problems
 from marl.local.launcher import DEFAULT_CORES, Cluster, service_threads
@@ -70,6 +71,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--inference-threads", type=int, default=None,
                    help="marl inference's threads (default: as `marl demo` sets them on 2 cores)")
     p.add_argument("--seed", type=int, default=0)
+    add_save_option(p)
     return p.parse_args()
 
 
@@ -238,7 +240,7 @@ def main() -> None:
         curve = " ".join(f"{r:+.2f}" for r in figures[f"{name}_reward"])
         print(f"{name:>4} reward by step: {curve}")
     print(describe(figures["host"]))
-    print(json.dumps(figures))
+    emit(figures, args.save)
 
 
 if __name__ == "__main__":
