@@ -149,7 +149,9 @@ def write_report(
     drops = sorted({c.spec.alarms.cliff_drop for c in matrix.cells})
     paper_note = (
         "Peak validation accuracy; residual = peak − SA-RL peak; cliff = final − peak; "
-        "IP = isolated policies, SP = shared policy (also `table1_paper.csv`)."
+        "IP = isolated policies, SP = shared policy (also `table1_paper.csv`). validation: "
+        "how validation decoded (sampled at the rollout temperature with a seed per problem "
+        "and slot, the same at every checkpoint; or greedy, `sampling.val_temperature: 0`)."
     )
     section = emit(
         "table1",
@@ -163,6 +165,10 @@ def write_report(
             "model and seed); the base_model row is the single-agent base model.",
             "cliff (marl's flag, not the paper's): 1 when final is at least `cliff_drop` "
             f"(the cell's `alarms.cliff_drop`, here {', '.join(map(str, drops))}) below peak.",
+            "val_decoding: `sampled T=t` validates at the rollout temperature (or "
+            "`sampling.val_temperature`), each turn seeded by the problem, the role and the "
+            "slot, never the step: parallel slots write different texts and every checkpoint "
+            "is read on the same draws; `greedy`: `sampling.val_temperature: 0`.",
         ],
         t1,
         tables.TABLE1,

@@ -141,8 +141,17 @@ def ident(cell: Cell) -> dict[str, Any]:
 
 TABLE1 = (
     "task", "model", "workflow", "policy", "seed", "base", "peak", "peak_step", "final",
-    "delta_peak", "delta_final", "cliff", "vs_sa_rl", "cliff_drop", "alarms", "cell",
+    "delta_peak", "delta_final", "cliff", "vs_sa_rl", "cliff_drop", "val_decoding", "alarms",
+    "cell",
 )  # fmt: skip
+
+
+def val_decoding(cell: Cell) -> str:
+    """How the cell's validation decodes: `sampled T=0.7` (the rollout temperature, or
+    `sampling.val_temperature`, each turn seeded by problem and slot and never by step,
+    so every checkpoint reads the same draws) or `greedy`."""
+    t = cell.spec.sampling.validation_temperature
+    return "greedy" if t == 0 else f"sampled T={t:g}"
 
 
 def accuracy_summary(points: list[tuple[int, float]], cliff_drop: float) -> dict[str, Any]:
@@ -187,7 +196,8 @@ def table1(runs: list[CellRun]) -> list[dict[str, Any]]:
         c = run.cell
         drop = c.spec.alarms.cliff_drop
         row = {**ident(c), **accuracy_summary(run.series("val/accuracy"), drop)}
-        row.update(cliff_drop=drop, alarms=alarm_list(run.records), cell=c.name)
+        row.update(cliff_drop=drop, alarms=alarm_list(run.records), cell=c.name,
+                   val_decoding=val_decoding(c))
         if c.kind == SA_RL_CONTROL and row["peak"] is not None:
             sa_peak[(c.task, c.model, c.seed)] = row["peak"]
         rows.append(row)
@@ -256,14 +266,14 @@ def curve(rows: list[dict[str, Any]]) -> Curve | None:
 COLUMNS = (
     "task", "model", "seed", "workflow", "base", "sa_rl", "ip_peak", "sp_peak",
     "ip_residual", "sp_residual", "ip_final", "sp_final", "ip_cliff", "sp_cliff",
-    "ip_peak_step", "sp_peak_step", "ip_alarms", "sp_alarms",
+    "ip_peak_step", "sp_peak_step", "val_decoding", "ip_alarms", "sp_alarms",
 )  # fmt: skip
 HEADERS = {
     "base": "Base", "sa_rl": "SA-RL", "ip_peak": "IP peak", "sp_peak": "SP peak",
     "ip_residual": "IP − SA-RL", "sp_residual": "SP − SA-RL", "ip_final": "IP final",
     "sp_final": "SP final", "ip_cliff": "IP cliff", "sp_cliff": "SP cliff",
     "ip_peak_step": "IP peak step", "sp_peak_step": "SP peak step",
-    "ip_alarms": "IP alarms", "sp_alarms": "SP alarms",
+    "val_decoding": "validation", "ip_alarms": "IP alarms", "sp_alarms": "SP alarms",
 }  # fmt: skip
 
 
@@ -291,6 +301,9 @@ def table_rows(curves: dict[Cell, Curve | None]) -> list[dict[str, Any]]:
         })  # fmt: skip
         if c is not None and row["base"] is None:
             row["base"] = c.base
+        decoding = val_decoding(cell)
+        if decoding not in (row.get("val_decoding") or "").split(" / "):
+            row["val_decoding"] = " / ".join(filter(None, [row.get("val_decoding"), decoding]))
         p = policy_kind(cell)
         if p is None or c is None:
             continue

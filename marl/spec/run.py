@@ -268,7 +268,7 @@ class TrainSpec(_Spec):
     """Validation problems per evaluation (capped by the validation set's size)."""
     val_pass_at: list[Annotated[int, Field(ge=1, le=1024)]] = Field(default_factory=list)
     """Validation also reports `val/pass@k` for each k: every problem is sampled max(k)
-    times at `sampling.val_temperature` (> 0) and pass@k is the unbiased estimate
+    times at the validation temperature (> 0) and pass@k is the unbiased estimate
     1 - C(n-c, k) / C(n, k) averaged over problems, c of the n samples fully correct (Chen et
     al. 2021, "Evaluating Large Language Models Trained on Code", eq. 1). Empty: one sample
     a problem (the paper's)."""
@@ -333,8 +333,17 @@ class SamplingSpec(_Spec):
     """Nucleus sampling threshold."""
     max_tokens: int | None = Field(None, ge=1)
     """Response cap per role turn; None = the task's cap (math 5120, code 2048)."""
-    val_temperature: float = Field(0.0, ge=0)
-    """Validation temperature (0 = greedy)."""
+    val_temperature: float | None = Field(None, ge=0)
+    """Validation temperature. None (the default): the rollout `temperature`, each turn
+    seeded by the run's seed, the problem, the role and the slot (never the step), so
+    parallel slots (Voting's generators, Orch-Workers' workers) write different texts and
+    every checkpoint is read on the same draws. 0: greedy, where parallel slots given one
+    prompt write one text."""
+
+    @property
+    def validation_temperature(self) -> float:
+        """The temperature validation decodes at (`val_temperature`, else `temperature`)."""
+        return self.temperature if self.val_temperature is None else self.val_temperature
 
 
 class WorkflowCaps(_Spec):

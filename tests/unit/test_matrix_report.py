@@ -39,6 +39,21 @@ def _vals(accs: dict[int, float], **more: Any) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------- Table 1
 
 
+def test_table1_says_how_each_cell_validated() -> None:
+    raw = _raw()
+    raw["base"]["sampling"] = {"temperature": 0.7}
+    sampled = _cells(raw)
+    raw["base"]["sampling"] = {"temperature": 0.7, "val_temperature": 0}
+    greedy = _cells(raw)
+    curve = _vals({0: 0.2, 1: 0.5})
+    rows = tables.table1([CellRun.of(sampled["voting-shared"], curve),
+                          CellRun.of(greedy["voting-shared"], curve)])
+    assert [r["val_decoding"] for r in rows] == ["sampled T=0.7", "greedy"]
+    wide = tables.table_rows({sampled["voting-shared"]: tables.curve(curve),
+                              sampled["voting-isolated"]: tables.curve(curve)})
+    assert [r["val_decoding"] for r in wide] == ["sampled T=0.7"]
+
+
 def test_table1_base_peak_final_deltas_cliff_and_sa_rl_residual() -> None:
     cells = _cells()
     runs = [
