@@ -165,10 +165,11 @@ def add_parsers(sub: Any) -> None:
     )
     p.add_argument(
         "--chi2",
-        default="chi2_token",
-        choices=["chi2_token", "update_chi2"],
-        help="the χ² series of Table 2 and Figs. 5-6: the paper's token-level χ² "
-        "(default) or how far each policy moved during the step",
+        default="auto",
+        choices=["auto", "chi2_token", "update_chi2"],
+        help="the χ² series of Table 2 and Figs. 5-6: the paper's token-level χ², how far "
+        "each policy moved during the step, or auto (default): the token-level χ² unless "
+        "it stayed within the cell's alarms.chi2_noise_floor, then the other",
     )
     p.add_argument(
         "--learner",

@@ -466,11 +466,18 @@ class AlarmSpec(_Spec):
     The paper names the mechanisms and the signals; every threshold here is marl's own
     choice, not a number the paper gives."""
 
-    chi2_signal: Literal["chi2_token", "update_chi2"] = "chi2_token"
+    chi2_signal: Literal["auto", "chi2_token", "update_chi2"] = "auto"
     """The χ² series the alarms (and `marl matrix report`'s Table 2) read: `chi2_token` is
     the paper's (verl's rollout-correction χ² between learner and sampler); `update_chi2`
-    is how far each role's policy moved during the step. On a float32 CPU run the learner
-    and the sampler agree (ρ ≈ 1), so only `update_chi2` moves there."""
+    is how far each role's policy moved during the step. `auto` reads `chi2_token` once
+    any of its values leaves `chi2_noise_floor`, `update_chi2` while every one stays within
+    it: where learner and sampler compute the same float32 logits (a CPU run), ρ is 1 to
+    rounding and χ²_token is rounding noise, some of it negative."""
+    chi2_noise_floor: float = Field(1e-4, ge=0)
+    """χ²_token values within ±this are rounding noise, not a signal (`chi2_signal: auto`).
+    Two float32 computations of the same logits differ in the last bits, which puts
+    χ²_token orders of magnitude below this; a sampler in another precision or another
+    engine puts it above."""
 
     min_points: int = Field(3, ge=1)
     """A role's series fires only once it has this many logged values (first ones are noisy)."""
