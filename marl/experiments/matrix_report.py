@@ -194,7 +194,9 @@ def write_report(
             "(blank when that is 0 or the run did not log the series); chi2_peak_step is the "
             "step of the χ² maximum. Rows per role from `role/<role>/...`; a shared adapter "
             "adds one row named after it from `policy/<adapter>/...` (the paper's "
-            "shared-policy row). grad_norm is of one optimizer step, as in the paper.",
+            "shared-policy row). grad_norm: each optimizer step's gradient norm, averaged "
+            "over the step's optimizer steps of the adapter (verl's `actor/grad_norm`), for a "
+            "role's part and for a whole adapter alike, under IP and SP.",
         ],
         t2,
         tables.TABLE2,
