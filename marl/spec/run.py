@@ -272,6 +272,11 @@ class TrainSpec(_Spec):
     1 - C(n-c, k) / C(n, k) averaged over problems, c of the n samples fully correct (Chen et
     al. 2021, "Evaluating Large Language Models Trained on Code", eq. 1). Empty: one sample
     a problem (the paper's)."""
+    signature_problems: int = Field(100, ge=1)
+    """Trajectory signatures (`val/sig/...`: lengths, truncation, hedging, Jaccard, terse
+    rate) are read on the first this many problems of each validation, as the paper reads
+    them on 100 problems a checkpoint (§A.3-A.4); `marl matrix report`'s Tables 4-6 show
+    them at step 0, the peak and the end."""
     checkpoint_interval: int = Field(5, ge=1)
     """Checkpoint every this many steps."""
     checkpoints_kept: int = Field(3, ge=1)
@@ -376,6 +381,27 @@ class DataSpec(_Spec):
     unset while val == train means: split train_path."""
     val_fraction: float = Field(default=0.1, gt=0, lt=1)
     """When train and val name the same set, the share held out for validation."""
+    val_size: int | None = Field(default=None, ge=1, le=1_000_000)
+    """Validation problems by count: held out of a set that train and val share (instead of
+    `val_fraction`), or kept of a separate validation set, chosen in the order the run's
+    seed gives the problems (a hash of the seed and each problem's id, so the same seed
+    picks the same problems whatever the file's row order). None: `val_fraction` of a
+    shared set, all of a separate one. The paper validates on 1,412 DAPO-Math problems and
+    on 1,000 of DeepCoder's primeintellect subset (`val_subset`); it does not say how they
+    were chosen, and these are chosen so."""
+    val_subset: Literal["taco", "primeintellect", "lcbv5", "codeforces"] | None = None
+    """DeepCoder only: validation problems come from this subset alone (each problem's
+    subset is read from its tests' layout and kept as `data_source: deepcoder_<subset>`,
+    marl/data/deepcoder.py); training keeps every other problem, of every subset."""
+
+    @model_validator(mode="after")
+    def _subset_is_deepcoders(self) -> DataSpec:
+        if self.val_subset is not None and self.val != "deepcoder":
+            raise ValueError(
+                f"data.val_subset: {self.val_subset} is a DeepCoder subset, and data.val is "
+                f"{self.val}; remove val_subset or validate on deepcoder"
+            )
+        return self
     on_bad_row: Literal["skip", "refuse"] = "skip"
     """A malformed row is skipped with a warning, or refuses the run; either way it is
     reported with its file, row and column."""
