@@ -122,10 +122,13 @@ def run_trl(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         raise SystemExit(f"bench/vs_trl.py needs TRL: pip install trl==1.16.0 ({err})") from None
 
     problems = load_problems(DataSpec(train="arithmetic", val="arithmetic"), "train", args.seed)
-    rows = [{"prompt": prompts.generator(p), "answer": p.answer} for p in problems]
+    rows = [{"prompt": prompts.generator(p), "answer": p.answer, "question": p.prompt}
+            for p in problems]
 
-    def reward(completions: list[Any], answer: list[str], **_: Any) -> list[float | None]:
-        return [score(c[0]["content"], a) for c, a in zip(completions, answer, strict=True)]
+    def reward(completions: list[Any], answer: list[str], question: list[str],
+               **_: Any) -> list[float | None]:
+        return [score(c[0]["content"], a, question=q)
+                for c, a, q in zip(completions, answer, question, strict=True)]
 
     ends: list[float] = []
     rewards: list[float] = []

@@ -93,7 +93,7 @@ class Task:
             model_path=spec.model.path,
             temperature=spec.sampling.temperature
             if kind == "train"
-            else spec.sampling.val_temperature,
+            else spec.sampling.validation_temperature,
             top_p=spec.sampling.top_p,
             max_tokens=response_cap(spec),
             caps=spec.caps.model_dump(),

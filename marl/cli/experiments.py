@@ -31,8 +31,14 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         print("\n".join(matrix.status_lines(root, matrix.saved_matrix(root))))
         return 0
     if rest:
-        raise SpecError("usage: marl matrix MATRIX.yaml [--out DIR] | report DIR | status DIR")
+        raise SpecError("usage: marl matrix MATRIX.yaml [--out DIR] [--dry-run] | report DIR | "
+                        "status DIR")
     m = matrix.load_matrix(action)
+    if args.dry_run:
+        from marl.experiments.estimate import plan_lines
+
+        print("\n".join(plan_lines(m)))
+        return 0
     root = Path(args.out or f"matrix-{m.name}")
     rc = matrix.run_matrix(
         m, root, learner=args.learner, redis_url=args.redis, parallel=args.parallel
@@ -166,11 +172,18 @@ def add_parsers(sub: Any) -> None:
         "goes (default DIR/report)",
     )
     p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="list every cell (and Table 3 evaluation) with its key settings and an estimate "
+        "of its GPU hours, and run nothing",
+    )
+    p.add_argument(
         "--chi2",
-        default="chi2_token",
-        choices=["chi2_token", "update_chi2"],
-        help="the χ² series of Table 2 and Figs. 5-6: the paper's token-level χ² "
-        "(default) or how far each policy moved during the step",
+        default="auto",
+        choices=["auto", "chi2_token", "update_chi2"],
+        help="the χ² series of Table 2 and Figs. 5-6: the paper's token-level χ², how far "
+        "each policy moved during the step, or auto (default): the token-level χ² unless "
+        "it stayed within the cell's alarms.chi2_noise_floor, then the other",
     )
     p.add_argument(
         "--learner",

@@ -24,7 +24,7 @@ from typing import Literal
 from marl.data import arithmetic, champ, columns, dapo, deepcoder, humaneval
 from marl.data.problem import Problem
 from marl.data.rows import Loaded, columns_of, convert, data_files, has_val_split, read_rows
-from marl.data.split import ordered, split
+from marl.data.split import kept, ordered, split
 from marl.spec.run import DataSpec, SpecError
 
 Split = Literal["train", "val"]
@@ -55,7 +55,8 @@ def load_split(spec: DataSpec, which: Split, seed: int) -> SplitData:
             source = Loaded(train + val, files=["(bundled arithmetic)"], rows=len(train + val))
         else:
             source = load_set(name, spec.train_path, "data.train_path", spec)
-            train, val = split(source.problems, seed, spec.val_fraction, name)
+            train, val = split(source.problems, seed, spec.val_fraction, name, spec.val_size,
+                               val_source(spec))
         return SplitData(name, train if which == "train" else val, source)
     path, field = (spec.train_path, "data.train_path") if which == "train" else (
         spec.val_path, "data.val_path")
@@ -63,7 +64,15 @@ def load_split(spec: DataSpec, which: Split, seed: int) -> SplitData:
             has_val_split(spec.train_path)):
         path = spec.train_path  # a DatasetDict's own validation split
     source = load_set(name, path, field, spec)
+    if which == "val":
+        return SplitData(name, kept(source.problems, seed, spec.val_size, val_source(spec)),
+                         source)
     return SplitData(name, ordered(source.problems, seed), source)
+
+
+def val_source(spec: DataSpec) -> str | None:
+    """The `data_source` validation problems must have (`data.val_subset`), or None."""
+    return None if spec.val_subset is None else f"deepcoder_{spec.val_subset}"
 
 
 def load_set(name: str, path: str | None, field: str, spec: DataSpec) -> Loaded:

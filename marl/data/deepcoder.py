@@ -144,16 +144,28 @@ def prompt(problem: str, starter_code: str, tests: list[dict[str, Any]]) -> str:
     return f"{problem.strip()}\n\n{how}"
 
 
+def subset_of(raw: Any) -> str:
+    """The DeepCoder subset whose `tests` layout `raw` has (module docstring): the dataset
+    keeps no column naming it, and the paper validates on one subset."""
+    if isinstance(raw, dict):
+        return "taco"
+    first = raw[0] if isinstance(raw, list) and raw and isinstance(raw[0], dict) else {}
+    if "type" in first:
+        return "primeintellect"
+    return "lcbv5" if "testtype" in first else "codeforces"
+
+
 def to_problem(row: dict[str, Any], max_tests: int | None = None) -> Problem:
     problem = require_text(row, "problem")
     starter = row.get("starter_code") or ""
     if not isinstance(starter, str):
         raise RowError("`starter_code` must be a string")
-    tests = convert_tests(_json_field(row, "tests"), _json_field(row, "metadata"), starter)
+    raw = _json_field(row, "tests")
+    tests = convert_tests(raw, _json_field(row, "metadata"), starter)
     if not tests:
         raise RowError("`tests` is empty")
     if max_tests is not None:
         tests = longest_inputs(tests, max_tests)
     digest = hashlib.sha1(problem.encode()).hexdigest()[:16]
     return Problem(id=f"deepcoder-{digest}", prompt=prompt(problem, starter, tests),
-                   task="code", tests=tests)
+                   task="code", tests=tests, data_source=f"deepcoder_{subset_of(raw)}")

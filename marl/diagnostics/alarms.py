@@ -5,7 +5,9 @@ Pure functions over the records `metrics.jsonl` holds
 section (marl's choices; the paper names the mechanisms, not numbers). The paper's point
 is that aggregate accuracy hides role drift until a late cliff, so each alarm reads one
 role's own series. "χ²" below is the series `alarms.chi2_signal` names: the paper's
-`chi2_token` by default, or marl's `update_chi2`.
+`chi2_token`, or marl's `update_chi2`; by default (`auto`, `chi2_series`) `chi2_token`
+unless every value of it so far is within `alarms.chi2_noise_floor`, where it is rounding
+noise and `update_chi2` is read instead.
 
 - `gradient_amplification` (§5.1, Fig. 6a, Table 2): Isolated-Policy only, and only a role
   with parallel slots (Voting's generators, Orch-Workers' workers): its χ² or training
@@ -109,9 +111,33 @@ def _training_series(
     return s
 
 
-def _floors(spec: AlarmSpec) -> dict[str, float]:
+CHI2_TOKEN, UPDATE_CHI2 = "chi2_token", "update_chi2"
+
+
+def chi2_noise(records: Sequence[Record], floor: float) -> bool:
+    """Whether every per-role and per-adapter `chi2_token` the records hold is within
+    ±`floor` (none logged counts as noise: there is no signal to read)."""
+    return all(
+        abs(v) <= floor
+        for r in records
+        for k, v in r.items()
+        if k.endswith("/" + CHI2_TOKEN) and k.startswith(("role/", "policy/"))
+        and isinstance(v, int | float) and not isinstance(v, bool)
+    )
+
+
+def chi2_series(records: Sequence[Record], signal: str, floor: float) -> str:
+    """The χ² series to read: `signal` itself unless it is `auto`, which is `chi2_token`
+    once it leaves its noise floor and `update_chi2` while it has not."""
+    if signal != "auto":
+        return signal
+    return UPDATE_CHI2 if chi2_noise(records, floor) else CHI2_TOKEN
+
+
+def _floors(spec: AlarmSpec, records: Sequence[Record]) -> dict[str, float]:
     """The training-side signals the amplitude checks read, with the floor of each ratio."""
-    return {spec.chi2_signal: spec.amplification_chi2_floor, "training_ppl": 1.0}
+    signal = chi2_series(records, spec.chi2_signal, spec.chi2_noise_floor)
+    return {signal: spec.amplification_chi2_floor, "training_ppl": 1.0}
 
 
 def _ratio(records: Sequence[Record], key: str, floor: float, spec: AlarmSpec) -> float | None:
@@ -127,7 +153,7 @@ def _amplification(
     records: Sequence[Record], spec: AlarmSpec, parallel: Collection[str] | None
 ) -> Iterator[tuple[str, Alarm | None]]:
     step = int(records[-1]["step"])
-    for signal, floor in _floors(spec).items():
+    for signal, floor in _floors(spec, records).items():
         ratios: dict[str, float] = {}
         for role in roles(records):
             ratio = _ratio(records, f"role/{role}/{signal}", floor, spec)
@@ -167,7 +193,7 @@ def _frequency_capture(
         if share is None:
             continue
         for adapter in adapters:
-            for signal, floor in _floors(spec).items():
+            for signal, floor in _floors(spec, records).items():
                 ratio = _ratio(records, f"policy/{adapter}/{signal}", floor, spec)
                 if ratio is None:
                     continue

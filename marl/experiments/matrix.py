@@ -374,7 +374,7 @@ def load_curves(root: Path, matrix: Matrix) -> dict[Cell, Curve | None]:
 
 
 def write_report(
-    root: Path, out_dir: Path | None = None, chi2: str = "chi2_token"
+    root: Path, out_dir: Path | None = None, chi2: str = "auto"
 ) -> dict[str, Path]:
     """Every table and figure of `marl matrix report` (marl/experiments/matrix_report.py)."""
     from marl.experiments.matrix_report import write_report as write

@@ -211,7 +211,8 @@ def fig5(runs: list[CellRun], chi2: str, path: Path) -> None:
     blocks, many = _blocks(trained)
     groups = list(dict.fromkeys((_block(r), r.cell.workflow) for r in trained))
     plt = _plt()
-    panels = (("max_chi2", f"max χ² ({chi2})"), ("max_grad_norm", "max adapter grad norm"),
+    read = " / ".join(sorted({r.chi2(chi2) for r in trained}))
+    panels = (("max_chi2", f"max χ² ({read})"), ("max_grad_norm", "max adapter grad norm"),
               ("entropy_collapse", "entropy collapse depth"))  # fmt: skip
     fig, axes = plt.subplots(
         len(panels), 1, figsize=(max(6.0, 0.7 * len(groups) + 2), 7.5), squeeze=False
@@ -273,6 +274,7 @@ def _of(runs: list[CellRun], block: Any, kind: str, workflow: str) -> CellRun | 
 
 
 def _panel_roles(ax: Any, run: CellRun, chi2: str, with_global: bool) -> None:
+    chi2 = run.chi2(chi2)
     for i, role in enumerate(run.roles):
         color = f"C{i % 10}"
         for metric, style in ((chi2, "-"), ("training_ppl", "--")):
@@ -323,7 +325,8 @@ def fig6(runs: list[CellRun], chi2: str, path: Path) -> None:
                 ax.set_title(f"{tag}: no multi-role cell ({where})", fontsize=9)
                 continue
             _panel_roles(ax, run, chi2, glob)
-            ax.set_title(f"{tag} {run.cell.workflow} ({where})", fontsize=9)
+            ax.set_title(f"{tag} {run.cell.workflow} ({where}; χ² = {run.chi2(chi2)})",
+                         fontsize=9)
         pairs = [
             wf
             for wf in ("orch_workers", "voting", "eval_opt", "single")

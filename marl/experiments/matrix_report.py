@@ -116,13 +116,13 @@ def load_transfers(root: Path, matrix: Matrix) -> dict[tuple[str, str, int, str]
 
 
 def write_report(
-    root: Path, out_dir: Path | None = None, chi2: str = "chi2_token"
+    root: Path, out_dir: Path | None = None, chi2: str = "auto"
 ) -> dict[str, Path]:
     """Every table (CSV + Markdown), figure (PNG) and `index.html`; name -> path. The keys
     `markdown`, `csv` and `png` are Table 1's Markdown, the paper's Table 1 layout as CSV
     and Fig. 3, what the report held before it had the rest."""
-    if chi2 not in tables.CHI2_METRICS:
-        raise SpecError(f"--chi2: one of {', '.join(tables.CHI2_METRICS)} (got {chi2!r})")
+    if chi2 not in tables.CHI2_CHOICES:
+        raise SpecError(f"--chi2: one of {', '.join(tables.CHI2_CHOICES)} (got {chi2!r})")
     matrix = saved_matrix(root)
     out = out_dir or root / "report"
     out.mkdir(parents=True, exist_ok=True)
@@ -149,7 +149,9 @@ def write_report(
     drops = sorted({c.spec.alarms.cliff_drop for c in matrix.cells})
     paper_note = (
         "Peak validation accuracy; residual = peak − SA-RL peak; cliff = final − peak; "
-        "IP = isolated policies, SP = shared policy (also `table1_paper.csv`)."
+        "IP = isolated policies, SP = shared policy (also `table1_paper.csv`). validation: "
+        "how validation decoded (sampled at the rollout temperature with a seed per problem "
+        "and slot, the same at every checkpoint; or greedy, `sampling.val_temperature: 0`)."
     )
     section = emit(
         "table1",
@@ -163,6 +165,10 @@ def write_report(
             "model and seed); the base_model row is the single-agent base model.",
             "cliff (marl's flag, not the paper's): 1 when final is at least `cliff_drop` "
             f"(the cell's `alarms.cliff_drop`, here {', '.join(map(str, drops))}) below peak.",
+            "val_decoding: `sampled T=t` validates at the rollout temperature (or "
+            "`sampling.val_temperature`), each turn seeded by the problem, the role and the "
+            "slot, never the step: parallel slots write different texts and every checkpoint "
+            "is read on the same draws; `greedy`: `sampling.val_temperature: 0`.",
         ],
         t1,
         tables.TABLE1,
@@ -178,13 +184,19 @@ def write_report(
         "table2",
         f"Table 2: per-role training dynamics, peak over first ({status})",
         [
-            f"χ² series: `{chi2}` (`marl matrix report --chi2 "
-            f"{'update_chi2' if chi2 == 'chi2_token' else 'chi2_token'}` for the other). "
+            f"χ² series: `{chi2}`; chi2_metric names the one read for each cell. `auto` reads "
+            "the paper's `chi2_token` unless every value of it stayed within the cell's "
+            "`alarms.chi2_noise_floor` (learner and sampler computing the same float32 "
+            "logits: ρ is 1 to rounding), and marl's `update_chi2` (how far the policy moved "
+            "in the step) then; `--chi2 chi2_token` or `--chi2 update_chi2` reads one for "
+            f"every cell, and a `chi2_token` at its noise floor gets no ratio (`{tables.NOISE}`). "
             "Each ratio is the series' maximum over the run over its first logged value "
             "(blank when that is 0 or the run did not log the series); chi2_peak_step is the "
             "step of the χ² maximum. Rows per role from `role/<role>/...`; a shared adapter "
             "adds one row named after it from `policy/<adapter>/...` (the paper's "
-            "shared-policy row). grad_norm is of one optimizer step, as in the paper.",
+            "shared-policy row). grad_norm: each optimizer step's gradient norm, averaged "
+            "over the step's optimizer steps of the adapter (verl's `actor/grad_norm`), for a "
+            "role's part and for a whole adapter alike, under IP and SP.",
         ],
         t2,
         tables.TABLE2,

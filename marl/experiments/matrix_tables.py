@@ -12,7 +12,11 @@ Definitions (the paper's unless marked marl's):
 - Cliff (marl's flag, not the paper's): final at least `alarms.cliff_drop` (the cell's own
   threshold, the `accuracy_cliff` alarm's) below peak.
 - Table 2's ratios: a series' maximum over the run divided by its first logged value (blank
-  when that is not positive); the χ² column's peak step is the step of that maximum.
+  when that is not positive); the χ² column's peak step is the step of that maximum. The χ²
+  read is named in `chi2_metric`: by default (`auto`) the paper's `chi2_token` unless every
+  value of it stayed within the cell's `alarms.chi2_noise_floor` (learner and sampler
+  computing the same float32 logits), then marl's `update_chi2`; a ratio of rounding noise
+  is never printed.
 """
 
 from __future__ import annotations
@@ -32,6 +36,12 @@ CHI2_METRICS = ("chi2_token", "update_chi2")
 """Table 2's χ² series: the paper's token-level χ² (mean ρ² - 1, ρ = π_learner / π_sampler), or
 marl's `update_chi2`, how far the policy moved during the step (the one that moves on a
 float32 CPU run, where ρ is 1 to rounding)."""
+CHI2_CHOICES = ("auto", *CHI2_METRICS)
+"""What `marl matrix report --chi2` takes: `auto` reads each cell's `chi2_token` unless it
+stayed within the cell's `alarms.chi2_noise_floor`, and its `update_chi2` then
+(marl.diagnostics.alarms.chi2_series)."""
+NOISE = "chi2_token: noise floor"
+"""Table 2's `chi2_metric` where `chi2_token` was asked for and is rounding noise: no ratio."""
 LEGACY = {"training_ppl": "perplexity", "update_chi2": "chi2"}
 """Per-role metric names logged before the learner's rename, read when a run has no new one."""
 TOLERANCE = 1e-12
@@ -70,6 +80,20 @@ class CellRun:
 
     def has(self, key: str) -> bool:
         return any(key in r for r in self.records)
+
+    def chi2(self, asked: str) -> str:
+        """The χ² series read for this cell: `asked`, or under `auto` `chi2_token` unless it
+        stayed within the cell's `alarms.chi2_noise_floor` (then `update_chi2`)."""
+        from marl.diagnostics.alarms import chi2_series
+
+        return chi2_series(self.records, asked, self.cell.spec.alarms.chi2_noise_floor)
+
+    @property
+    def chi2_is_noise(self) -> bool:
+        """Every `chi2_token` the cell logged is within its noise floor."""
+        from marl.diagnostics.alarms import chi2_noise
+
+        return chi2_noise(self.records, self.cell.spec.alarms.chi2_noise_floor)
 
     def key(self, prefix: str, metric: str) -> str | None:
         """`prefix + metric` if the run logged it, else its pre-rename name, else None."""
@@ -141,8 +165,17 @@ def ident(cell: Cell) -> dict[str, Any]:
 
 TABLE1 = (
     "task", "model", "workflow", "policy", "seed", "base", "peak", "peak_step", "final",
-    "delta_peak", "delta_final", "cliff", "vs_sa_rl", "cliff_drop", "alarms", "cell",
+    "delta_peak", "delta_final", "cliff", "vs_sa_rl", "cliff_drop", "val_decoding", "alarms",
+    "cell",
 )  # fmt: skip
+
+
+def val_decoding(cell: Cell) -> str:
+    """How the cell's validation decodes: `sampled T=0.7` (the rollout temperature, or
+    `sampling.val_temperature`, each turn seeded by problem and slot and never by step,
+    so every checkpoint reads the same draws) or `greedy`."""
+    t = cell.spec.sampling.validation_temperature
+    return "greedy" if t == 0 else f"sampled T={t:g}"
 
 
 def accuracy_summary(points: list[tuple[int, float]], cliff_drop: float) -> dict[str, Any]:
@@ -187,7 +220,8 @@ def table1(runs: list[CellRun]) -> list[dict[str, Any]]:
         c = run.cell
         drop = c.spec.alarms.cliff_drop
         row = {**ident(c), **accuracy_summary(run.series("val/accuracy"), drop)}
-        row.update(cliff_drop=drop, alarms=alarm_list(run.records), cell=c.name)
+        row.update(cliff_drop=drop, alarms=alarm_list(run.records), cell=c.name,
+                   val_decoding=val_decoding(c))
         if c.kind == SA_RL_CONTROL and row["peak"] is not None:
             sa_peak[(c.task, c.model, c.seed)] = row["peak"]
         rows.append(row)
@@ -256,14 +290,14 @@ def curve(rows: list[dict[str, Any]]) -> Curve | None:
 COLUMNS = (
     "task", "model", "seed", "workflow", "base", "sa_rl", "ip_peak", "sp_peak",
     "ip_residual", "sp_residual", "ip_final", "sp_final", "ip_cliff", "sp_cliff",
-    "ip_peak_step", "sp_peak_step", "ip_alarms", "sp_alarms",
+    "ip_peak_step", "sp_peak_step", "val_decoding", "ip_alarms", "sp_alarms",
 )  # fmt: skip
 HEADERS = {
     "base": "Base", "sa_rl": "SA-RL", "ip_peak": "IP peak", "sp_peak": "SP peak",
     "ip_residual": "IP − SA-RL", "sp_residual": "SP − SA-RL", "ip_final": "IP final",
     "sp_final": "SP final", "ip_cliff": "IP cliff", "sp_cliff": "SP cliff",
     "ip_peak_step": "IP peak step", "sp_peak_step": "SP peak step",
-    "ip_alarms": "IP alarms", "sp_alarms": "SP alarms",
+    "val_decoding": "validation", "ip_alarms": "IP alarms", "sp_alarms": "SP alarms",
 }  # fmt: skip
 
 
@@ -291,6 +325,9 @@ def table_rows(curves: dict[Cell, Curve | None]) -> list[dict[str, Any]]:
         })  # fmt: skip
         if c is not None and row["base"] is None:
             row["base"] = c.base
+        decoding = val_decoding(cell)
+        if decoding not in (row.get("val_decoding") or "").split(" / "):
+            row["val_decoding"] = " / ".join(filter(None, [row.get("val_decoding"), decoding]))
         p = policy_kind(cell)
         if p is None or c is None:
             continue
@@ -326,28 +363,32 @@ def peak_over_first(points: list[tuple[int, float]]) -> tuple[float | None, int 
     return (peak / first if first > 0 else None), step
 
 
-def table2(runs: list[CellRun], chi2: str = "chi2_token") -> list[dict[str, Any]]:
+def table2(runs: list[CellRun], chi2: str = "auto") -> list[dict[str, Any]]:
     """One row per role of every trained cell (`role/<role>/...`), and under a shared adapter
     one more row named after it from its own series (`policy/<adapter>/...`): the paper's
-    single shared-policy row."""
-    assert chi2 in CHI2_METRICS, chi2
+    single shared-policy row. `chi2_metric` names the χ² series read (`CellRun.chi2`); a
+    `chi2_token` asked for by name that is rounding noise gives no ratio (`NOISE`)."""
+    assert chi2 in CHI2_CHOICES, chi2
     rows = []
     for run in runs:
         if run.cell.kind == BASE_CONTROL:
             continue
+        metric = run.chi2(chi2)
+        noise = metric == "chi2_token" and run.chi2_is_noise
         prefixes = [(role, f"role/{role}/") for role in run.roles]
         roles = set(run.roles)
         for adapter in run.shared_adapters:
             label = adapter if adapter not in roles else f"policy:{adapter}"
             prefixes.append((label, f"policy/{adapter}/"))
         for label, prefix in prefixes:
-            chi2_ratio, chi2_step = peak_over_first(run.series(run.key(prefix, chi2)))
+            chi2_ratio, chi2_step = (None, None) if noise else peak_over_first(
+                run.series(run.key(prefix, metric)))
             ppl, _ = peak_over_first(run.series(run.key(prefix, "training_ppl")))
             grad, _ = peak_over_first(run.series(run.key(prefix, "grad_norm")))
             rows.append({
                 **ident(run.cell), "role": label, "chi2_peak_over_first": chi2_ratio,
                 "ppl_peak_over_first": ppl, "grad_norm_peak_over_first": grad,
-                "chi2_peak_step": chi2_step, "chi2_metric": chi2,
+                "chi2_peak_step": chi2_step, "chi2_metric": NOISE if noise else metric,
             })  # fmt: skip
     return rows
 
@@ -521,12 +562,15 @@ def global_grad_norm(run: CellRun) -> list[tuple[int, float]]:
     return out
 
 
-def instability(run: CellRun, chi2: str = "chi2_token") -> dict[str, float | None]:
+def instability(run: CellRun, chi2: str = "auto") -> dict[str, float | None]:
     """Fig. 5's three statistics of one cell over its whole run: the largest χ² of any adapter
-    (of any role where the run has no per-adapter series), the largest adapter gradient norm
+    (of any role where the run has no per-adapter series; the series `CellRun.chi2` reads,
+    none where that is `chi2_token` at its noise floor), the largest adapter gradient norm
     (per role where none per adapter), and the entropy collapse depth, first minus minimum
     (of `train/entropy` where logged, else the deepest of any role's)."""
     adapters = sorted(set(run.routing.values()))
+    chi2 = run.chi2(chi2)
+    noise = chi2 == "chi2_token" and run.chi2_is_noise
 
     def peak(prefixes: list[str], metric: str) -> float | None:
         vals = [v for p in prefixes for _, v in run.series(run.key(p, metric))]
@@ -534,8 +578,8 @@ def instability(run: CellRun, chi2: str = "chi2_token") -> dict[str, float | Non
 
     by_adapter = [f"policy/{a}/" for a in adapters]
     by_role = [f"role/{r}/" for r in run.roles]
-    max_chi2 = peak(by_adapter, chi2)
-    if max_chi2 is None:
+    max_chi2 = None if noise else peak(by_adapter, chi2)
+    if max_chi2 is None and not noise:
         max_chi2 = peak(by_role, chi2)
     max_grad = peak(by_adapter, "grad_norm")
     if max_grad is None:

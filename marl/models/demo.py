@@ -11,8 +11,10 @@ only `BOXED_SHARE` of the time and otherwise say "The answer is N", which the
 math reward scores as a format failure, and it stops while the model's sums are
 still often wrong (greedy arithmetic accuracy on training prompts >=
 `target_accuracy`, whatever the format). RL then has two habits to fix that the
-reward sees: answering in the asked format, and adding correctly. The result is
-cached by a hash of everything that shapes it.
+reward sees: answering in the asked format, and adding correctly. It is also shown
+Voting's selection prompt (`prompts.selector`) answered with a candidate's number,
+a right candidate's only `SELECT_SKILL` of the time: without it the aggregator met
+words it was never taught, and RL had a third habit to learn from nothing.
 """
 
 from __future__ import annotations
@@ -33,8 +35,11 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 from marl.data import arithmetic
 from marl.data.problem import Problem
 
-BUILDER_VERSION = "5"
+BUILDER_VERSION = "6"
 BOXED_SHARE = 0.5
+SELECT_SKILL = 0.5
+"""Share of the selection demonstrations that pick a right candidate where one is right
+(the rest pick at random): a weak selector for RL to improve."""
 WARM_START_STEPS = 700
 WARM_START_SEED = 0
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "assets" / "demo-model"
@@ -184,7 +189,15 @@ def validation_behaviour(
         tokenizer,
         [prompts.aggregator(p, [t] * 3) for p, t in zip(val, generated, strict=True)],
     )
-    out: dict[str, float] = {}
+    selected = greedy_texts(
+        model,
+        tokenizer,
+        [prompts.selector(p, [t] * 3) for p, t in zip(val, generated, strict=True)],
+    )
+    out: dict[str, float] = {
+        "selector_stamp_rate": sum(
+            (last_boxed(t) or "").strip() in ("1", "2", "3") for t in selected) / len(val),
+    }
     for role, texts in (("generator", generated), ("aggregator", aggregated)):
         boxed = [(last_boxed(t) or "").strip() for t in texts]
         out[f"{role}_boxed_accuracy"] = sum(
@@ -267,6 +280,22 @@ def aggregator_example(
     return prompts.aggregator(problem, candidates), _answer_text(answer, rng, boxed_share)
 
 
+def selector_example(
+    problem: Problem, rng: random.Random, boxed_share: float = BOXED_SHARE
+) -> tuple[Messages, str]:
+    """Voting's selection prompt over three candidates, answered `\\boxed{N}`: a right
+    candidate's number `SELECT_SKILL` of the time, else any candidate's."""
+    from marl.workflows import prompts
+
+    answer = int(problem.answer)
+    values = [answer if rng.random() < 0.4 else max(0, answer + rng.randint(-3, 3))
+              for _ in range(3)]
+    candidates = [_answer_text(v, rng, boxed_share) for v in values]
+    right = [i for i, v in enumerate(values) if v == answer]
+    pick = rng.choice(right) if right and rng.random() < SELECT_SKILL else rng.randrange(3)
+    return prompts.selector(problem, candidates), f"\\boxed{{{pick + 1}}}"
+
+
 def vocabulary_texts() -> list[str]:
     """Every fixed word the demo tokenizer knows: the roles' template words, the plain
     answer, and `EXTRA_WORDS` so that later prompts mostly stay off `<unk>`."""
@@ -292,7 +321,7 @@ def build_demo_model(out: Path, log: Callable[[str], None] = print) -> dict[str,
         stats = warm_start(
             model,
             tokenizer,
-            [solver_example, aggregator_example],
+            [solver_example, selector_example, solver_example, aggregator_example],
             train,
             WARM_START_SEED,
             target_accuracy=None,

@@ -24,9 +24,9 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from marl.diagnostics.alarms import AlarmWatch
+from marl.diagnostics.alarms import AlarmWatch, chi2_noise
 from marl.diagnostics.signatures import parallel_roles
-from marl.spec.run import RunSpec, SpecError, load_spec_text
+from marl.spec.run import AlarmSpec, RunSpec, SpecError, load_spec_text
 
 Record = dict[str, Any]
 
@@ -53,6 +53,8 @@ class WatchState:
         self.total = total
         self.records: list[Record] = []
         self.first: dict[str, float] = {}
+        self.floor = (spec.alarms if spec is not None else AlarmSpec()).chi2_noise_floor
+        """`alarms.chi2_noise_floor`: a χ²_token within it is shown as noise, not a ratio."""
         self.alarms: list[str] = []
         self.state = "RUNNING"
         self._watch = (
@@ -125,6 +127,7 @@ class WatchState:
         ]
         for _, label, _ in shown:
             table.add_column(label, justify="right")
+        noise = chi2_noise(self.records, self.floor)
         for role in self.roles():
             cells = []
             for pattern, _, norm in shown:
@@ -132,6 +135,8 @@ class WatchState:
                 v = self.latest(key)
                 if v is None:
                     cells.append("")
+                elif noise and key.endswith("/chi2_token"):
+                    cells.append("noise")  # within alarms.chi2_noise_floor: no ratio
                 elif norm and key in self.first:
                     cells.append(f"{v / self.first[key]:.2f}x")
                 else:

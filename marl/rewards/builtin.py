@@ -18,6 +18,13 @@ from typing import Any
 from marl.data.problem import Problem
 
 
+def problem_text(problem: Problem) -> str:
+    """What the model was asked: the prompt, and the data's own chat messages when it gave
+    them (an expression written there is no answer, `marl.rewards.math.check`)."""
+    said = [m.get("content", "") for m in problem.messages or () if isinstance(m, dict)]
+    return "\n".join([problem.prompt, *[s for s in said if isinstance(s, str)]])
+
+
 async def math_reward(problem: Problem, answer: str, episode: Any) -> dict[str, float]:
     """1 when the last `\\boxed{}` equals the ground truth, 0 when not, the format penalty
     when none parses. Exact matches and remembered verdicts are scored on the event loop;
@@ -26,12 +33,14 @@ async def math_reward(problem: Problem, answer: str, episode: Any) -> dict[str, 
 
     task = episode.task
     truth, penalty, timeout = problem.answer, task.format_penalty, task.math_timeout_s
+    question = problem_text(problem)
 
     def both(remembered_only: bool) -> dict[str, float]:
         reward = math_reward_.score(answer, truth, penalty, timeout,
-                                    remembered_only=remembered_only)
+                                    remembered_only=remembered_only, question=question)
         right = math_reward_.any_format_correct(answer, truth, timeout,
-                                                remembered_only=remembered_only)
+                                                remembered_only=remembered_only,
+                                                question=question)
         return {"score": reward, "any_format_correct": float(right)}
 
     try:
@@ -42,7 +51,8 @@ async def math_reward(problem: Problem, answer: str, episode: Any) -> dict[str, 
 
 async def any_format_reward(problem: Problem, answer: str, episode: Any) -> dict[str, float]:
     """1 when the answer holds the right value in any format (the last boxed answer, else
-    the last number; a restated question such as `23+29` is still wrong), else 0. A model
+    the last number; an expression of the problem's own text, `23+29` for "What is 23+29?",
+    is still wrong), else 0. A model
     that never writes the box at first scores the same on every rollout under
     `math_reward` (all 0 or all the format penalty), which leaves GRPO no signal; this
     reward pays the answers it already gets right (docs/real-models.md)."""

@@ -274,10 +274,15 @@ class TrainSpec(_Spec):
     """Validation problems per evaluation (capped by the validation set's size)."""
     val_pass_at: list[Annotated[int, Field(ge=1, le=1024)]] = Field(default_factory=list)
     """Validation also reports `val/pass@k` for each k: every problem is sampled max(k)
-    times at `sampling.val_temperature` (> 0) and pass@k is the unbiased estimate
+    times at the validation temperature (> 0) and pass@k is the unbiased estimate
     1 - C(n-c, k) / C(n, k) averaged over problems, c of the n samples fully correct (Chen et
     al. 2021, "Evaluating Large Language Models Trained on Code", eq. 1). Empty: one sample
     a problem (the paper's)."""
+    signature_problems: int = Field(100, ge=1)
+    """Trajectory signatures (`val/sig/...`: lengths, truncation, hedging, Jaccard, terse
+    rate) are read on the first this many problems of each validation, as the paper reads
+    them on 100 problems a checkpoint (§A.3-A.4); `marl matrix report`'s Tables 4-6 show
+    them at step 0, the peak and the end."""
     checkpoint_interval: int = Field(5, ge=1)
     """Checkpoint every this many steps."""
     checkpoints_kept: int = Field(3, ge=1)
@@ -339,8 +344,17 @@ class SamplingSpec(_Spec):
     """Nucleus sampling threshold."""
     max_tokens: int | None = Field(None, ge=1)
     """Response cap per role turn; None = the task's cap (math 5120, code 2048)."""
-    val_temperature: float = Field(0.0, ge=0)
-    """Validation temperature (0 = greedy)."""
+    val_temperature: float | None = Field(None, ge=0)
+    """Validation temperature. None (the default): the rollout `temperature`, each turn
+    seeded by the run's seed, the problem, the role and the slot (never the step), so
+    parallel slots (Voting's generators, Orch-Workers' workers) write different texts and
+    every checkpoint is read on the same draws. 0: greedy, where parallel slots given one
+    prompt write one text."""
+
+    @property
+    def validation_temperature(self) -> float:
+        """The temperature validation decodes at (`val_temperature`, else `temperature`)."""
+        return self.temperature if self.val_temperature is None else self.val_temperature
 
 
 class WorkflowCaps(_Spec):
@@ -373,6 +387,27 @@ class DataSpec(_Spec):
     unset while val == train means: split train_path."""
     val_fraction: float = Field(default=0.1, gt=0, lt=1)
     """When train and val name the same set, the share held out for validation."""
+    val_size: int | None = Field(default=None, ge=1, le=1_000_000)
+    """Validation problems by count: held out of a set that train and val share (instead of
+    `val_fraction`), or kept of a separate validation set, chosen in the order the run's
+    seed gives the problems (a hash of the seed and each problem's id, so the same seed
+    picks the same problems whatever the file's row order). None: `val_fraction` of a
+    shared set, all of a separate one. The paper validates on 1,412 DAPO-Math problems and
+    on 1,000 of DeepCoder's primeintellect subset (`val_subset`); it does not say how they
+    were chosen, and these are chosen so."""
+    val_subset: Literal["taco", "primeintellect", "lcbv5", "codeforces"] | None = None
+    """DeepCoder only: validation problems come from this subset alone (each problem's
+    subset is read from its tests' layout and kept as `data_source: deepcoder_<subset>`,
+    marl/data/deepcoder.py); training keeps every other problem, of every subset."""
+
+    @model_validator(mode="after")
+    def _subset_is_deepcoders(self) -> DataSpec:
+        if self.val_subset is not None and self.val != "deepcoder":
+            raise ValueError(
+                f"data.val_subset: {self.val_subset} is a DeepCoder subset, and data.val is "
+                f"{self.val}; remove val_subset or validate on deepcoder"
+            )
+        return self
     on_bad_row: Literal["skip", "refuse"] = "skip"
     """A malformed row is skipped with a warning, or refuses the run; either way it is
     reported with its file, row and column."""
@@ -463,11 +498,18 @@ class AlarmSpec(_Spec):
     The paper names the mechanisms and the signals; every threshold here is marl's own
     choice, not a number the paper gives."""
 
-    chi2_signal: Literal["chi2_token", "update_chi2"] = "chi2_token"
+    chi2_signal: Literal["auto", "chi2_token", "update_chi2"] = "auto"
     """The χ² series the alarms (and `marl matrix report`'s Table 2) read: `chi2_token` is
     the paper's (verl's rollout-correction χ² between learner and sampler); `update_chi2`
-    is how far each role's policy moved during the step. On a float32 CPU run the learner
-    and the sampler agree (ρ ≈ 1), so only `update_chi2` moves there."""
+    is how far each role's policy moved during the step. `auto` reads `chi2_token` once
+    any of its values leaves `chi2_noise_floor`, `update_chi2` while every one stays within
+    it: where learner and sampler compute the same float32 logits (a CPU run), ρ is 1 to
+    rounding and χ²_token is rounding noise, some of it negative."""
+    chi2_noise_floor: float = Field(1e-4, ge=0)
+    """χ²_token values within ±this are rounding noise, not a signal (`chi2_signal: auto`).
+    Two float32 computations of the same logits differ in the last bits, which puts
+    χ²_token orders of magnitude below this; a sampler in another precision or another
+    engine puts it above."""
 
     min_points: int = Field(3, ge=1)
     """A role's series fires only once it has this many logged values (first ones are noisy)."""

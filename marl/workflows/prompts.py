@@ -146,7 +146,8 @@ def synthesizer(problem: Problem, outputs: list[str]) -> Messages:
 
 
 ALL_TEMPLATE_TEXT = " ".join(
-    [MATH_INSTRUCTION, CODE_INSTRUCTION, AGGREGATOR_INSTRUCTION, "Candidate 1: 2: 3:"]
+    [MATH_INSTRUCTION, CODE_INSTRUCTION, AGGREGATOR_INSTRUCTION, SELECT_INSTRUCTION,
+     "Candidate 1: 2: 3:"]
 )
 """The fixed words of the single-agent and Voting prompts, which the demo tokenizer was built
 from (with `EXTRA_WORDS`); changing it changes the shipped demo model's vocabulary."""

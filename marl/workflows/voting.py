@@ -5,6 +5,13 @@ Isolated-Policy) on the same prompt; the aggregator sees every candidate, number
 from 1, and is asked for a terse selection stamp: the chosen candidate's number as
 `\\boxed{N}` (paper §A.4, §A.6.2).
 
+The stamp as a candidate's *number* is marl's reading of the paper, which says both that
+the aggregator "selects or combines among" the candidates (§3) and that it emits "a terse
+`\\boxed{N}` selection stamp" (§A.4) without saying whether N is an index or the
+answer. `workflow_args: {aggregator_output: answer}` takes the other reading: the
+aggregator is asked for the final answer (`prompts.aggregator`) and its own text is
+scored, so it may combine the candidates; `index` (the default) is the stamp below.
+
 The final answer: when the aggregator's last `\\boxed{}` holds a whole number N with
 1 <= N <= n, candidate N's whole text (its own last `\\boxed{}` or code block is what
 the reward reads); otherwise the aggregator's own text, as before the stamp was asked
@@ -20,6 +27,9 @@ exists (two or more agree), `aggregator_picked_majority` (read on the final answ
 from __future__ import annotations
 
 import asyncio
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
 
 from marl.data.problem import Problem
 from marl.rewards.math import last_boxed
@@ -27,6 +37,16 @@ from marl.spec.run import WorkflowCaps
 from marl.workflows import prompts
 from marl.workflows.answers import answer_key, majority
 from marl.workflows.base import PAPER_PROMPT_TOKENS, Caps, Episode, TaskName, Workflow, prompt_cap
+
+
+class VotingArgs(BaseModel):
+    """`workflow_args` of Voting."""
+
+    model_config = ConfigDict(extra="forbid")
+    aggregator_output: Literal["index", "answer"] = "index"
+    """`index`: the aggregator stamps the chosen candidate's number, `\\boxed{N}`, and
+    that candidate's text is the final answer; `answer`: the aggregator writes the final
+    answer itself from the candidates (it may combine them) and its text is scored."""
 
 
 def caps(spec: WorkflowCaps, task: TaskName) -> Caps:
@@ -53,9 +73,13 @@ async def run(episode: Episode, problem: Problem) -> str:
             *(episode.turn("generator", slot, prompts.generator(problem)) for slot in range(n))
         )
     )
-    said = await episode.turn("aggregator", 0, prompts.selector(problem, candidates))
-    picked = stamp(said, n)
-    final = said if picked is None else candidates[picked]
+    by_answer = episode.args is not None and episode.args.aggregator_output == "answer"
+    if by_answer:
+        final = await episode.turn("aggregator", 0, prompts.aggregator(problem, candidates))
+    else:
+        said = await episode.turn("aggregator", 0, prompts.selector(problem, candidates))
+        picked = stamp(said, n)
+        final = said if picked is None else candidates[picked]
 
     keys = [answer_key(c, problem.task) for c in candidates]
     top, count = majority(keys)
@@ -67,4 +91,5 @@ async def run(episode: Episode, problem: Problem) -> str:
     return final
 
 
-VOTING = Workflow(name="voting", roles=("generator", "aggregator"), run=run, caps=caps)
+VOTING = Workflow(name="voting", roles=("generator", "aggregator"), run=run, caps=caps,
+                  args=VotingArgs)

@@ -34,7 +34,8 @@ def plan_mini_batches(
     """Adapter -> its mini-batches (indices into `seqs`), each epoch freshly shuffled.
 
     Under SP every role's turns are in one adapter's stream; under IP each adapter
-    has its own, and its number of optimizer steps is ceil(turns / size) x epochs.
+    has its own, and its number of optimizer steps is about turns / size per epoch: a
+    remainder under half of `size` joins the mini-batch before it (`cut`).
     `units` (`grpo.parallel_slots: pool`): sequences with the same unit id count as one
     sample, go to the same mini-batch, and a mini-batch holds `size` units.
     """
@@ -48,7 +49,7 @@ def plan_mini_batches(
             for _ in range(epochs):
                 order = list(by_policy[p])
                 rng.shuffle(order)
-                mbs += [order[k : k + size] for k in range(0, len(order), size)]
+                mbs += cut(order, size)
         else:
             members: dict[int, list[int]] = defaultdict(list)
             for i in by_policy[p]:
@@ -56,12 +57,21 @@ def plan_mini_batches(
             for _ in range(epochs):
                 keys = list(members)
                 rng.shuffle(keys)
-                mbs += [
-                    [i for u in keys[k : k + size] for i in members[u]]
-                    for k in range(0, len(keys), size)
-                ]
+                mbs += [[i for u in part for i in members[u]] for part in cut(keys, size)]
         plan[p] = mbs
     return plan
+
+
+def cut(items: list[int], size: int) -> list[list[int]]:
+    """`items` in runs of `size`, a last run shorter than half of `size` joined to the one
+    before: 513 sequences at 512 make one mini-batch of 513, not an optimizer step of 512
+    and a full optimizer step on 1 (whose gradient, a mean over one sequence, is as large
+    as a whole mini-batch's and far noisier). 768 at 512 stay [512, 256]."""
+    runs = [items[k : k + size] for k in range(0, len(items), size)]
+    if len(runs) > 1 and 2 * len(runs[-1]) < size:
+        last = runs.pop()
+        runs[-1] += last
+    return runs
 
 
 def pooled_units(seqs: list[Sequence], owners: list[int], parallel: tuple[str, ...]) -> list[int]:

@@ -15,10 +15,13 @@
 - `clip_fraction`: share of the role's token updates the PPO clip cut off (both bounds);
 - `kl_base`: KL(π || π_base) of the full next-token distributions at the sampled tokens,
   π_base being the base model with every adapter disabled;
-- `grad_norm`: norm of the gradient the role's part of its adapter's first mini-batch loss
-  puts on that adapter, i.e. of a single optimizer step as the paper's Table 2 reads it
-  (under SP each role is back-propagated apart, so the roles' parts sum to the
-  mini-batch's gradient);
+- `grad_norm`: the norm of the gradient the role's part of a mini-batch's loss puts on its
+  adapter, averaged over the step's optimizer steps of that adapter (a mini-batch without
+  the role's turns counts 0): each one a single optimizer step's norm, averaged as verl
+  averages `actor/grad_norm` over its mini-batches, and as `policy/<adapter>/grad_norm` is.
+  One definition under IP and SP: with one role on an adapter the two are equal; under SP
+  each role is back-propagated apart, so the roles' parts sum to each mini-batch's
+  gradient;
 - `grad_share`: the role's grad_norm over the sum of every role's grad_norm this step: who
   drives the update, the `sp_role_capture` evidence under SP;
 - `logprob_gap`: mean |log π_old - log q| over the role's tokens, q being the log-prob
@@ -122,6 +125,9 @@ class RoleSums:
     clipped: float = 0.0
     kl_base: float = 0.0
     grad_norm: float = 0.0
+    """Summed over the step's optimizer steps; `RoleSignals.optimizer_steps` divides it."""
+    grad_policy: str | None = None
+    """The adapter the role's gradient went to."""
 
 
 @dataclass
@@ -130,6 +136,8 @@ class RoleSignals:
 
     roles: dict[str, RoleSums] = field(default_factory=lambda: defaultdict(RoleSums))
     policies: dict[str, OldSums] = field(default_factory=lambda: defaultdict(OldSums))
+    optimizer_steps: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    """Adapter -> its optimizer steps this step (the mini-batches a role's mean is over)."""
 
     def add_old(self, seqs: list[Sequence], olds: list[torch.Tensor]) -> None:
         """π_old's log-probs of each sequence's completion against what inference reported
@@ -152,8 +160,18 @@ class RoleSignals:
         if entropy is not None:
             r.entropy += entropy
 
-    def add_grad(self, role: str, norm: float) -> None:
-        self.roles[role].grad_norm += norm
+    def add_grad(self, role: str, norm: float, policy: str) -> None:
+        """The norm of the role's part of one optimizer step's gradient on `policy`."""
+        r = self.roles[role]
+        r.grad_norm += norm
+        r.grad_policy = policy
+
+    def grad_norm(self, role: str) -> float:
+        """The role's part of its adapter's gradient, averaged over the adapter's optimizer
+        steps this step."""
+        r = self.roles[role]
+        steps = self.optimizer_steps.get(r.grad_policy or "", 0)
+        return r.grad_norm / steps if steps else r.grad_norm
 
     def metrics(self) -> dict[str, float]:
         return metrics.signal_metrics(self)
@@ -286,12 +304,15 @@ class StepDiagnostics:
         finally:
             self.seconds += time.perf_counter() - t0
 
-    def role_starts(self, policy: MultiAdapterPolicy, p: str, mini_batch: int) -> None:
-        """A role's micro-batches of adapter `p`'s mini-batch are next: in the first one,
-        the gradient so far is noted, to read the role's part of it apart."""
-        if mini_batch == 0:
-            with self._timed():
-                self._before = full_grads(policy, p)
+    def mini_batch_starts(self, p: str) -> None:
+        """Adapter `p`'s next mini-batch, one optimizer step, begins."""
+        self.signals.optimizer_steps[p] += 1
+
+    def role_starts(self, policy: MultiAdapterPolicy, p: str) -> None:
+        """A role's micro-batches of adapter `p`'s mini-batch are next: the gradient so far
+        is noted, to read the role's part of it apart."""
+        with self._timed():
+            self._before = full_grads(policy, p)
 
     def role_ends(self, policy: MultiAdapterPolicy, p: str, role: str) -> None:
         """The role's micro-batches are back-propagated: the norm of its part (`grad_norm`)."""
@@ -302,7 +323,7 @@ class StepDiagnostics:
             sq = sum(
                 float(((a - z) ** 2).sum()) for a, z in zip(after, self._before, strict=True)
             )
-            self.signals.add_grad(role, sq**0.5)
+            self.signals.add_grad(role, sq**0.5, p)
             self._before = None
 
     def weighted(self, weights: torch.Tensor, cap: float) -> None:

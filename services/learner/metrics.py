@@ -298,7 +298,8 @@ def update_metrics(
 
 
 def mini_batch_metrics(mini_batches: Sequence[MiniBatchStats], kl: bool) -> dict[str, float]:
-    """Per adapter: its optimizer steps, and their mean grad norm, loss and (`kl`) KL to the
+    """Per adapter: its optimizer steps, and their mean grad norm (each one optimizer step's,
+    pre-clip; `role/<role>/grad_norm` is averaged the same way), loss and (`kl`) KL to the
     base model; the share of its tokens clipped below and above."""
     per_policy: dict[str, list[MiniBatchStats]] = defaultdict(list)
     for st in mini_batches:
@@ -319,14 +320,15 @@ def mini_batch_metrics(mini_batches: Sequence[MiniBatchStats], kl: bool) -> dict
 def signal_metrics(signals: RoleSignals) -> dict[str, float]:
     """The per-role and per-adapter signals of diagnostics.py, as means."""
     out: dict[str, float] = {}
-    total_grad = sum(r.grad_norm for r in signals.roles.values())
+    grad = {role: signals.grad_norm(role) for role in signals.roles}
+    total_grad = sum(grad.values())
     for role, r in sorted(signals.roles.items()):
         pre = f"role/{role}/"
         out.update(old_metrics(r.old, pre))
         out[pre + "entropy"] = r.entropy / max(r.old.tokens, 1)
         out[pre + "clip_fraction"] = r.clipped / max(r.updated_tokens, 1)
-        out[pre + "grad_norm"] = r.grad_norm
-        out[pre + "grad_share"] = r.grad_norm / total_grad if total_grad > 0 else 0.0
+        out[pre + "grad_norm"] = grad[role]
+        out[pre + "grad_share"] = grad[role] / total_grad if total_grad > 0 else 0.0
         if r.old.sampled:
             out[pre + "kl_base"] = r.kl_base / r.old.sampled
     for policy, p in sorted(signals.policies.items()):

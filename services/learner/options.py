@@ -71,7 +71,7 @@ def spec_problems(spec: RunSpec, roles: dict[str, str]) -> None:
             f"field `grpo.overlong`: the band ({g.overlong} tokens) must be shorter than the "
             f"response cap ({response_cap(spec)}: sampling.max_tokens or the task's)"
         )
-    if spec.train.val_pass_at and spec.sampling.val_temperature == 0:
+    if spec.train.val_pass_at and spec.sampling.validation_temperature == 0:
         raise SpecError(
             "field `train.val_pass_at`: pass@k needs different samples of each problem, and "
             "sampling.val_temperature is 0 (greedy); raise it, e.g. to 0.7"

@@ -186,9 +186,10 @@ def train_mini_batch(
     if step.slot_scale is not None:
         weight_of = {i: w * step.slot_scale[i] for i, w in weight_of.items()}
     step.balance.mini_batch({seqs[i].role for i in mb})
+    step.watch.mini_batch_starts(p)
     updates: list[tuple[str, LossStats, float | None, float]] = []
     for role, chunks in by_role(seqs, forward_chunks(seqs, mb, g, policy.rank, policy.world_size)):
-        step.watch.role_starts(policy, p, k)
+        step.watch.role_starts(policy, p)
         step.balance.role_starts(policy, p)
         for chunk in chunks:
             stats, entropy, kl = train_chunk(policy, step, chunk, weight_of, first_epoch)

@@ -34,16 +34,20 @@ class Validator:
         ks = self.episodes.spec.train.val_pass_at
         rollouts = await self.episodes.run(self.problems, step, "val", max(ks, default=1))
         rewards = [min(max(r.reward, 0.0), 1.0) for r in rollouts]
+        read = {p.id for p in self.problems[: self.episodes.spec.train.signature_problems]}
         return {
             **pass_at(rollouts, ks),
             "val/accuracy": sum(rewards) / max(len(rewards), 1),
             "val/problems": len({r.problem_id for r in rollouts}),
             "val/episode_errors": sum(r.error is not None for r in rollouts),
             **mean_facts(rollouts, "val"),
-            # the paper reads role drift on each checkpoint's validation transcripts (§A.3-A.4)
+            # the paper reads role drift on each checkpoint's validation transcripts of 100
+            # problems (§A.3-A.4): the same first problems at every validation
+            "val/signature_problems": len(read),
             **{
                 f"val/{k}": v
-                for k, v in role_signatures(rollouts, self.episodes.spec.workflow).items()
+                for k, v in role_signatures([r for r in rollouts if r.problem_id in read],
+                                            self.episodes.spec.workflow).items()
             },
         }
 

@@ -58,8 +58,14 @@ NONE_REGISTERED = "no live inference replica is registered in Redis"
 
 def turn_seed(task: Task, role: str, slot: int, nth: int) -> int:
     """A nonzero 63-bit sampling seed from the run seed and the task (not the run id, which
-    is random per submission), the role, the slot and the n-th turn of that role slot."""
-    key = f"{task.seed}:{task.kind}:{task.step}:{task.problem.id}:{task.sample}:{role}:{slot}:{nth}"
+    is random per submission), the role, the slot and the n-th turn of that role slot.
+
+    A training turn's seed also names its step, so each step draws afresh. A validation
+    turn's does not: every checkpoint samples a problem's slots with the same draws, so
+    two validations differ only where the adapters do (an unchanged adapter writes the
+    same texts), while parallel slots still draw apart."""
+    step = task.step if task.kind == "train" else "-"
+    key = f"{task.seed}:{task.kind}:{step}:{task.problem.id}:{task.sample}:{role}:{slot}:{nth}"
     value = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") & (2**63 - 1)
     return value or 1
 

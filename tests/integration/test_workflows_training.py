@@ -113,6 +113,7 @@ def check_run(run: learner_pb2.Run, out: Path, workflow: str, policy: str) -> No
     FINISHED.append(out)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[0]["val/signature_problems"] == 1  # min(train.signature_problems, 1 problem)
     adapters = {"shared"} if policy == "shared" else set(resolve(workflow).roles)
     for row in rows[1:]:
         assert row["train/episode_errors"] == 0

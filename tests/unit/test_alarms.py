@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from marl.diagnostics.alarms import Alarm, AlarmWatch, check, scan
 from marl.spec.run import AlarmSpec
 
@@ -220,12 +222,29 @@ def test_alarms_read_the_chi2_the_spec_names() -> None:
         role__generator__chi2_token=[1e-7] * 6,
         role__aggregator__chi2_token=[1e-7] * 6,
     )
-    assert scan(recs, SPEC, shared=False, parallel=("generator",)) == []  # ρ ≈ 1: flat
+    token = AlarmSpec(chi2_signal="chi2_token")
+    assert scan(recs, token, shared=False, parallel=("generator",)) == []  # ρ ≈ 1: flat
+    fired = ["gradient_amplification[generator]@6: update_chi2 6.00x its first value vs at "
+             "most 1.00x for the other roles"]
     moved = AlarmSpec(chi2_signal="update_chi2")
-    assert [str(a) for a in scan(recs, moved, shared=False, parallel=("generator",))] == [
-        "gradient_amplification[generator]@6: update_chi2 6.00x its first value vs at most "
-        "1.00x for the other roles"
-    ]
+    assert [str(a) for a in scan(recs, moved, shared=False, parallel=("generator",))] == fired
+    # auto (the default): chi2_token within its noise floor, so update_chi2 is read
+    assert SPEC.chi2_signal == "auto"
+    assert [str(a) for a in scan(recs, SPEC, shared=False, parallel=("generator",))] == fired
+
+
+@pytest.mark.parametrize(("token", "read"), [
+    ([1e-7, -3e-8, 5e-7], "update_chi2"),  # float32 rounding, some of it negative
+    ([1e-4, -1e-4, 0.0], "update_chi2"),  # the floor itself is still noise
+    ([1e-7, 2e-3, 1e-7], "chi2_token"),  # one value out of the floor: a signal
+    ([], "update_chi2"),  # never logged: nothing to read there
+])
+def test_auto_reads_chi2_token_only_above_its_noise_floor(token: list[float], read: str) -> None:
+    from marl.diagnostics.alarms import chi2_series
+
+    recs = records(policy__shared__chi2_token=token) if token else records(x=[1.0])
+    assert chi2_series(recs, "auto", 1e-4) == read
+    assert chi2_series(recs, "chi2_token", 1e-4) == "chi2_token"
 
 
 def orch_workers_sp(worker_share: list[float], chi2: list[float]) -> list[dict[str, Any]]:

@@ -16,11 +16,13 @@ def test_the_shipped_demo_model_answers_as_recorded_when_it_was_built() -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     behaviour = validation_behaviour(model, tokenizer)
     assert behaviour == recorded["validation"]
-    # The untrained Voting workflow rarely boxes its answer and its aggregator often
-    # garbles the candidates: RL has both the format and the answers to improve.
+    # The untrained generator rarely boxes its answer and the aggregator asked for a final
+    # answer often garbles the candidates: RL has both the format and the answers to improve.
     assert behaviour["aggregator_boxed_accuracy"] <= 0.05
     assert behaviour["aggregator_any_format_accuracy"] <= 0.3
     assert behaviour["generator_any_format_accuracy"] >= 0.5
+    # Voting's selection prompt was taught: the untrained aggregator stamps a candidate
+    assert behaviour["selector_stamp_rate"] >= 0.9
 
 
 def test_the_demo_tokenizer_knows_the_words_later_prompts_use() -> None:

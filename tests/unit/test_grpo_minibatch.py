@@ -95,13 +95,40 @@ def test_plan_is_a_shuffled_partition_per_epoch() -> None:
 
     seqs = [Sequence("a" if i % 4 else "b", "r", [1, 2], 1, 0.0, [0.0]) for i in range(12)]
     plan = plan_mini_batches(seqs, 4, 2, random.Random(0))
-    assert [len(mb) for mb in plan["a"]] == [4, 4, 1, 4, 4, 1]
+    assert [len(mb) for mb in plan["a"]] == [4, 5, 4, 5]  # 9 at 4: the 1 left joins the 4
     assert [len(mb) for mb in plan["b"]] == [3, 3]
     for p, n in (("a", 9), ("b", 3)):
         per_epoch = len(plan[p]) // 2
         for e in range(2):
             got = sorted(i for mb in plan[p][e * per_epoch : (e + 1) * per_epoch] for i in mb)
             assert len(got) == n and all(seqs[i].policy == p for i in got)
+
+
+@pytest.mark.parametrize(("sequences", "sizes"), [
+    (513, [513]),  # a remainder of 1 is no optimizer step of its own
+    (767, [767]),  # 255 < 256, half of 512
+    (768, [512, 256]),  # half of 512 is a mini-batch of its own
+    (1025, [512, 513]),
+    (512, [512]),
+    (200, [200]),  # one short mini-batch is still one
+])
+def test_a_remainder_under_half_a_mini_batch_joins_the_one_before(
+    sequences: int, sizes: list[int]
+) -> None:
+    from services.learner.batching import cut
+    from services.learner.sequences import Sequence
+
+    seqs = [Sequence("shared", "generator", [1, 2], 1, 0.0, [0.0]) for _ in range(sequences)]
+    plan = plan_mini_batches(seqs, 512, 1, random.Random(0))
+    assert [len(mb) for mb in plan["shared"]] == sizes
+    assert sorted(i for mb in plan["shared"] for i in mb) == list(range(sequences))
+    # pooled units (grpo.parallel_slots: pool) are cut by the same rule, counted in units
+    units = [i // 3 for i in range(3 * 7)]  # 7 units of 3 sequences, 3 units a mini-batch
+    pooled = plan_mini_batches(
+        [Sequence("shared", "generator", [1, 2], 1, 0.0, [0.0]) for _ in units], 3, 1,
+        random.Random(0), units)
+    assert [len(mb) for mb in pooled["shared"]] == [9, 12]  # units [3, 4]: the 1 left joins
+    assert cut([1, 2, 3, 4, 5], 4) == [[1, 2, 3, 4, 5]] and cut([1, 2, 3], 2) == [[1, 2], [3]]
 
 
 def test_first_mini_batch_is_on_policy_later_ones_clip_at_both_bounds(model_dir: Path) -> None:

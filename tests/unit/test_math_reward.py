@@ -336,15 +336,79 @@ def test_anything_but_two_integers_is_left_to_the_worker(pred: str, gold: str) -
 
 
 @pytest.mark.parametrize(
-    ("boxed", "gold", "reward"),
+    ("boxed", "gold", "question", "reward"),
     [
-        ("23+29", "52", 0.0),  # the question restated: math-verify alone calls it 52
-        ("23 + 29", "52", 0.0),
-        ("2^5", "32", 0.0),
-        ("52", "52", 1.0),
-        ("-7", "-7", 1.0),
-        ("x+1", "x+1", 1.0),  # a symbolic gold answer is no integer: compared as before
+        # the problem's own expression restated: math-verify alone calls each one equal
+        ("23+29", "52", "What is 23+29?", 0.0),
+        ("23 + 29", "52", "What is 23 + 29? Answer in \\boxed{}.", 0.0),
+        ("29+23", "52", "What is 23+29?", 0.0),  # a sum with its operands swapped
+        ("2^{10}", "1024", "Compute $2^{10}$.", 0.0),
+        ("2^10", "1024", "Compute $2^{10}$.", 0.0),
+        ("\\frac{8}{2}", "4", "Simplify 8/2.", 0.0),
+        ("8 \\div 2", "4", "Simplify 8/2.", 0.0),
+        ("3 \\times 7", "21", "What is $3 \\cdot 7$?", 0.0),
+        # an equal value the problem does not write: correct however it is written
+        ("2^10", "1024", "How many subsets has a set of 10 elements?", 1.0),
+        ("2^{10}", "1024", "How many subsets has a set of 10 elements?", 1.0),
+        ("2 \\cdot 512", "1024", "How many subsets has a set of 10 elements?", 1.0),
+        ("32 \\times 32", "1024", "How many subsets has a set of 10 elements?", 1.0),
+        ("8/2", "4", "Eight apples are shared by two children. How many each?", 1.0),
+        ("\\frac{8}{2}", "4", "Eight apples are shared by two children. How many each?", 1.0),
+        ("1.024 \\times 10^{3}", "1024", "How many subsets has a set of 10 elements?", 1.0),
+        ("1.024e3", "1024", "How many subsets has a set of 10 elements?", 1.0),
+        ("6.02\\times10^{23}", "602000000000000000000000", "Avogadro's number?", 1.0),
+        ("1.2e-3", "0.0012", "What is 12 thousandths of a tenth?", 1.0),
+        ("1.2 \\cdot 10^{-3}", "3/2500", "What is 12 thousandths of a tenth?", 1.0),
+        ("6.03\\times10^{23}", "602000000000000000000000", "Avogadro's number?", 0.0),
+        ("2^{10}", "1000", "How many subsets has a set of 10 elements?", 0.0),
+        # a part of the problem's expression, or its digits in another order, is no restatement
+        ("3+29", "32", "What is 23+29?", 1.0),
+        ("2^5", "32", "What is 23+29?", 1.0),
+        # a fraction in lowest terms is a value, even where the problem writes it
+        ("\\frac{1}{2}", "0.5", "A coin lands heads with probability 1/2. P(tails)?", 1.0),
+        ("1/2", "1/2", "A coin lands heads with probability 1/2. P(tails)?", 1.0),
+        ("52", "52", "What is 23+29?", 1.0),
+        ("-7", "-7", "What is 3-10?", 1.0),
+        ("x+1", "x+1", "Simplify (x^2-1)/(x-1).", 1.0),
     ],
 )
-def test_an_integer_answer_must_state_the_value(boxed: str, gold: str, reward: float) -> None:
-    assert score(f"\\boxed{{{boxed}}}", gold) == reward
+def test_an_equal_value_is_correct_unless_it_restates_the_question(
+    boxed: str, gold: str, question: str, reward: float
+) -> None:
+    response = f"So \\boxed{{{boxed}}}."
+    assert score(response, gold, question=question) == reward
+    assert math_reward.any_format_correct(response, gold, question=question) is (reward == 1.0)
+
+
+def test_without_the_question_an_expression_is_compared_by_value() -> None:
+    assert score("\\boxed{23+29}", "52") == 1.0
+
+
+@pytest.mark.parametrize(("text", "plain"), [
+    ("1.024e3", "1024"), ("1.024 \\times 10^{3}", "1024"), ("-2.5E-2", "-0.025"),
+    ("3*10^2", "300"), ("1e400", "1" + "0" * 400), ("1e401", None), ("2^{10}", None),
+    ("12", None), ("e3", None),
+])
+def test_scientific_notation_is_written_out_exactly(text: str, plain: str | None) -> None:
+    assert math_reward.plain_number(text) == plain
+
+
+def test_the_builtin_reward_reads_the_problems_text_and_its_messages() -> None:
+    from marl.data.problem import Problem
+    from marl.rewards.builtin import math_reward as builtin_math
+
+    class Task:
+        format_penalty, math_timeout_s = -0.1, 5.0
+
+    class Episode:
+        task = Task()
+
+    asked = Problem(id="p", prompt="What is 23+29?", answer="52")
+    in_messages = Problem(id="q", prompt="", answer="52",
+                          messages=[{"role": "user", "content": "Add: $23 + 29$"}])
+    elsewhere = Problem(id="r", prompt="Add twenty-three and twenty-nine.", answer="52")
+    got = [asyncio.run(builtin_math(p, "\\boxed{23+29}", Episode())) for p in
+           (asked, in_messages, elsewhere)]
+    assert got == [{"score": 0.0, "any_format_correct": 0.0},
+                   {"score": 0.0, "any_format_correct": 0.0},
+                   {"score": 1.0, "any_format_correct": 1.0}]

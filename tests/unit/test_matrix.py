@@ -129,7 +129,7 @@ def test_table_residuals_and_cliffs_from_the_cells(tmp_path: Path) -> None:
     assert got[0]["sp_peak_step"] == "2" and got[0]["ip_alarms"] == "step 2: ip_drift"
     md = paths["markdown"].read_text()
     assert f"| arithmetic | {MODEL} | 0 | voting | 0.125 | 0.375 | 0.500 | 0.750 | +0.125 | " \
-        "+0.375 | 0.500 | 0.000 | 0.000 | -0.750 | 1 | 2 | 1: step 2: ip_drift | 0 |" in md
+        "+0.375 | 0.500 | 0.000 | 0.000 | -0.750 | 1 | 2 | sampled T=0.7 | 1: step 2: ip_drift | 0 |" in md
     assert paths["png"].read_bytes()[:4] == b"\x89PNG"
 
 

@@ -39,6 +39,21 @@ def _vals(accs: dict[int, float], **more: Any) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------- Table 1
 
 
+def test_table1_says_how_each_cell_validated() -> None:
+    raw = _raw()
+    raw["base"]["sampling"] = {"temperature": 0.7}
+    sampled = _cells(raw)
+    raw["base"]["sampling"] = {"temperature": 0.7, "val_temperature": 0}
+    greedy = _cells(raw)
+    curve = _vals({0: 0.2, 1: 0.5})
+    rows = tables.table1([CellRun.of(sampled["voting-shared"], curve),
+                          CellRun.of(greedy["voting-shared"], curve)])
+    assert [r["val_decoding"] for r in rows] == ["sampled T=0.7", "greedy"]
+    wide = tables.table_rows({sampled["voting-shared"]: tables.curve(curve),
+                              sampled["voting-isolated"]: tables.curve(curve)})
+    assert [r["val_decoding"] for r in wide] == ["sampled T=0.7"]
+
+
 def test_table1_base_peak_final_deltas_cliff_and_sa_rl_residual() -> None:
     cells = _cells()
     runs = [
@@ -126,6 +141,43 @@ def test_table2_peak_over_first_per_role_and_the_shared_row() -> None:
                                                 "update_chi2")}  # fmt: skip
     assert upd["generator"]["chi2_peak_over_first"] == pytest.approx(5.0)  # 0.05 / 0.01
     assert upd["aggregator"]["chi2_peak_over_first"] is None  # not logged: blank
+
+
+FLOAT32 = {  # a Voting-SP demo cell: learner and sampler compute the same float32 logits
+    0: {"chi2_token": 3e-9, "update_chi2": 0.004},
+    1: {"chi2_token": -2e-8, "update_chi2": 0.010},
+    2: {"chi2_token": 9.6e-8, "update_chi2": 0.006},
+}
+
+
+def _float32_records(**extra: dict[str, float]) -> list[dict[str, Any]]:
+    out = []
+    for step, m in FLOAT32.items():
+        r = {f"{p}{k}": v for p in ("role/generator/", "role/aggregator/", "policy/shared/")
+             for k, v in m.items()}
+        r.update(extra.get(str(step), {}))
+        out.append(_train(step, **r))
+    return out
+
+
+def test_table2_reads_update_chi2_where_chi2_token_is_rounding_noise_and_says_so() -> None:
+    run = CellRun.of(_cells()["voting-shared"], _float32_records())
+    auto = {r["role"]: r for r in tables.table2([run])}
+    assert {r["chi2_metric"] for r in auto.values()} == {"update_chi2"}
+    assert auto["generator"]["chi2_peak_over_first"] == pytest.approx(2.5)  # 0.010 / 0.004
+    assert auto["generator"]["chi2_peak_step"] == 1
+    # asked for by name, the noise gets no ratio (96e-8 / 3e-9 would print 32x)
+    named = tables.table2([run], "chi2_token")
+    assert {(r["chi2_metric"], r["chi2_peak_over_first"], r["chi2_peak_step"])
+            for r in named} == {(tables.NOISE, None, None)}
+    assert tables.instability(run)["max_chi2"] == pytest.approx(0.010)
+    assert tables.instability(run, "chi2_token")["max_chi2"] is None
+    # one value out of the floor (a bf16 sampler, another engine): chi2_token is a signal
+    moved = CellRun.of(_cells()["voting-shared"],
+                       _float32_records(**{"2": {"role/generator/chi2_token": 0.003}}))
+    rows = {r["role"]: r for r in tables.table2([moved])}
+    assert {r["chi2_metric"] for r in rows.values()} == {"chi2_token"}
+    assert rows["generator"]["chi2_peak_over_first"] == pytest.approx(1e6)  # 0.003 / 3e-9
 
 
 def test_table2_isolated_has_no_shared_row_and_reads_pre_rename_names() -> None:

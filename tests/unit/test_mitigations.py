@@ -278,7 +278,7 @@ def spec_yaml(*overrides: str) -> str:
         (["workflow=eval_opt", "grpo.parallel_slots=scale"], "grpo.parallel_slots"),
         (["workflow=single", "grpo.advantage_norm=role"], "grpo.advantage_norm"),
         (["grpo.overlong=8"], "grpo.overlong"),  # the demo's cap is 8 tokens
-        (["train.val_pass_at=[2]"], "train.val_pass_at"),  # greedy validation
+        (["train.val_pass_at=[2]", "sampling.val_temperature=0"], "train.val_pass_at"),  # greedy
     ],
 )
 def test_options_that_make_no_sense_are_refused_naming_the_field(

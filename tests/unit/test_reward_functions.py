@@ -103,8 +103,10 @@ def test_bad_workflow_args_name_the_field(args: dict, message: str) -> None:
 
 
 def test_a_workflow_without_args_refuses_them() -> None:
-    with pytest.raises(SpecError, match="field `workflow_args`: workflow 'voting' takes no"):
-        policy_of_role(RunSpec(workflow_args={"x": 1}))
+    with pytest.raises(SpecError, match="field `workflow_args`: workflow 'single' takes no"):
+        policy_of_role(RunSpec(workflow="single", workflow_args={"x": 1}))
+    with pytest.raises(SpecError, match="field `workflow_args.x`: unknown field"):
+        policy_of_role(RunSpec(workflow_args={"x": 1}))  # Voting takes aggregator_output
 
 
 async def test_workflow_args_reach_the_workflow() -> None:

@@ -93,3 +93,29 @@ async def test_a_code_stamp_gives_the_candidates_code() -> None:
     own = f"{FENCE}python\ndef f():\n    return 1\n{FENCE}"
     _, final = await run_episode(make_task("voting", problem=CODE), engine(own, code))
     assert final == own
+
+
+async def test_aggregator_output_answer_scores_the_aggregators_own_answer() -> None:
+    from workflows_scripted import make_episode
+
+    from marl.workflows import resolve
+
+    scripted = engine("Combining them: \\boxed{2}")
+    task = make_task("voting", workflow_args={"aggregator_output": "answer"})
+    episode = make_episode(task, scripted)
+    episode.args = resolve("voting").parse_args(task.workflow_args)
+    final = await resolve("voting").run(episode, MATH)
+    assert final == "Combining them: \\boxed{2}"  # its own answer 2, no candidate's number
+    assert scripted.seen[3].prompt == prompts.aggregator(
+        MATH, list(MATH_CANDIDATES.values()))[0]["content"] + "\n\n"
+    assert episode.facts["aggregator_picked_majority"] == 0.0
+
+
+def test_aggregator_output_takes_index_or_answer_only() -> None:
+    from marl.spec.run import SpecError
+    from marl.workflows import resolve
+
+    voting = resolve("voting")
+    assert voting.parse_args({}).aggregator_output == "index"  # type: ignore[union-attr]
+    with pytest.raises(SpecError, match="workflow_args.aggregator_output"):
+        voting.parse_args({"aggregator_output": "combine"})

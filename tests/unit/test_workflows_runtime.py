@@ -179,6 +179,20 @@ async def test_turn_seeds_are_reproducible_and_distinct() -> None:
     assert len({s for _, _, s in voting}) == 4  # three parallel generators sample apart
 
 
+async def test_validation_seeds_name_no_step_so_every_checkpoint_draws_the_same() -> None:
+    def at(kind: str, step: int) -> Task:
+        task = make_task("voting", seed=4)
+        task.kind, task.step = kind, step  # type: ignore[assignment]
+        return task
+
+    ten, twenty = await seeds_of(at("val", 10)), await seeds_of(at("val", 20))
+    assert ten == twenty
+    assert len({s for _, _, s in ten}) == 4  # the parallel generators still draw apart
+    trained = [await seeds_of(at("train", step)) for step in (10, 20)]
+    assert {s for _, _, s in trained[0]}.isdisjoint(s for _, _, s in trained[1])
+    assert {s for _, _, s in ten}.isdisjoint(s for _, _, s in trained[0])
+
+
 class TemplateTokenizer(CharTokenizer):
     chat_template = "set"  # type: ignore[assignment]
 
