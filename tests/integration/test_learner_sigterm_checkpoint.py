@@ -15,10 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
-from learner_runs import demo_model_dir, rows, submit, voting_spec, wait_end
 
-from marl.local.launcher import Cluster
 from marl.spec.services import LearnerConfig
+from tests.support.cluster import ClusterFactory
+from tests.support.runs import rows, start_learner, submit, wait_end
+from tests.support.specs import small_spec
 
 pytestmark = [pytest.mark.slow, pytest.mark.resume, pytest.mark.timeout(900)]
 
@@ -27,14 +28,13 @@ CHART_GRACE_S = LearnerConfig().drain_s + 20  # deploy/helm/templates/learner.ya
 
 
 def test_sigterm_mid_run_checkpoints_the_current_step_and_the_run_resumes(
-    tmp_path: Path,
+    tmp_path: Path, clusters: ClusterFactory
 ) -> None:
-    cluster = Cluster(tmp_path, str(demo_model_dir()), engine="transformers",
-                      sandbox_replicas=0)
-    cluster.start()
+    cluster = clusters(sandbox_replicas=0)
     try:
         out = tmp_path / "run"
-        spec = voting_spec("sigterm-checkpoint", out, steps=STEPS, group=2, problems=2)
+        spec = small_spec("sigterm-checkpoint", out, steps=STEPS, group=2, problems=2,
+                          policy="shared")
         run_id = submit(cluster, spec)  # checkpoint_interval 1000: none before the stop
         deadline = time.monotonic() + 300
         while len(rows(out)) < 3:
@@ -62,10 +62,7 @@ def test_sigterm_mid_run_checkpoints_the_current_step_and_the_run_resumes(
         assert f"stopping: checkpointed run {run_id} at step {done}" in log
 
         cluster.processes.remove(learner)
-        assert cluster.redis_url is not None
-        replacement = cluster._spawn(
-            "learner", ["--redis", cluster.redis_url, "--runs-dir", str(tmp_path / "runs")]
-        )
+        replacement = start_learner(cluster)
         run = wait_end(cluster, run_id)
         assert run.state == "SUCCEEDED", run.error
         assert f"resumed {run_id} at step {done}" in replacement.log_path.read_text()
@@ -74,4 +71,3 @@ def test_sigterm_mid_run_checkpoints_the_current_step_and_the_run_resumes(
         for p in cluster.processes:  # none is left paused, whatever failed
             if p.proc.poll() is None:
                 os.kill(p.proc.pid, signal.SIGCONT)
-        cluster.stop()
