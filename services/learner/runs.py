@@ -14,6 +14,7 @@ however many runs a deployment trains. The run directory on disk is not touched.
 from __future__ import annotations
 
 import builtins
+import hashlib
 import json
 import secrets
 import time
@@ -61,6 +62,12 @@ def run_keys(run_id: str) -> list[str]:
     ]
 
 
+def out_dir_key(out_dir: str) -> str:
+    """The key naming the run that writes to `out_dir` (a resolved path): one run a
+    directory, even before it has written anything there."""
+    return f"marl:outdir:{hashlib.sha256(out_dir.encode()).hexdigest()}"
+
+
 def new_run_id(name: str) -> str:
     return f"{name}-{secrets.token_hex(3)}"
 
@@ -89,6 +96,16 @@ class RunStore:
         await self.r.zadd(INDEX, {run_id: now})
         await self.r.lpush(QUEUE, run_id)
 
+    async def claim_out_dir(self, out_dir: str, run_id: str) -> str | None:
+        """Make `run_id` the run that writes to `out_dir`: None, or the run that already
+        does (queued, running, or ended and still retained: the claim expires with the
+        run's record, `finish`)."""
+        key = out_dir_key(out_dir)
+        if await self.r.set(key, run_id, nx=True):
+            return None
+        holder = await self.r.get(key)
+        return str(holder) if holder is not None else await self.claim_out_dir(out_dir, run_id)
+
     async def get(self, run_id: str) -> dict[str, Any] | None:
         data: Any = await self.r.hgetall(_key(run_id))
         return data or None
@@ -112,6 +129,9 @@ class RunStore:
             return
         ttl_ms = max(1, int(retention_s * 1000))
         keys = run_keys(run_id)
+        out_dir = await self.r.hget(_key(run_id), "out_dir")
+        if out_dir:
+            keys.append(out_dir_key(str(out_dir)))
         async with self.r.pipeline(transaction=False) as pipe:
             for key in keys:
                 pipe.pttl(key)

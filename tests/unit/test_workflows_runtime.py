@@ -17,6 +17,7 @@ from workflows_scripted import MATH, CharTokenizer, ScriptedEngine, make_episode
 
 from marl.models.demo import demo_model_dir
 from marl.rollout import Task
+from marl.spec.code_refs import CodePolicy
 from marl.spec.run import WorkflowCaps
 from marl.workflows import prompts, resolve
 from services.workflow import episode as episode_module
@@ -24,9 +25,13 @@ from services.workflow import worker
 from services.workflow.episode import PromptTooLong, Renders
 from services.workflow.worker import EpisodeRunner
 
+TEST_CODE = CodePolicy(("tests", "examples"))
+"""The test suite's own workflows and rewards, as a worker's `allowed_modules` would allow."""
 
-def runner_with(engine: Any) -> EpisodeRunner:
-    runner = EpisodeRunner(None, "w-test", replica_wait_s=0)
+
+def runner_with(engine: Any, **options: Any) -> EpisodeRunner:
+    options.setdefault("code", TEST_CODE)
+    runner = EpisodeRunner(None, "w-test", replica_wait_s=0, **options)
     runner._tokenizers[""] = CharTokenizer()
 
     async def stubs(fresh: bool = False) -> list[Any]:
