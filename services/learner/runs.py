@@ -98,13 +98,18 @@ class RunStore:
 
     async def claim_out_dir(self, out_dir: str, run_id: str) -> str | None:
         """Make `run_id` the run that writes to `out_dir`: None, or the run that already
-        does (queued, running, or ended and still retained: the claim expires with the
-        run's record, `finish`)."""
+        does. A claim lasts until its run ends (`finish`); what the run wrote then marks
+        the directory as a run's on disk."""
         key = out_dir_key(out_dir)
         if await self.r.set(key, run_id, nx=True):
             return None
         holder = await self.r.get(key)
         return str(holder) if holder is not None else await self.claim_out_dir(out_dir, run_id)
+
+    async def release_out_dir(self, run_id: str) -> None:
+        out_dir = await self.r.hget(_key(run_id), "out_dir")
+        if out_dir and str(await self.r.get(out_dir_key(str(out_dir)))) == run_id:
+            await self.r.delete(out_dir_key(str(out_dir)))
 
     async def get(self, run_id: str) -> dict[str, Any] | None:
         data: Any = await self.r.hgetall(_key(run_id))
@@ -125,13 +130,11 @@ class RunStore:
         assert state in TERMINAL
         now = time.time()
         await self.update(run_id, state=state, ended_at=now, **fields)
+        await self.release_out_dir(run_id)
         if retention_s <= 0:
             return
         ttl_ms = max(1, int(retention_s * 1000))
         keys = run_keys(run_id)
-        out_dir = await self.r.hget(_key(run_id), "out_dir")
-        if out_dir:
-            keys.append(out_dir_key(str(out_dir)))
         async with self.r.pipeline(transaction=False) as pipe:
             for key in keys:
                 pipe.pttl(key)
