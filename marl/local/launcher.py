@@ -121,8 +121,8 @@ class Cluster:
     path_roots: tuple[str, ...] = ("/",)
     """The learner's `out_dir_roots`, `model_roots` and `data_roots`: on a local cluster any
     directory its user can reach (a run still never writes into another run's directory)."""
-    judge_endpoints: tuple[str, ...] = ()
-    """Judge endpoints the learner and the workers allow (`judge_endpoints`)."""
+    judge_endpoints: tuple[str, ...] | None = None
+    """Judge endpoints the learner and the workers allow (None: their config's)."""
 
     def _trust_args(self, kind: str) -> list[str]:
         """What the operator lets a run spec name, as `marl serve` flags."""

@@ -95,8 +95,8 @@ class EpisodeRunner:
     """Runs one task to a rollout; shared by the Redis loop and the RunEpisode RPC."""
 
     def __init__(self, redis: Any, worker_id: str, sandbox_address: str | None = None, *,
-                 replica_wait_s: float, code: CodePolicy | None = None,
-                 judge_endpoints: Iterable[str] = ()):
+                 replica_wait_s: float, judge_endpoints: Iterable[str],
+                 code: CodePolicy | None = None):
         self.redis = redis
         self.code = code if code is not None else CodePolicy(setting=ALLOWED_MODULES)
         """The names a task may give for its workflow and reward function (re-checked on

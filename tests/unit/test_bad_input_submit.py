@@ -135,7 +135,7 @@ async def test_a_prompt_that_fills_the_model_context_fails_the_episode() -> None
     from services.workflow.worker import EpisodeRunner
 
     engine = ScriptedEngine(lambda role, slot, prompt: "\\boxed{5}")
-    runner = EpisodeRunner(None, "w-test", replica_wait_s=0)
+    runner = EpisodeRunner(None, "w-test", replica_wait_s=0, judge_endpoints=())
     runner._tokenizers[""] = CharTokenizer()
     runner._contexts[""] = 30  # the model's context window
 
