@@ -135,7 +135,7 @@ def test_allowed_modules_and_roots_read_as_lists_from_flags_and_variables() -> N
 
 
 BOMB = "a: &a [x,x,x,x,x,x,x,x,x]\n" + "".join(
-    f"{n}: &{n} [{', '.join([f'*{p}'] * 9)}]\n" for p, n in zip("abcdefgh", "bcdefghi"))
+    f"{n}: &{n} [{', '.join([f'*{p}'] * 9)}]\n" for p, n in zip("abcdefgh", "bcdefghi", strict=True))
 
 
 def test_yaml_anchors_and_aliases_are_refused_at_once(tmp_path: Path) -> None:
