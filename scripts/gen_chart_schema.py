@@ -150,6 +150,12 @@ def build() -> dict[str, Any]:
             "image": IMAGE,
             "resources": RESOURCES,
             "config": config_schema("workflow"),
+            "egress": {
+                "type": "array",
+                "items": {"type": "object"},
+                "description": "Extra NetworkPolicy egress rules for the workers (an "
+                "external Redis, the judge endpoints' addresses).",
+            },
             "autoscaling": hpa("CPU autoscaling (ignored when keda.enabled)."),
             "keda": keda_scaling(
                 "KEDA scaling on the tasks stream's backlog.",

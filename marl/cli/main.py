@@ -293,7 +293,9 @@ def add_serve_parser(sub: Any) -> None:
                                 help="inference, workflow, learner or sandbox")
     for service in SERVICES:
         doc = (MODELS[service].__doc__ or "").strip()
-        s = services.add_parser(service, help=doc.partition(": ")[2] or doc)
+        # no abbreviations: `--model` must not pass for the learner's `--model-roots`
+        s = services.add_parser(service, help=doc.partition(": ")[2] or doc,
+                                allow_abbrev=False)
         s.add_argument(
             "--config", default=None, help="YAML of the service's settings (marl.spec.services)"
         )

@@ -140,6 +140,30 @@ class Cluster:
     file (fsync every second): a Redis killed and restarted keeps what it acknowledged."""
     trace_dir: Path | None = None
     """Where every service writes its trace spans (`marl serve --trace-dir`, marl.runtime.trace)."""
+    allowed_modules: tuple[str, ...] | None = None
+    """Module prefixes whose workflows and reward functions the learner and the workers
+    take (`allowed_modules`); None: the modules of the current directory, since the user
+    who starts a local cluster there is its operator (`marl.spec.code_refs`)."""
+    path_roots: tuple[str, ...] = ("/",)
+    """The learner's `out_dir_roots`, `model_roots` and `data_roots`: on a local cluster any
+    directory its user can reach (a run still never writes into another run's directory)."""
+    judge_endpoints: tuple[str, ...] | None = None
+    """Judge endpoints the learner and the workers allow (None: their config's)."""
+
+    def _trust_args(self, kind: str) -> list[str]:
+        """What the operator lets a run spec name, as `marl serve` flags."""
+        from marl.spec.code_refs import local_modules
+
+        if kind not in ("learner", "workflow"):
+            return []
+        modules = local_modules() if self.allowed_modules is None else self.allowed_modules
+        args = ["--allowed-modules", ",".join(modules)] if modules else []
+        if self.judge_endpoints:
+            args += ["--judge-endpoints", ",".join(self.judge_endpoints)]
+        if kind == "learner" and self.path_roots:
+            roots = ",".join(self.path_roots)
+            args += ["--out-dir-roots", roots, "--model-roots", roots, "--data-roots", roots]
+        return args
 
     def _spawn(
         self,
@@ -177,6 +201,7 @@ class Cluster:
             env["MARL_LEARNER_BURST_THREADS"] = str(self.threads["learner_burst"])
         if self.trace_dir is not None:
             extra = [*extra, "--trace-dir", str(self.trace_dir)]
+        extra = [*extra, *self._trust_args(kind)]
         cmd = [sys.executable, "-m", "marl.cli", "serve", kind, "--port", str(port), *extra]
         if launch:
             # the ranks' parent is torchrun's agent, which dies with this process

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
 import inspect
 import math
 from collections.abc import Callable, Mapping
@@ -38,6 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from marl.data.problem import Problem
+from marl.spec import code_refs
+from marl.spec.code_refs import CodePolicy
 from marl.spec.run import SpecError
 
 BUILTIN_MATH = "marl.rewards.builtin:math_reward"
@@ -60,22 +61,36 @@ class Scored:
     role_rewards: dict[str, float] = field(default_factory=dict)
 
 
+BUILTIN: dict[str, str] = {
+    "math_reward": BUILTIN_MATH,
+    "any_format_reward": "marl.rewards.builtin:any_format_reward",
+    "code_reward": BUILTIN_CODE,
+    "judge_reward": BUILTIN_JUDGE,
+}
+"""marl's reward functions: a spec may name them by these names or by `module:function`."""
+
+
+def check_name(name: str, policy: CodePolicy, field_name: str = "reward.function") -> None:
+    """A SpecError naming the field unless `policy` lets a spec name `name` (no import)."""
+    policy.target(name, "reward", field_name, BUILTIN)
+
+
 @functools.lru_cache(maxsize=32)
-def resolve(name: str, field_name: str = "reward.function") -> Callable[..., Any]:
-    """The function `pkg.module:fn` names; a SpecError naming the field when it is not
-    importable or not callable."""
-    module_name, sep, attr = name.partition(":")
+def resolve(name: str, field_name: str = "reward.function",
+            policy: CodePolicy | None = None) -> Callable[..., Any]:
+    """The function `name` names (a built-in's or an entry point's name, or
+    `pkg.module:fn`); with `policy`, only one it allows. A SpecError naming the field when
+    it is not allowed, not importable or not callable."""
+    if policy is not None:
+        target = policy.target(name, "reward", field_name, BUILTIN)
+    else:
+        target = BUILTIN.get(name) or code_refs.entry_points(
+            code_refs.GROUPS["reward"]).get(name, name)
+    module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
         raise SpecError(f"field `{field_name}`: {name!r} must be `package.module:function`")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as err:  # the user's module: any failure to import it is theirs to fix
-        raise SpecError(
-            f"field `{field_name}`: cannot import module {module_name!r} ({type(err).__name__}: "
-            f"{err}); it must be importable on the learner's and the workers' Python path"
-        ) from None
-    fn = getattr(module, attr, None)
-    if fn is None or not callable(fn):
+    fn = code_refs.load(target, field_name, "function ")
+    if not callable(fn):
         raise SpecError(f"field `{field_name}`: module {module_name!r} has no function {attr!r}")
     return fn  # type: ignore[no-any-return]
 
@@ -93,9 +108,10 @@ def check(name: str, args: Mapping[str, Any]) -> None:
     """Submit-time: the function resolves and takes `args` (reward.args)."""
     fn = resolve(name)
     try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return
+        sig = code_refs.guarded("reward.function", "reading its signature",
+                                lambda: inspect.signature(fn))
+    except SpecError:
+        return  # no signature to read (a builtin, a C function): the call will tell
     if is_verl(fn):
         fixed: tuple[str, ...] = (*VERL_PARAMS, "extra_info")
     else:
@@ -126,9 +142,10 @@ async def call(
             result = await asyncio.to_thread(bound)
             if inspect.isawaitable(result):
                 result = await result
-    except RewardError:
+    except (RewardError, asyncio.CancelledError):
         raise
-    except Exception as err:  # the user's function: its failure fails this rollout only
+    except BaseException as err:  # noqa: B036 - the user's function, SystemExit included:
+        # its failure fails this rollout only, never the worker
         raise RewardError(f"reward function {name} raised {type(err).__name__}: {err}") from err
     return parse(result, name)
 

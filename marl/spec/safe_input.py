@@ -12,6 +12,7 @@ are shortened so an error never carries a whole hostile input.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -58,13 +59,46 @@ _CONSTRUCT_ERRORS = (ValueError, TypeError, AttributeError, KeyError, IndexError
 cannot convert (`!!int x`: ValueError, `!!bool x`: KeyError, `!!timestamp x`: AttributeError)."""
 
 
+class AliasRefused(ValueError):
+    """A YAML anchor (`&a`) or alias (`*a`): refused as soon as the parser meets it."""
+
+
+@functools.lru_cache(maxsize=1)
+def _loader() -> type:
+    """PyYAML's SafeLoader that refuses anchors and aliases where it meets them.
+
+    An alias makes a node appear again wherever it is named, so a few hundred bytes of
+    nested aliases (a "billion laughs") expand to gigabytes of objects, and everything that
+    walks them (pydantic, our checks, `yaml.dump`) takes minutes. No run spec or service
+    config needs them, and refusing at the first event costs nothing."""
+    import yaml
+    from yaml.events import AliasEvent, CollectionStartEvent, ScalarEvent
+
+    class NoAliasLoader(yaml.SafeLoader):
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            event = self.peek_event()
+            if isinstance(event, AliasEvent) or (
+                    isinstance(event, ScalarEvent | CollectionStartEvent) and event.anchor):
+                mark = event.start_mark
+                where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+                raise AliasRefused(
+                    f"YAML anchors and aliases (&name, *name) are not accepted{where}; "
+                    "write the values out")
+            return super().compose_node(parent, index)
+
+    return NoAliasLoader
+
+
 def load_yaml(text: str, what: str, error: type[Exception] = ValueError) -> Any:
-    """YAML `text` parsed safely; a YAML, tag, nesting or NUL problem is `error` naming `what`
-    (and, for a tagged value that cannot be converted, the field and the line)."""
+    """YAML `text` parsed safely; a YAML, tag, nesting, alias or NUL problem is `error`
+    naming `what` (and, for a tagged value that cannot be converted, the field and the
+    line)."""
     import yaml
 
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_loader())  # a SafeLoader
+    except AliasRefused as err:
+        raise error(f"{what}: {err}") from None
     except yaml.YAMLError as err:
         raise error(f"{what} is not valid YAML: {shorten(str(err), 400)}") from None
     except RecursionError:
@@ -81,7 +115,7 @@ def _bad_tagged_value(text: str) -> str:
     tree is walked without recursion and each scalar converted on its own."""
     import yaml
 
-    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    root = yaml.compose(text, Loader=_loader())
     constructor = yaml.constructor.SafeConstructor()
     stack: list[tuple[Any, str]] = [(root, "")]
     while stack:

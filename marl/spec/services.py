@@ -22,9 +22,16 @@ import os
 import types
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 
 from marl.spec.run import EngineName
@@ -52,6 +59,38 @@ class _ServiceConfig(BaseModel):
 class _RedisConfig(_ServiceConfig):
     redis: str = ""
     """Redis URL (redis://[:password@]host:port/db); required by this service."""
+
+
+def _comma_list(value: Any) -> Any:
+    """A list setting given as one string (a flag, a `MARL_*` variable): split at commas."""
+    if isinstance(value, str):
+        return [item.strip() for item in value.split(",") if item.strip()]
+    return value
+
+
+ModulePrefix = Annotated[str, Field(pattern=r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$", max_length=200)]
+PathList = Annotated[list[Annotated[str, Field(min_length=1, max_length=4096)]],
+                     BeforeValidator(_comma_list), Field(max_length=64)]
+URLList = Annotated[
+    list[Annotated[str, Field(pattern=r"^https?://[^\s/]+(/\S*)?$", max_length=2048)]],
+    BeforeValidator(_comma_list), Field(max_length=64)]
+
+
+class _RunsCodeConfig(_RedisConfig):
+    """What the learner and the workers let a run spec name: the same two settings, so a
+    name the learner accepts is one the workers run (each checks with its own)."""
+
+    allowed_modules: Annotated[list[ModulePrefix], BeforeValidator(_comma_list),
+                               Field(max_length=1024)] = Field(default_factory=list)
+    """Module prefixes (`mylab`, `mylab.rewards`) whose `module:NAME` a run spec may name as
+    its `workflow` or `reward.function`, beside marl's built-ins and the entry points of
+    installed packages (groups `marl.workflows`, `marl.rewards`, `marl.tools`); a prefix
+    allows its submodules. Empty: installed code only. Comma-separated in a flag or a
+    variable. `marl demo` and `marl up` allow the modules of the directory they start in."""
+    judge_endpoints: URLList = Field(default_factory=list)
+    """OpenAI-compatible base URLs (`http://host:port/v1`) a run's `reward.judge.endpoint`
+    may name; the workers send the judge's API key (`MARL_JUDGE_KEY_*`) there. Empty: a
+    judge is the run's own inference only. Comma-separated in a flag or a variable."""
 
 
 class InferenceConfig(_RedisConfig):
@@ -117,7 +156,7 @@ class InferenceConfig(_RedisConfig):
         }
 
 
-class WorkflowConfig(_RedisConfig):
+class WorkflowConfig(_RunsCodeConfig):
     """`marl serve workflow`: a worker that runs episodes from the tasks stream."""
 
     sandbox: str | None = None
@@ -157,11 +196,25 @@ class WorkflowConfig(_RedisConfig):
         return self
 
 
-class LearnerConfig(_RedisConfig):
+class LearnerConfig(_RunsCodeConfig):
     """`marl serve learner`: the Runs API and the training step loop."""
 
     runs_dir: str = "runs"
-    """Where run directories (metrics, checkpoints, report) are written."""
+    """Where run directories (metrics, checkpoints, report) are written: a run without
+    `out_dir` writes to `<runs_dir>/<run id>`."""
+    out_dir_roots: PathList = Field(default_factory=list)
+    """Directories, beside `runs_dir`, under which a run spec's `out_dir` may lie (never in
+    another run's directory). Empty: under `runs_dir` only. Comma-separated in a flag or a
+    variable."""
+    model_roots: PathList = Field(default_factory=list)
+    """Directories under which a run spec's `model.path` may lie; model names (`demo`,
+    `smollm2`) are always accepted. Empty: model names only. In the chart, where the
+    models volume is mounted."""
+    data_roots: PathList = Field(default_factory=list)
+    """Directories under which a run spec's `data.train_path` and `data.val_path` may lie.
+    Empty: the bundled data sets only."""
+    max_spec_bytes: int = Field(default=1 * MiB, ge=1024, le=64 * MiB)
+    """Largest run spec SubmitRun accepts (its YAML, in bytes)."""
     max_queued_tasks: int = Field(default=4096, ge=1, le=1_000_000)
     """Tasks waiting in (or held from) the tasks stream past which a step adds no more
     until workers catch up: the bound on queued work."""
@@ -253,9 +306,13 @@ def _flag_kind(annotation: Any) -> tuple[type, list[Any] | None]:
     """A field's type as argparse reads it, and its choices (a `Literal`'s values)."""
     if get_origin(annotation) in (Union, types.UnionType):  # `int | None`: a flag sets the int
         (annotation,) = [a for a in get_args(annotation) if a is not type(None)]
+    if get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
     if get_origin(annotation) is Literal:
         choices = list(get_args(annotation))
         return type(choices[0]), choices
+    if get_origin(annotation) is list:  # comma-separated (the model splits it)
+        return str, None
     assert annotation in (str, int, float, bool), f"no flag for a field of type {annotation}"
     return annotation, None
 
@@ -343,7 +400,7 @@ def load_service_config(
         field = ".".join(str(p) for p in err["loc"])
         where = source.get(str(err["loc"][0]), "")
         if where == "from the environment":
-            where = f"from {env_name(service, field)}"
+            where = f"from {env_name(service, str(err['loc'][0]))}"
         raise ValueError(
             f"{field}: {err['msg']} ({where})" if where else f"{field}: {err['msg']}"
         ) from None

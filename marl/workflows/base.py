@@ -179,6 +179,11 @@ class Workflow:
                 f"field `workflow_args.{where}`: {what}"
                 + (f" (got {first['input']!r})" if first["type"] != "extra_forbidden" else "")
             ) from None
+        except (Exception, SystemExit, KeyboardInterrupt) as err:  # the workflow's validators
+            raise SpecError(
+                f"field `workflow_args`: {self.args.__name__} raised {type(err).__name__} "
+                f"validating them: {str(err)[:300]}"
+            ) from None
 
     def caps_for(self, spec: WorkflowCaps, task: TaskName) -> Caps:
         if callable(self.caps):

@@ -283,3 +283,25 @@ PYTHON = Tool("python", "Run Python code and see what it prints (stdout and stde
 
 BUILTIN_TOOLS = {"calculator": CALCULATOR, "python": PYTHON}
 """Built-in tools by name (a workflow's `workflow_args` may choose among them)."""
+
+
+def named_tool(name: str, field: str = "workflow_args.tools") -> Tool:
+    """The tool a run spec names (in its `workflow_args`): a built-in, or one an installed
+    package registers in the `marl.tools` entry-point group. A name is only ever looked up
+    there, never imported as a module path (marl/spec/code_refs.py); anything else is a
+    SpecError naming `field`."""
+    from marl.spec import code_refs
+    from marl.spec.run import SpecError
+
+    if name in BUILTIN_TOOLS:
+        return BUILTIN_TOOLS[name]
+    installed = code_refs.entry_points(code_refs.GROUPS["tool"])
+    if name not in installed:
+        known = ", ".join([*BUILTIN_TOOLS, *installed])
+        raise SpecError(f"field `{field}`: no tool named {code_refs.shorten(name)!r}; the "
+                        f"tools here are {known}")
+    value = code_refs.load(installed[name], field)
+    if not isinstance(value, Tool):
+        raise SpecError(f"field `{field}`: the installed tool {name!r} is a "
+                        f"{type(value).__name__}, not a marl.workflows.tools.Tool")
+    return value

@@ -179,9 +179,9 @@ def load(ckpt: Path, policy: PolicyHandle) -> dict[str, Any]:
     adapters, optimizers, schedulers = {}, {}, {}
     for p in state.get("adapters", policy.policies):
         adapters[p] = load_file(str(adapter_dir(ckpt, p) / "adapter_model.safetensors"))
-        states = torch.load(ckpt / f"optimizer_{p}.pt", weights_only=False)
+        states = torch.load(ckpt / f"optimizer_{p}.pt", weights_only=True)
         optimizers[p], schedulers[p] = states["optimizer"], states["scheduler"]
-    rng = torch.load(ckpt / "rng.pt", weights_only=False)
+    rng = torch.load(ckpt / "rng.pt", weights_only=True)
     snap = Snapshot(adapters, {}, optimizers, schedulers, int(state["updates"]), rng)
     policy.call(restore_snapshot, snap)
     return state

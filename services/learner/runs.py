@@ -21,6 +21,7 @@ walks the index oldest first, one owner's runs or all, for ListRuns' pages.
 from __future__ import annotations
 
 import builtins
+import hashlib
 import json
 import secrets
 import time
@@ -82,6 +83,12 @@ def run_keys(run_id: str) -> list[str]:
     ]
 
 
+def out_dir_key(out_dir: str) -> str:
+    """The key naming the run that writes to `out_dir` (a resolved path): one run a
+    directory, even before it has written anything there."""
+    return f"marl:outdir:{hashlib.sha256(out_dir.encode()).hexdigest()}"
+
+
 def new_run_id(name: str) -> str:
     return f"{name}-{secrets.token_hex(3)}"
 
@@ -111,6 +118,21 @@ class RunStore:
         )
         await self.r.zadd(INDEX, {run_id: now})
         await self.r.lpush(QUEUE, run_id)
+
+    async def claim_out_dir(self, out_dir: str, run_id: str) -> str | None:
+        """Make `run_id` the run that writes to `out_dir`: None, or the run that already
+        does. A claim lasts until its run ends (`finish`); what the run wrote then marks
+        the directory as a run's on disk."""
+        key = out_dir_key(out_dir)
+        if await self.r.set(key, run_id, nx=True):
+            return None
+        holder = await self.r.get(key)
+        return str(holder) if holder is not None else await self.claim_out_dir(out_dir, run_id)
+
+    async def release_out_dir(self, run_id: str) -> None:
+        out_dir = await self.r.hget(_key(run_id), "out_dir")
+        if out_dir and str(await self.r.get(out_dir_key(str(out_dir)))) == run_id:
+            await self.r.delete(out_dir_key(str(out_dir)))
 
     async def get(self, run_id: str) -> dict[str, Any] | None:
         data: Any = await self.r.hgetall(_key(run_id))
@@ -163,6 +185,7 @@ class RunStore:
         assert state in TERMINAL
         now = time.time()
         await self.update(run_id, state=state, ended_at=now, **fields)
+        await self.release_out_dir(run_id)
         if retention_s <= 0:
             return
         ttl_ms = max(1, int(retention_s * 1000))

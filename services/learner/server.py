@@ -39,6 +39,7 @@ from marl.spec.run import RunSpec, SpecError, dump_spec, load_spec_text
 from marl.spec.safe_input import shorten
 from marl.spec.services import LearnerConfig
 from marl.workflows import policy_of_role
+from services.learner import intake
 from services.learner.lease import Lease, LeaseLost
 from services.learner.runs import TERMINAL, Position, RunStore, new_run_id, owner_of
 from services.learner.trainer import RunCancelled, RunExecutor, RunFailed, RunStopped
@@ -101,11 +102,19 @@ def page_position(token: str) -> Position | None:
     return float(score), run_id
 
 
-def validate_spec(spec_yaml: str) -> RunSpec:
-    """Everything a user can get wrong, checked before the run is accepted."""
+def validate_spec(spec_yaml: str, cfg: LearnerConfig) -> RunSpec:
+    """Everything a user can get wrong, and everything the operator does not let a spec
+    name (services/learner/intake.py), checked before the run is accepted. Its `out_dir`,
+    if set, comes back resolved."""
     from services.learner.options import spec_problems
 
+    intake.check_size(spec_yaml, cfg)
     spec = load_spec_text(spec_yaml)
+    intake.check_code(spec, intake.code_policy(cfg))  # before anything is imported
+    intake.check_judge(spec, cfg)
+    intake.check_model_and_data(spec, cfg)
+    if spec.out_dir:
+        spec.out_dir = str(intake.check_out_dir(spec.out_dir, Path(cfg.runs_dir), cfg))
     spec_problems(spec, policy_of_role(spec))
     try:
         # a model name (`demo`, `smollm2`) becomes this learner's directory of that model,
@@ -206,19 +215,25 @@ def missing_lora_targets(model_path: str, targets: list[str] | str) -> list[str]
 
 
 class LearnerService(learner_pb2_grpc.LearnerServicer):
-    def __init__(self, r: aioredis.Redis, store: RunStore, runs_dir: Path, retention_s: float):
+    def __init__(self, r: aioredis.Redis, store: RunStore, runs_dir: Path, retention_s: float,
+                 cfg: LearnerConfig | None = None):
         self.r = r
         self.store = store
         self.runs_dir = runs_dir
         self.retention_s = retention_s
+        self.cfg = cfg if cfg is not None else LearnerConfig(runs_dir=str(runs_dir))
 
     async def SubmitRun(
         self, request: learner_pb2.SubmitRunRequest, context: grpc.aio.ServicerContext
     ) -> learner_pb2.SubmitRunResponse:
         try:
-            spec = await asyncio.to_thread(validate_spec, request.spec_yaml)
+            spec = await asyncio.to_thread(validate_spec, request.spec_yaml, self.cfg)
         except SpecError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except (SystemExit, KeyboardInterrupt) as err:  # user code past every guard: still not ours
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the spec's workflow or reward code raised "
+                                f"{type(err).__name__} while it was checked; fix that code")
         model = base_model_id(spec.model.path)
         live = await replicas.live(self.r, "inference", include_joining=True)
         if live and not any(v.get("base_model") == model for v in live.values()):
@@ -229,11 +244,17 @@ class LearnerService(learner_pb2_grpc.LearnerServicer):
                 "point model.path at the served model or start inference with this one",
             )
         run_id = new_run_id(spec.name)
-        out_dir = Path(spec.out_dir) if spec.out_dir else self.runs_dir / run_id
-        spec.out_dir = str(out_dir.resolve())
+        spec.out_dir = spec.out_dir or str(intake.real(self.runs_dir / run_id))
+        holder = await self.store.claim_out_dir(spec.out_dir, run_id)
+        if holder is not None:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"field `out_dir`: run {holder} writes to {shorten(spec.out_dir)}; name a new "
+                "directory (or leave out_dir unset)",
+            )
+        spec_text = await asyncio.to_thread(dump_spec, spec)
         owner = auth.caller().user
-        await self.store.create(run_id, dump_spec(spec), spec.out_dir, spec.train.steps,
-                                owner=owner)
+        await self.store.create(run_id, spec_text, spec.out_dir, spec.train.steps, owner=owner)
         log.info("accepted run %s of %s", run_id, owner)
         return learner_pb2.SubmitRunResponse(run_id=run_id)
 
@@ -418,7 +439,7 @@ async def train_run(
     log.info("training run %s (fencing token %d)", run_id, lease.fence)
     keeper = asyncio.create_task(lease.keep())
     try:
-        spec = load_spec_text(record["spec_yaml"])
+        spec = await asyncio.to_thread(load_spec_text, record["spec_yaml"])
         out_dir = Path(record["out_dir"])
         sinks = extra_sinks(spec, out_dir, run_id)  # TensorBoard, W&B (`logging`)
         executor = RunExecutor(
@@ -508,7 +529,7 @@ async def _serve(cfg: LearnerConfig, runs_dir: Path) -> None:
     r = streams.connect(cfg.redis)
     store = RunStore(r)
     learner_pb2_grpc.add_LearnerServicer_to_server(
-        LearnerService(r, store, runs_dir, cfg.retention_s), server.server
+        LearnerService(r, store, runs_dir, cfg.retention_s, cfg), server.server
     )
     learner_id = f"learner-{uuid.uuid4().hex[:8]}"
 

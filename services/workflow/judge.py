@@ -13,6 +13,7 @@ endpoint, with its text only. Either way the learner does not train on it.
 from __future__ import annotations
 
 import os
+import re
 import zlib
 from typing import Any
 
@@ -20,7 +21,10 @@ import aiohttp
 
 from marl.rollout import AdapterRef, Task, Turn
 from marl.runtime import replicas
+from marl.spec.run import JUDGE_KEY_ENV
 from marl.workflows.base import EpisodeError
+
+JUDGE_KEY = re.compile(JUDGE_KEY_ENV)
 
 
 class JudgeUnavailable(EpisodeError):
@@ -33,6 +37,9 @@ async def endpoint_for(runner: Any, task: Task) -> tuple[str, str, str | None, b
     cfg = task.judge or {}
     if cfg.get("endpoint"):
         env = cfg.get("api_key_env")
+        if env and not JUDGE_KEY.match(str(env)):  # the task is input from Redis
+            raise JudgeUnavailable(f"reward.judge.api_key_env: {str(env)[:80]!r} is not a "
+                                   "MARL_JUDGE_KEY_* variable")
         return str(cfg["endpoint"]).rstrip("/"), str(cfg["model"]), (
             os.environ.get(env) if env else None), False
     live = await replicas.live(runner.redis, "inference")

@@ -25,10 +25,12 @@ from marl.runtime.prometheus_metrics import (
 )
 from marl.runtime.serving import ServiceHost, configure_logging, serve_until_stopped
 from marl.runtime.task_signing import TaskSigner
+from marl.spec.code_refs import CodePolicy
 from marl.spec.safe_input import check_path, load_json, shorten
 from marl.spec.services import WorkflowConfig, auth_token
 from marl.workflows import resolve
-from services.workflow.worker import EpisodeRunner, work_loop
+from services.workflow.user_code import task_factory
+from services.workflow.worker import ALLOWED_MODULES, EpisodeRunner, work_loop
 
 _TASK = TypeAdapter(Task)
 REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
@@ -36,8 +38,9 @@ REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
 """Codes by which inference says a caller's request (not marl) is wrong: passed on."""
 
 
-def parse_task(task_json: str) -> Task:
-    """A caller's task, fully typed and complete, or a ValueError naming the field."""
+def parse_task(task_json: str, code: CodePolicy | None = None) -> Task:
+    """A caller's task, fully typed and complete, naming only code `code` allows (by
+    default installed code only), or a ValueError naming the field."""
     data = load_json(task_json, "task_json")
     try:
         task = _TASK.validate_python(data)
@@ -56,7 +59,8 @@ def parse_task(task_json: str) -> Task:
         if not (math.isfinite(value) and low <= value <= high):
             raise ValueError(f"task_json: field `{name}`: must be in {low}..{high}, "
                              f"got {shorten(value)}")
-    workflow = resolve(task.workflow)  # a SpecError (a ValueError) names the field
+    workflow = resolve(task.workflow, code or CodePolicy(setting=ALLOWED_MODULES))
+    # (a SpecError, a ValueError, names the field and the setting)
     missing = [r for r in workflow.roles if r not in task.adapters]
     if missing:
         raise ValueError(f"task_json: field `adapters`: no adapter for role(s) "
@@ -95,7 +99,8 @@ class WorkflowService(workflow_pb2_grpc.WorkflowServicer):
         self, request: workflow_pb2.RunEpisodeRequest, context: grpc.aio.ServicerContext
     ) -> workflow_pb2.RunEpisodeResponse:
         try:
-            task = parse_task(request.task_json)
+            task = parse_task(request.task_json, self.runner.code)
+            self.runner.check_names(task)
         except ValueError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         problem = await served_model_problem(self.runner.redis, task.model_path)
@@ -131,7 +136,11 @@ async def _serve(cfg: WorkflowConfig) -> None:
     signer = TaskSigner(auth_token())  # with the services' token, only signed tasks run
     # host and pid make a consumer in XINFO traceable to its pod and process
     worker_id = f"workflow-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    runner = EpisodeRunner(r, worker_id, cfg.sandbox, replica_wait_s=cfg.replica_wait_s)
+    runner = EpisodeRunner(r, worker_id, cfg.sandbox, replica_wait_s=cfg.replica_wait_s,
+                           code=CodePolicy(tuple(cfg.allowed_modules), ALLOWED_MODULES),
+                           judge_endpoints=cfg.judge_endpoints)
+    # a workflow's gathered coroutines that raise SystemExit fail their episode, not the loop
+    asyncio.get_running_loop().set_task_factory(task_factory)
     workflow_pb2_grpc.add_WorkflowServicer_to_server(WorkflowService(runner), server.server)
     INFLIGHT_EPISODES.set_function(lambda: runner.stats.in_flight)
     http = None

@@ -40,6 +40,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from marl.protocol.rpc_codes import NO_ANSWER
 from marl.protocol.v1 import inference_pb2_grpc
 from marl.rewards import functions as reward_functions
+from marl.rewards.checks import check_judge_endpoint
 from marl.rewards.code import SandboxFailure
 from marl.rewards.functions import RewardError, Scored
 from marl.rollout import Rollout, Task
@@ -48,13 +49,16 @@ from marl.runtime.aio_tasks import cancel_until_done, raise_if_cancelled
 from marl.runtime.gc_pauses import freeze_long_lived
 from marl.runtime.prometheus_metrics import TASKS_REFUSED
 from marl.runtime.task_signing import PAYLOAD_FIELD, TaskSigner
+from marl.spec.code_refs import CodePolicy
 from marl.spec.run import SpecError, WorkflowCaps
-from marl.spec.services import WorkflowConfig
+from marl.spec.services import WorkflowConfig, env_name
 from marl.workflows import EpisodeError, Workflow, resolve
+from marl.workflows.registry import check as check_workflow
 from services.workflow import openai_proxy
 from services.workflow.episode import NONE_REGISTERED, Episode, NoReplica, Renders
 from services.workflow.generate_batcher import BatchingStub
 from services.workflow.rollout_sender import RolloutSender
+from services.workflow.user_code import exit_error, running_user_code
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +71,10 @@ def could_not_run(err: BaseException) -> bool:
     return isinstance(err, grpc.aio.AioRpcError) and (
         err.code() in NO_ANSWER or err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     )
+
+
+ALLOWED_MODULES = f"the workers' allowed_modules ({env_name('workflow', 'allowed_modules')})"
+JUDGE_ENDPOINTS = f"the workers' judge_endpoints ({env_name('workflow', 'judge_endpoints')})"
 
 
 REPLICA_CHANNEL_OPTIONS = [("grpc.max_reconnect_backoff_ms", 1000)]
@@ -89,8 +97,14 @@ class EpisodeRunner:
     """Runs one task to a rollout; shared by the Redis loop and the RunEpisode RPC."""
 
     def __init__(self, redis: Any, worker_id: str, sandbox_address: str | None = None, *,
-                 replica_wait_s: float):
+                 replica_wait_s: float, judge_endpoints: Iterable[str],
+                 code: CodePolicy | None = None):
         self.redis = redis
+        self.code = code if code is not None else CodePolicy(setting=ALLOWED_MODULES)
+        """The names a task may give for its workflow and reward function (re-checked on
+        every task: a task is input from Redis)."""
+        self.judge_endpoints = list(judge_endpoints)
+        """The judge endpoints a task may name (the worker sends the judge's key there)."""
         self.replica_wait_s = replica_wait_s
         """How long a turn no replica takes waits for one (`Episode.replica_wait_s`)."""
         self.worker_id = worker_id
@@ -227,11 +241,26 @@ class EpisodeRunner:
         episode.judge_client = self.judge_client
         return episode
 
+    def check_names(self, task: Task) -> None:
+        """The task's workflow, reward function and judge endpoint are ones this worker's
+        operator allows (`allowed_modules`, `judge_endpoints`); a SpecError if not."""
+        check_workflow(task.workflow, self.code)
+        if task.reward_function:
+            reward_functions.check_name(task.reward_function, self.code)
+        endpoint = (task.judge or {}).get("endpoint")
+        if endpoint:
+            check_judge_endpoint(str(endpoint), self.judge_endpoints, JUDGE_ENDPOINTS)
+
     async def run(self, task: Task) -> Rollout:
+        with running_user_code():
+            return await self._run(task)
+
+    async def _run(self, task: Task) -> Rollout:  # noqa: C901 - one episode, top to bottom
         started = time.monotonic()
         self.stats.in_flight += 1
         episode: Episode | None = None
         try:
+            self.check_names(task)
             workflow = resolve(task.workflow)
             episode = await self.episode(task, workflow)
             try:
@@ -249,7 +278,9 @@ class EpisodeRunner:
             facts = {**episode.facts, **scored.components, **tool_facts(episode)}
             role_rewards = {**episode.role_rewards, **scored.role_rewards}
             error = None
-        except Exception as err:
+        except (Exception, SystemExit, KeyboardInterrupt) as raised:
+            exited = isinstance(raised, SystemExit | KeyboardInterrupt)
+            err = exit_error(raised) if exited else raised
             if not could_not_run(err):
                 raise
             log.warning("episode %s could not run: %s: %s", task.id, type(err).__name__, err)

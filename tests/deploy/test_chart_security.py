@@ -258,3 +258,38 @@ def test_checkov_finds_nothing_unexplained(tmp_path: Path) -> None:
     assert skips and all(len(reason) > 20 for _, reason in skips)
     for check, _ in skips:
         assert re.search(rf"- {check} \(", helpers), f"{check} has no explanation comment"
+
+
+def test_workers_reach_only_what_an_episode_needs() -> None:
+    """The workers run a run's code and call its judge: their egress is DNS, Redis,
+    inference and the sandbox, plus the operator's `workflow.egress` (judge endpoints); a
+    spec cannot make them send anything elsewhere."""
+    policies = by_kind(render(), "NetworkPolicy")
+    egress = policies["r-marl-workflow-egress"]["spec"]
+    assert egress["policyTypes"] == ["Egress"]
+    assert egress["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "workflow"
+    reached = set()
+    for rule in egress["egress"]:
+        assert rule.get("to"), rule  # never a rule open to every address
+        for peer in rule["to"]:
+            labels = peer.get("podSelector", {}).get("matchLabels", {})
+            reached.add(labels.get("app.kubernetes.io/component") or labels.get("k8s-app"))
+    assert reached == {"kube-dns", "redis", "inference", "sandbox"}
+    judge = {"to": [{"ipBlock": {"cidr": "10.0.5.0/24"}}], "ports": [{"port": 443}]}
+    listed = by_kind(render(None, "workflow.egress[0].to[0].ipBlock.cidr=10.0.5.0/24",
+                            "workflow.egress[0].ports[0].port=443"), "NetworkPolicy")
+    assert judge in listed["r-marl-workflow-egress"]["spec"]["egress"]
+    off = by_kind(render(None, "networkPolicy.enabled=false"), "NetworkPolicy")
+    assert "r-marl-workflow-egress" not in off
+
+
+def test_the_learner_takes_models_from_the_models_volume_only() -> None:
+    import yaml
+
+    from marl.spec.services import LearnerConfig
+
+    learner = yaml.safe_load(
+        by_kind(render(), "ConfigMap")["r-marl-learner"]["data"]["learner.yaml"])
+    cfg = LearnerConfig(**learner)
+    assert cfg.model_roots == ["/models"] and cfg.data_roots == [] and cfg.allowed_modules == []
+    assert cfg.out_dir_roots == [] and cfg.judge_endpoints == []

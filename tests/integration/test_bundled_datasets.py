@@ -142,7 +142,7 @@ def test_worker_scores_humaneval_answers_in_the_cluster_sandbox(cluster: Cluster
     task = Task(run_id="r", step=0, kind="train", problem=problem, sample=0, workflow="single",
                 adapters={}, model_path="", temperature=1.0, top_p=1.0, max_tokens=8)
     runner = EpisodeRunner(None, "test", sandbox_address=cluster.endpoints()["sandbox"][0],
-                           replica_wait_s=0)
+                           replica_wait_s=0, judge_endpoints=())
     fence = "```"
     right = raw[problem.id]["prompt"] + raw[problem.id]["canonical_solution"]
     wrong = "def decode_cyclic(s):\n    return s\n"
@@ -168,7 +168,7 @@ def test_worker_scores_an_answer_that_times_out_on_any_test_zero(cluster: Cluste
     task = Task(run_id="r", step=0, kind="train", problem=problem, sample=0, workflow="single",
                 adapters={}, model_path="", temperature=1.0, top_p=1.0, max_tokens=8)
     runner = EpisodeRunner(None, "test", sandbox_address=cluster.endpoints()["sandbox"][0],
-                           replica_wait_s=0)
+                           replica_wait_s=0, judge_endpoints=())
     fence = "```"
     loops = "def f(x):\n    if x == 1:\n        while True:\n            pass\n    return x\n"
     wrong_on_one = "def f(x):\n    return 0\n"

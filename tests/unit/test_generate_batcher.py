@@ -157,7 +157,7 @@ async def test_episodes_waiting_on_the_replica_list_send_their_turns_as_one_call
     servicer, address = rule_replica
     r = streams.connect(redis_url)
     await replicas.announce(r, "inference", "i0", {"address": address})
-    runner = EpisodeRunner(r, "w-test", replica_wait_s=0)
+    runner = EpisodeRunner(r, "w-test", replica_wait_s=0, judge_endpoints=())
     asked: list[int] = []
     live = replicas.live
 

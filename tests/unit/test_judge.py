@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from pydantic import ValidationError
 from workflows_scripted import MATH, ScriptedEngine, make_task
 
 from marl.runtime.http_server import HttpServer
@@ -37,12 +38,13 @@ async def test_an_openai_endpoint_judges_and_its_turn_is_recorded(
     http = HttpServer("127.0.0.1", 0)
     http.app.router.add_post("/v1/chat/completions", chat)
     await http.start()
-    monkeypatch.setenv("JUDGE_KEY", "sk-test")
+    monkeypatch.setenv("MARL_JUDGE_KEY_GRADER", "sk-test")
     try:
         judge = JudgeSpec(endpoint=f"http://{http.address}/v1", model="grader",
-                          api_key_env="JUDGE_KEY", max_tokens=5).model_dump()
+                          api_key_env="MARL_JUDGE_KEY_GRADER", max_tokens=5).model_dump()
         engine = ScriptedEngine(lambda role, slot, prompt: "it is \\boxed{5}")
-        rollout = await runner_with(engine).run(make_task("single", judge=judge))
+        rollout = await runner_with(engine, judge_endpoints=[f"http://{http.address}/v1/"]
+                                    ).run(make_task("single", judge=judge))
     finally:
         await http.stop()
     assert rollout.error is None, rollout.error
@@ -60,5 +62,30 @@ async def test_an_openai_endpoint_judges_and_its_turn_is_recorded(
 async def test_a_judge_that_does_not_answer_fails_the_rollout() -> None:
     judge = JudgeSpec(endpoint="http://127.0.0.1:9/v1", timeout_s=2).model_dump()
     engine = ScriptedEngine(lambda role, slot, prompt: "x")
-    rollout = await runner_with(engine).run(make_task("single", judge=judge))
+    rollout = await runner_with(engine, judge_endpoints=["http://127.0.0.1:9/v1"]).run(
+        make_task("single", judge=judge))
     assert rollout.error is not None and "did not answer" in rollout.error
+
+
+async def test_a_worker_sends_a_judge_request_only_where_its_operator_allows(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A task is input from Redis: the worker re-checks the judge endpoint against its own
+    `judge_endpoints`, and reads a key only from a MARL_JUDGE_KEY_* variable, whatever the
+    task says. Either refusal fails the rollout before any request leaves the worker."""
+    monkeypatch.setenv("MARL_AUTH_TOKEN", "the-service-secret")
+    engine = ScriptedEngine(lambda role, slot, prompt: "x")
+    judge = JudgeSpec(endpoint="http://127.0.0.1:9/v1", timeout_s=2).model_dump()
+    rollout = await runner_with(engine).run(make_task("single", judge=judge))
+    assert rollout.error is not None
+    assert "reward.judge.endpoint" in rollout.error and "MARL_WORKFLOW_JUDGE_ENDPOINTS" in (
+        rollout.error)
+    stolen = {**judge, "api_key_env": "MARL_AUTH_TOKEN"}  # past the RunSpec's own check
+    rollout = await runner_with(engine, judge_endpoints=["http://127.0.0.1:9/v1"]).run(
+        make_task("single", judge=stolen))
+    assert rollout.error is not None and "MARL_JUDGE_KEY_*" in rollout.error
+
+
+def test_a_spec_names_a_judge_key_only_in_marl_judge_key_variables() -> None:
+    with pytest.raises(ValidationError, match="MARL_JUDGE_KEY_"):
+        JudgeSpec(endpoint="http://judge/v1", api_key_env="MARL_AUTH_TOKEN")
+    assert JudgeSpec(api_key_env="MARL_JUDGE_KEY_OPENAI").api_key_env == "MARL_JUDGE_KEY_OPENAI"

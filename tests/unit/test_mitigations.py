@@ -18,6 +18,7 @@ import marl
 from marl.diagnostics.alarms import Alarm
 from marl.local.demo import DEMO_SPEC
 from marl.spec.run import SpecError, apply_overrides, dump_spec, parse_spec
+from marl.spec.services import LearnerConfig
 from services.learner import checkpoint
 from services.learner.batching import plan_mini_batches, pooled_units
 from services.learner.grpo import group_advantages
@@ -26,6 +27,9 @@ from services.learner.options import balance_roles
 from services.learner.policy import MultiAdapterPolicy
 from services.learner.sequences import build_sequences, turn_owners
 from services.learner.server import validate_spec
+
+LEARNER = LearnerConfig(model_roots=[str(marl.__path__[0])])
+"""A learner whose operator allows the demo model's directory."""
 
 CAPTURE = Alarm("sp_role_capture", "aggregator", 4, "terse rate 0.47 -> 0.11")
 VOTING_SP = {"generator": "shared", "aggregator": "shared"}
@@ -285,7 +289,7 @@ def test_options_that_make_no_sense_are_refused_naming_the_field(
     overrides: list[str], field: str
 ) -> None:
     with pytest.raises(SpecError, match=f"field `{field}`"):
-        validate_spec(spec_yaml(*overrides))
+        validate_spec(spec_yaml(*overrides), LEARNER)
 
 
 def test_options_that_fit_pass() -> None:
@@ -302,8 +306,8 @@ def test_options_that_fit_pass() -> None:
         "grpo.dynamic_sampling=true",
         "train.val_pass_at=[1,4]",
         "sampling.val_temperature=0.7",
-    ))
-    validate_spec(spec_yaml("policy=isolated", "grpo.parallel_slots=scale"))
+    ), LEARNER)
+    validate_spec(spec_yaml("policy=isolated", "grpo.parallel_slots=scale"), LEARNER)
 
 
 def test_report_marks_the_split_on_its_plots() -> None:

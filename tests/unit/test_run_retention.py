@@ -201,3 +201,22 @@ async def test_a_cancelled_queued_run_expires_too(redis_url: str, tmp_path: Path
         assert await store.get("q-1") is None
     finally:
         await r.aclose()
+
+
+async def test_one_run_a_directory_until_it_ends(redis_url: str) -> None:
+    """`claim_out_dir`: a second run cannot take a directory a queued or running run
+    writes to; once that run ends the claim goes with it (what it wrote marks the
+    directory from then on, services/learner/intake.py)."""
+    r = streams.connect(redis_url)
+    store = RunStore(r)
+    try:
+        await store.create("a-1", "", "/runs/x", 1)
+        assert await store.claim_out_dir("/runs/x", "a-1") is None
+        assert await store.claim_out_dir("/runs/x", "b-2") == "a-1"
+        assert await store.claim_out_dir("/runs/y", "b-2") is None
+        await store.finish("a-1", "CANCELLED", retention_s=60)
+        assert await store.claim_out_dir("/runs/x", "c-3") is None
+        await store.finish("a-1", "CANCELLED", retention_s=60)  # ended already: c-3 keeps it
+        assert await store.claim_out_dir("/runs/x", "d-4") == "c-3"
+    finally:
+        await r.aclose()

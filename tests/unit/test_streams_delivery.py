@@ -148,7 +148,7 @@ class FailingRunner(worker.EpisodeRunner):
     """A worker whose every episode hits a bug."""
 
     def __init__(self, redis: object, worker_id: str):
-        super().__init__(redis, worker_id, replica_wait_s=0)
+        super().__init__(redis, worker_id, replica_wait_s=0, judge_endpoints=())
         self.attempts = 0
 
     async def run(self, task: Task) -> Rollout:
@@ -423,7 +423,7 @@ async def test_a_worker_loads_the_tokenizer_of_an_announced_model_before_any_tas
     tokenizer while it waits for work, and a task's first episode finds it loaded."""
     model = os.path.realpath(demo_model_dir())
     r = streams.connect(redis_url)
-    runner = worker.EpisodeRunner(r, "w1", replica_wait_s=0)
+    runner = worker.EpisodeRunner(r, "w1", replica_wait_s=0, judge_endpoints=())
     await replicas.announce(r, "inference", "i0", {"address": "127.0.0.1:1", "serving": False,
                                                    "model_path": model})
     try:

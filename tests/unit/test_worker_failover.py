@@ -53,7 +53,7 @@ async def test_a_turn_every_listed_replica_refused_goes_to_one_that_joined_since
 ) -> None:
     r = streams.connect(redis_url)
     answers = Answers()
-    runner = EpisodeRunner(r, "w-test", replica_wait_s=0)
+    runner = EpisodeRunner(r, "w-test", replica_wait_s=0, judge_endpoints=())
     runner._tokenizers[""] = CharTokenizer()
     try:
         async with serving(answers, inference_pb2_grpc.add_InferenceServicer_to_server) as up:
@@ -103,7 +103,7 @@ async def test_a_turn_waits_for_the_only_replica_to_come_back(redis_url: str) ->
     re-reading the registry, and are served once a replica registers again."""
     r = streams.connect(redis_url)
     answers = Answers()
-    runner = EpisodeRunner(r, "w-test", replica_wait_s=30.0)
+    runner = EpisodeRunner(r, "w-test", replica_wait_s=30.0, judge_endpoints=())
     runner._tokenizers[""] = CharTokenizer()
     try:
         gone = refused_address()
@@ -132,7 +132,7 @@ async def test_the_wait_ends_at_its_limit_or_at_a_replica_that_lacks_the_version
     replica's request, one on a fresh read at once and one or two after a pause; a
     replica that lacks the version ends a 30 s wait after the fresh read."""
     r = streams.connect(redis_url)
-    runner = EpisodeRunner(r, "w-test", replica_wait_s=1.0)
+    runner = EpisodeRunner(r, "w-test", replica_wait_s=1.0, judge_endpoints=())
     runner._tokenizers[""] = CharTokenizer()
     going, lacks = (Refuses(grpc.StatusCode.UNAVAILABLE),
                     Refuses(grpc.StatusCode.FAILED_PRECONDITION))
@@ -183,7 +183,7 @@ async def test_a_task_its_run_took_back_ends_its_wait_for_a_replica(
     task still queued goes on waiting."""
     monkeypatch.setattr(worker, "import_tokenizers", lambda: None)
     r = streams.connect(redis_url)
-    runner = EpisodeRunner(r, "w-test", replica_wait_s=60.0)
+    runner = EpisodeRunner(r, "w-test", replica_wait_s=60.0, judge_endpoints=())
     runner._tokenizers[""] = CharTokenizer()
     taken_back, kept = await queue(r, make_task("single", seed=0), make_task("single", seed=1))
     try:
@@ -232,7 +232,7 @@ async def test_an_episode_whose_task_was_taken_back_stops_with_its_turns_in_flig
     monkeypatch.setattr(worker, "import_tokenizers", lambda: None)
     r = streams.connect(redis_url)
     slow = SlowAnswers(30.0)
-    runner = EpisodeRunner(r, "w-test", replica_wait_s=0)
+    runner = EpisodeRunner(r, "w-test", replica_wait_s=0, judge_endpoints=())
     runner._tokenizers[""] = CharTokenizer()
     try:
         async with serving(slow, inference_pb2_grpc.add_InferenceServicer_to_server) as up:

@@ -17,6 +17,7 @@ from workflows_scripted import MATH, CharTokenizer, ScriptedEngine, make_episode
 
 from marl.models.demo import demo_model_dir
 from marl.rollout import Task
+from marl.spec.code_refs import CodePolicy
 from marl.spec.run import WorkflowCaps
 from marl.workflows import prompts, resolve
 from services.workflow import episode as episode_module
@@ -24,9 +25,14 @@ from services.workflow import worker
 from services.workflow.episode import PromptTooLong, Renders
 from services.workflow.worker import EpisodeRunner
 
+TEST_CODE = CodePolicy(("tests", "examples"))
+"""The test suite's own workflows and rewards, as a worker's `allowed_modules` would allow."""
 
-def runner_with(engine: Any) -> EpisodeRunner:
-    runner = EpisodeRunner(None, "w-test", replica_wait_s=0)
+
+def runner_with(engine: Any, **options: Any) -> EpisodeRunner:
+    options.setdefault("code", TEST_CODE)
+    options.setdefault("judge_endpoints", ())
+    runner = EpisodeRunner(None, "w-test", replica_wait_s=0, **options)
     runner._tokenizers[""] = CharTokenizer()
 
     async def stubs(fresh: bool = False) -> list[Any]:
@@ -83,7 +89,7 @@ async def test_a_turn_a_replica_did_not_take_goes_to_the_next(code: grpc.StatusC
     """CANCELLED is what a stopping replica answers a call no handler took yet."""
     refusing = Refuses(code)
     serving = ScriptedEngine(lambda role, slot, prompt: "\\boxed{5}")
-    runner = EpisodeRunner(None, "w-test", replica_wait_s=0)
+    runner = EpisodeRunner(None, "w-test", replica_wait_s=0, judge_endpoints=())
     runner._tokenizers[""] = CharTokenizer()
 
     task = make_task("single")
@@ -105,7 +111,7 @@ async def test_every_replica_refusing_is_a_failed_episode() -> None:
 
 
 async def test_no_live_replica_is_a_failed_episode() -> None:
-    runner = EpisodeRunner(None, "w-test", replica_wait_s=0)
+    runner = EpisodeRunner(None, "w-test", replica_wait_s=0, judge_endpoints=())
     runner._tokenizers[""] = CharTokenizer()
 
     async def no_replicas(fresh: bool = False) -> list[Any]:
@@ -153,7 +159,7 @@ async def test_a_code_task_without_a_sandbox_is_a_failed_episode() -> None:
 
 
 async def test_one_sandbox_client_per_worker_reused_and_closed() -> None:
-    runner = EpisodeRunner(None, "w-test", sandbox_address="127.0.0.1:1", replica_wait_s=0)
+    runner = EpisodeRunner(None, "w-test", sandbox_address="127.0.0.1:1", replica_wait_s=0, judge_endpoints=())
     first = runner.sandbox()
     assert runner.sandbox() is first
     await runner.close()
@@ -253,7 +259,7 @@ def test_rendered_prompts_are_bounded_by_their_tokens(monkeypatch: pytest.Monkey
 
 async def test_problems_spread_over_replicas_and_a_group_meets_on_one() -> None:
     replicas = [ScriptedEngine(lambda role, slot, prompt: "\\boxed{5}") for _ in range(2)]
-    runner = EpisodeRunner(None, "w-test", replica_wait_s=0)
+    runner = EpisodeRunner(None, "w-test", replica_wait_s=0, judge_endpoints=())
     runner._tokenizers[""] = CharTokenizer()
 
     async def stubs(fresh: bool = False) -> list[Any]:
@@ -284,7 +290,7 @@ async def test_a_models_tokenizer_loads_once_in_a_thread_while_the_loop_runs(
         return CharTokenizer()
 
     monkeypatch.setattr(worker, "load_tokenizer", slow_load)
-    runner = EpisodeRunner(None, "w-test", replica_wait_s=0)
+    runner = EpisodeRunner(None, "w-test", replica_wait_s=0, judge_endpoints=())
     async with loop_ticks(0.01) as ticks:
         first_episodes = await asyncio.gather(*(runner.tokenizer("/models/m") for _ in range(3)))
     assert loads == ["/models/m"]
@@ -313,7 +319,7 @@ async def test_a_failed_tokenizer_load_is_tried_again_by_the_next_episode(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     answers = failing_once_then_loading(monkeypatch)
-    runner = EpisodeRunner(None, "w-test", replica_wait_s=0)
+    runner = EpisodeRunner(None, "w-test", replica_wait_s=0, judge_endpoints=())
     with pytest.raises(OSError, match="no tokenizer files"):
         await runner.tokenizer("/models/m")
     assert isinstance(await runner.tokenizer("/models/m"), CharTokenizer)
@@ -321,7 +327,7 @@ async def test_a_failed_tokenizer_load_is_tried_again_by_the_next_episode(
 
 
 async def test_the_demo_models_tokenizer_loads_from_its_directory() -> None:
-    runner = EpisodeRunner(None, "w-test", replica_wait_s=0)
+    runner = EpisodeRunner(None, "w-test", replica_wait_s=0, judge_endpoints=())
     tokenizer = await runner.tokenizer(str(demo_model_dir()))
     ids = tokenizer.encode("Solve 1 and 2", add_special_tokens=False)
     assert len(ids) == 4 and tokenizer.unk_token_id not in ids
@@ -340,7 +346,7 @@ async def test_a_preloaded_tokenizer_serves_episodes_that_name_its_directory_ano
     monkeypatch.setattr(worker, "load_tokenizer", load)
     (tmp_path / "model").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "model")
-    runner = EpisodeRunner(None, "w-test", replica_wait_s=0)
+    runner = EpisodeRunner(None, "w-test", replica_wait_s=0, judge_endpoints=())
     runner.preload([str(tmp_path / "model")])
     runner.preload([str(tmp_path / "model")])  # a second announcement while it loads
     tokenizer = await runner.tokenizer(str(tmp_path / "link"))
@@ -354,7 +360,7 @@ async def test_a_failed_preload_is_not_repeated_and_an_episode_tries_again(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     answers = failing_once_then_loading(monkeypatch)
-    runner = EpisodeRunner(None, "w-test", replica_wait_s=0)
+    runner = EpisodeRunner(None, "w-test", replica_wait_s=0, judge_endpoints=())
     with caplog.at_level(logging.INFO, logger=worker.__name__):
         runner.preload(["/models/m"])
         await asyncio.gather(*runner._loading.values(), return_exceptions=True)

@@ -60,10 +60,15 @@ def test_bad_workflows_are_refused_at_submit_naming_the_field(spec: dict, messag
 
 
 def test_the_learner_submit_check_refuses_them_too() -> None:
+    from marl.spec.services import LearnerConfig
     from services.learner.server import validate_spec
 
-    with pytest.raises(SpecError, match="field `workflow`"):
-        validate_spec("workflow: no_such_package.flows:DEBATE\n")
+    with pytest.raises(SpecError, match="field `workflow`: cannot import module"):
+        validate_spec("workflow: no_such_package.flows:DEBATE\nmodel: {path: demo}\n",
+                      LearnerConfig(allowed_modules=["no_such_package"]))
+    with pytest.raises(SpecError, match="field `workflow`: module 'no_such_package.flows' is "
+                                        "not allowed.*MARL_LEARNER_ALLOWED_MODULES"):
+        validate_spec("workflow: no_such_package.flows:DEBATE\nmodel: {path: demo}\n", LearnerConfig())
 
 
 def test_a_malformed_workflow_name_is_refused_by_the_spec() -> None:

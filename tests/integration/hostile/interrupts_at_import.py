@@ -1,0 +1,3 @@
+"""A module whose top level raises KeyboardInterrupt."""
+
+raise KeyboardInterrupt("from a module's top level")
