@@ -67,7 +67,7 @@ def acquire(model_path: str, dtype: torch.dtype, device: torch.device) -> Shared
     with _lock:
         shared = _loaded.get(key)
         if shared is None:
-            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+            model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
             model.requires_grad_(False)
             model.to(device)
             shared = SharedBase(key, model)
