@@ -128,7 +128,6 @@ def wide_model(out: Path) -> Path:
     return out
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_four_concurrent_runs_hold_one_copy_of_the_base(tmp_path: Path) -> None:
     """In a fresh learner-like process, four runs' policies (each built and trained a step)
