@@ -203,8 +203,8 @@ def build() -> dict[str, Any]:
         {
             "image": IMAGE,
             "replicas": integer(
-                "Learner pods; each takes runs from the shared queue and trains up to "
-                "config.max_concurrent_runs at once.",
+                "Independent learners (each learner.nodes pods); each takes runs from the "
+                "shared queue and trains up to config.max_concurrent_runs at once.",
                 1,
             ),
             "nodes": {**integer("Pods of one learner's FSDP2 group.", 1), "maximum": 64},

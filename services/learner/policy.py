@@ -28,7 +28,7 @@ from transformers.optimization import (
 from marl.models.lora import with_lora
 from marl.runtime import heap
 from marl.spec.run import LoraSpec, OptimSpec
-from services.learner import fsdp
+from services.learner import base_models, fsdp
 from services.learner.grpo import at_least_float32
 from services.learner.prompt_rows import Rows, layout
 from services.learner.sequences import Sequence
@@ -109,13 +109,15 @@ class MultiAdapterPolicy:
         initialised torch.distributed group of more than one, the decoder layers are
         sharded over it (fsdp.shard) and every method here is collective: each rank must
         call it, in the same order."""
-        torch.manual_seed(seed)
         self.policies = list(policies)
         self.device = torch.device(device)
         tok = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype])
-        base.requires_grad_(False)
+        self.rank, self.world_size = fsdp.rank_and_size()
+        self.shared_base: base_models.SharedBase | None = None
+        """The process's base this policy's model shares (held so it stays loaded)."""
+        base = self._base(model_path, _DTYPES[dtype])
+        torch.manual_seed(seed)  # after the load: the LoRA init draws alike, loaded or shared
         self.model: PeftModel = with_lora(base, lora, self.policies[0])
         config = self.model.peft_config[self.policies[0]]
         for name in self.policies[1:]:
@@ -124,7 +126,6 @@ class MultiAdapterPolicy:
             if "lora_" in name:  # fp32 over a low-precision base (PEFT does so too; kept explicit)
                 param.data = at_least_float32(param.data)
         self.model.to(self.device)
-        self.rank, self.world_size = fsdp.rank_and_size()
         if self.world_size > 1:
             fsdp.shard(self.model)
         self._params: dict[str, list[torch.nn.Parameter]] = {}
@@ -152,6 +153,17 @@ class MultiAdapterPolicy:
         self._custom_masks = base.config._attn_implementation in CUSTOM_MASK_ATTENTION
         self.pace: Callable[[], None] = _keep_threads
         """Called before every forward, on the thread that runs it (threads.ThreadBurst.pace)."""
+
+    def _base(self, model_path: str, dtype: torch.dtype) -> Any:
+        """The frozen base to wrap: this process's shared one (base_models.py), or, when
+        the model is to be sharded over a group, one of this policy's own (FSDP replaces
+        its parameters with this run's shard)."""
+        if self.world_size > 1:
+            base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+            base.requires_grad_(False)
+            return base
+        self.shared_base = base_models.acquire(model_path, dtype, self.device)
+        return self.shared_base.checkout()
 
     def call(self, fn: Callable[..., R], *args: Any) -> R:
         """`fn(self, *args)`: the policy is its own handle when it lives in this process

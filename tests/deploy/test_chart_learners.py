@@ -71,3 +71,44 @@ def test_a_multi_pod_learner_without_a_shared_volume_is_refused() -> None:
 
     out = helm("template", "r", str(CHART), "--set", "learner.nodes=2")
     assert out.returncode != 0 and "learner.persistence.existingClaim" in out.stderr, out.stderr
+
+
+def test_learner_replicas_of_several_nodes_render_one_group_each() -> None:
+    """`learner.replicas=2, nodes=2, gpu=4`: two independent learners, each a StatefulSet of
+    two 4-GPU pods with a selector, a headless Service and a rendezvous of its own; the Runs
+    API Service reaches either's rank 0, and both share the runs volume."""
+    docs = render(CHART / "ci" / "learner-groups-values.yaml")
+    sets = by_kind(docs, "StatefulSet")
+    services = by_kind(docs, "Service")
+    learners = {n: s for n, s in sets.items() if "learner" in n}
+    assert sorted(learners) == ["r-marl-learner-g0", "r-marl-learner-g1"]
+    selectors = []
+    for g, name in enumerate(sorted(learners)):
+        spec = learners[name]["spec"]
+        assert spec["replicas"] == 2 and spec["podManagementPolicy"] == "Parallel"
+        pod = spec["template"]
+        assert pod["metadata"]["labels"]["marl.dev/learner-group"] == str(g)
+        assert pod["metadata"]["annotations"]["marl.dev/world-size"] == "8"
+        (container,) = pod["spec"]["containers"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
+        command = container["command"]
+        assert "--nnodes=2" in command and "--nproc-per-node=4" in command
+        assert f"--rdzv-endpoint={name}-0.{name}-headless.marl.svc:29400" in command
+        assert f"--rdzv-id={name}" in command
+        assert spec["serviceName"] == f"{name}-headless"
+        headless = services[f"{name}-headless"]["spec"]
+        assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
+        assert headless["selector"] == spec["selector"]["matchLabels"]
+        assert spec["selector"]["matchLabels"]["marl.dev/learner-group"] == str(g)
+        assert {"name": "data", "persistentVolumeClaim": {"claimName": "marl-runs"}} in pod[
+            "spec"]["volumes"]
+        selectors.append(spec["selector"]["matchLabels"])
+    assert selectors[0] != selectors[1]  # no pod of one group is the other's
+    assert "r-marl-learner-headless" not in services
+    runs_api = services["r-marl-learner"]["spec"]["selector"]
+    assert all(runs_api.items() <= s.items() for s in selectors)
+    pdb = by_kind(docs, "PodDisruptionBudget")["r-marl-learner"]["spec"]
+    assert pdb["maxUnavailable"] == 0 and pdb["selector"]["matchLabels"] == runs_api
+    policy = by_kind(docs, "NetworkPolicy")["r-marl-learner"]["spec"]
+    peers = [rule["from"][0].get("podSelector", {}).get("matchLabels") for rule in policy["ingress"]]
+    assert runs_api in peers  # a group's pods reach one another
