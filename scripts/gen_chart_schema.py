@@ -302,6 +302,13 @@ def build() -> dict[str, Any]:
                             ),
                         }
                     ),
+                    "sandbox": obj(
+                        {
+                            "existingSecret": string(
+                                "Secret with key `token`: the sandbox's own token."
+                            ),
+                        }
+                    ),
                 }
             ),
             "tls": obj(

@@ -4,7 +4,9 @@ They speak the services' HTTP protocols (SandboxFusion's `POST /run_code`,
 OpenAI's `/v1/completions` and `/v1/chat/completions`) with the standard
 library only, so the CLI stays light. The endpoint is the `--sandbox` /
 `--inference` URL, else `$MARL_SANDBOX_HTTP` / `$MARL_INFERENCE_HTTP`, else the
-first `sandbox_http` / `inference_http` entry of `marl up`'s endpoints.json.
+first `sandbox_http` / `inference_http` entry of `marl up`'s endpoints.json. The sandbox
+is sent its own token (`$MARL_SANDBOX_TOKEN`, else the `sandbox_token_file` `marl up`
+lists), inference the services' or a user's (`$MARL_AUTH_TOKEN`).
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import ssl
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from marl.spec.services import auth_token
+from marl.spec.services import auth_token, sandbox_token
 
 DEFAULT_ENDPOINTS = Path("marl-up") / "endpoints.json"
 TIMEOUT_EXIT = 124
@@ -43,9 +46,26 @@ def endpoint(flag: str | None, env: str, key: str, endpoints_file: Path = DEFAUL
     return url if "://" in url else f"{scheme}://{url}"
 
 
-def post_json(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+def sandbox_run_token(endpoints_file: Path = DEFAULT_ENDPOINTS) -> str | None:
+    """The sandbox's token: `$MARL_SANDBOX_TOKEN`(`_FILE`), else the file `marl up` wrote
+    and listed as `sandbox_token_file` in its endpoints.json, else None."""
+    try:
+        token = sandbox_token()
+        if token is None and endpoints_file.is_file():
+            listed = json.loads(endpoints_file.read_text()).get("sandbox_token_file")
+            if listed:
+                token = sandbox_token({"MARL_SANDBOX_TOKEN_FILE": str(listed)})
+    except ValueError as err:
+        raise HttpUserError(str(err)) from None
+    return token
+
+
+def post_json(url: str, body: dict[str, Any], timeout: float,
+              token_from: Callable[[], str | None] = auth_token) -> dict[str, Any]:
+    """POST `body` with the token `token_from` gives (by default `$MARL_AUTH_TOKEN`: the
+    services' or a user's), if any."""
     headers = {"Content-Type": "application/json"}
-    token = auth_token()
+    token = token_from()
     if token:
         headers["Authorization"] = f"Bearer {token}"
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
@@ -86,7 +106,8 @@ def sandbox_run(file: str, stdin_file: str | None, url: str | None, timeout: flo
     base = endpoint(url, "MARL_SANDBOX_HTTP", "sandbox_http")
     resp = post_json(base.rstrip("/") + "/run_code",
                      {"code": path.read_text(), "language": "python", "stdin": stdin,
-                      "run_timeout": timeout}, timeout + 30)
+                      "run_timeout": timeout}, timeout + 30,
+                     token_from=sandbox_run_token)
     result = resp.get("run_result") or {}
     sys.stdout.write(result.get("stdout") or "")
     sys.stderr.write(result.get("stderr") or "")

@@ -23,7 +23,8 @@ margin. A malformed test raises ValueError here; server-side errors raise
 grpc.RpcError (INVALID_ARGUMENT names the field). A full server (RESOURCE_EXHAUSTED)
 is asked again with backoff for up to `busy_wait_s` (120 s); a server stopping or
 restarting is waited for and the call retried within its deadline (DEADLINE_EXCEEDED
-when none came back).
+when none came back). Calls carry the sandbox's own token when `$MARL_SANDBOX_TOKEN` (or
+`$MARL_SANDBOX_TOKEN_FILE`) is set, never the services' token.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import grpc
 from marl.protocol.rpc_codes import SERVER_GONE
 from marl.protocol.v1 import sandbox_pb2, sandbox_pb2_grpc
 from marl.runtime import auth
+from marl.spec.services import sandbox_token
 
 BUSY_WAIT_S = 120.0
 """How long a call keeps asking a full sandbox (RESOURCE_EXHAUSTED) before it gives up."""
@@ -155,7 +157,7 @@ class SandboxClient:
 
     def __init__(self, address: str):
         self.address = address
-        self.channel = auth.channel(address, options=_OPTIONS)
+        self.channel = auth.channel(address, options=_OPTIONS, token_from=sandbox_token)
         self.stub = sandbox_pb2_grpc.SandboxStub(self.channel)
 
     def execute(self, code: str, tests: list[dict[str, Any]],
@@ -194,7 +196,7 @@ class AsyncSandboxClient:
 
     def __init__(self, address: str):
         self.address = address
-        self.channel = auth.aio_channel(address, options=_OPTIONS)
+        self.channel = auth.aio_channel(address, options=_OPTIONS, token_from=sandbox_token)
         self.stub = sandbox_pb2_grpc.SandboxStub(self.channel)
 
     async def execute(self, code: str, tests: list[dict[str, Any]],

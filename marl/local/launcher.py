@@ -6,6 +6,12 @@ waited on until its health check reports SERVING. Inference and sandbox also get
 an HTTP port (OpenAI `/v1`, SandboxFusion `/run_code`), listed in endpoints.json
 as `inference_http` and `sandbox_http`; every service's Prometheus scrape URL is under
 `metrics` (`{"learner": ["http://HOST:PORT/metrics"], ...}`).
+
+The sandbox holds its own token, never the services' (`sandbox_environment`): with
+`$MARL_SANDBOX_TOKEN` (or `_FILE`) set, the sandbox and the workflow workers get it; with
+only `$MARL_AUTH_TOKEN` set, the cluster makes one (`<workdir>/sandbox-token`, mode 0600,
+listed as `sandbox_token_file` in endpoints.json for `marl sandbox run`). The learner and
+inference get no sandbox token.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -25,6 +32,12 @@ from typing import Any
 from marl.local.redis_server import PrivateRedis
 from marl.runtime.processes import die_with_parent, free_port, how_it_ended
 from marl.runtime.serving import wait_healthy
+from marl.spec.services import (
+    SANDBOX_TOKEN_ENV,
+    SANDBOX_TOKEN_FILE_ENV,
+    auth_token,
+    sandbox_token,
+)
 
 HTTP_SERVICES = ("inference", "sandbox", "workflow", "learner")
 """Services started with an HTTP port too (OpenAI /v1, SandboxFusion /run_code; every
@@ -58,6 +71,17 @@ def service_threads(cores: int, overlapped: bool) -> dict[str, int]:
         inference, learner = max(1, cores - 1), max(1, cores)
     return {"inference": inference, "learner": learner, "learner_burst": max(1, cores),
             "workflow": 1, "sandbox": 1}
+
+
+_OTHER_SERVICES_PREFIXES = ("MARL_AUTH_", "MARL_INFERENCE_", "MARL_WORKFLOW_",
+                            "MARL_LEARNER_")
+
+
+def sandbox_environment(env: dict[str, str]) -> dict[str, str]:
+    """`env` without what the sandbox must not hold: the services' token and the users'
+    file (`MARL_AUTH_*`), and the other services' settings (a Redis URL carries the
+    password). Code that escapes a job can read what the sandbox's process holds."""
+    return {k: v for k, v in env.items() if not k.startswith(_OTHER_SERVICES_PREFIXES)}
 
 
 @dataclass
@@ -140,6 +164,9 @@ class Cluster:
     file (fsync every second): a Redis killed and restarted keeps what it acknowledged."""
     trace_dir: Path | None = None
     """Where every service writes its trace spans (`marl serve --trace-dir`, marl.runtime.trace)."""
+    sandbox_token_file: Path | None = None
+    """The sandbox's token this cluster made (authentication on, no `$MARL_SANDBOX_TOKEN`
+    given); set by `start`."""
     allowed_modules: tuple[str, ...] | None = None
     """Module prefixes whose workflows and reward functions the learner and the workers
     take (`allowed_modules`); None: the modules of the current directory, since the user
@@ -197,6 +224,13 @@ class Cluster:
             # the service stops once this process is gone (marl.serving.StopWatchdog)
             MARL_PARENT_PID=str(os.getpid()),
         )
+        if kind == "sandbox":
+            env = sandbox_environment(env)
+        if kind not in ("sandbox", "workflow"):  # only the sandbox and its clients hold it
+            env.pop(SANDBOX_TOKEN_ENV, None)
+            env.pop(SANDBOX_TOKEN_FILE_ENV, None)
+        elif self.sandbox_token_file is not None:
+            env[SANDBOX_TOKEN_FILE_ENV] = str(self.sandbox_token_file)
         if kind == "learner" and "learner_burst" in self.threads:
             env["MARL_LEARNER_BURST_THREADS"] = str(self.threads["learner_burst"])
         if self.trace_dir is not None:
@@ -249,6 +283,7 @@ class Cluster:
             ).start()
             self.redis_url = self.redis.url
         redis_args = ["--redis", self.redis_url]
+        self._make_sandbox_token()
         for _ in range(self.sandbox_replicas):
             self._spawn("sandbox", [])
         sandbox = [p.address for p in self.processes if p.kind == "sandbox"]
@@ -278,6 +313,18 @@ class Cluster:
             self.stop()
             raise
         return self.endpoints()
+
+    def _make_sandbox_token(self) -> None:
+        """With authentication on and no sandbox token given, a new one for this cluster's
+        sandbox and workers (kept across restarts of the cluster in the same workdir)."""
+        if sandbox_token() is not None or auth_token() is None:
+            return
+        path = self.workdir / "sandbox-token"
+        if not path.is_file():
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_urlsafe(32))
+        self.sandbox_token_file = path
 
     def _inference_args(self) -> list[str]:
         assert self.redis_url is not None
@@ -376,6 +423,8 @@ class Cluster:
                 for kind in ("learner", "inference", "workflow", "sandbox")
             },
             "redis": self.redis_url,
+            "sandbox_token_file": (None if self.sandbox_token_file is None
+                                   else str(self.sandbox_token_file)),
             "pids": {
                 k: [p.proc.pid for p in self.processes if p.kind == k]
                 for k in ("learner", "inference", "workflow", "sandbox")

@@ -11,6 +11,11 @@ its own random path token) stay open. Every marl client builds its channel here,
 so the learner's pushes, the workers' calls, the CLI and the launcher send the
 token of their environment whenever one is set.
 
+The reward sandbox is the exception: it holds and accepts only a token of its own
+(`$MARL_SANDBOX_TOKEN`, `sandbox_token_book`), which its clients send (`token_from`
+of `channel`), and refuses to start holding the services' token: code that escapes
+one of its jobs finds no token that directs another service.
+
 A known token is the services' own (`$MARL_AUTH_TOKEN` on a service: the service
 identity, which may call anything) or a user's, from the token file
 `$MARL_AUTH_TOKENS_FILE` names (`marl.spec.users`, read again when it changes). A
@@ -41,7 +46,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from marl.spec.services import auth_token, auth_users_file, tls_files
+from marl.spec.services import auth_token, auth_users_file, sandbox_token, tls_files
 from marl.spec.users import OPEN, SERVICE, Identity, read_token_file
 
 log = logging.getLogger(__name__)
@@ -153,6 +158,23 @@ def token_book() -> TokenBook | None:
     return None if token is None else TokenBook(token, auth_users_file())
 
 
+def sandbox_token_book() -> TokenBook | None:
+    """The reward sandbox's book: its own token (`$MARL_SANDBOX_TOKEN`) as the one service
+    identity, no users, or None while the sandbox's authentication is off. The services'
+    token is not in it: the sandbox answers that one UNAUTHENTICATED."""
+    token = sandbox_token()
+    return None if token is None else TokenBook(token, None)
+
+
+BookSource = Callable[[], TokenBook | None]
+TokenSource = Callable[[], str | None]
+
+
+def no_token() -> None:
+    """The token source of a channel that sends none (health checks, which need none)."""
+    return None
+
+
 # --- gRPC server ---------------------------------------------------------------------
 
 UNAUTHENTICATED_DETAILS = ("missing or unknown token: send `authorization: Bearer <token>` "
@@ -235,8 +257,8 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         return _as_caller(handler, who)
 
 
-def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
-    book = token_book()
+def server_interceptors(books: BookSource = token_book) -> list[grpc.aio.ServerInterceptor]:
+    book = books()
     return [TokenAuth(book)] if book else []
 
 
@@ -310,21 +332,25 @@ def _tls_options(address: str, options: ChannelOptions) -> ChannelOptions:
     return [*(options or []), ("grpc.ssl_target_name_override", name)]
 
 
-def channel(address: str, options: ChannelOptions = None) -> grpc.Channel:
+def channel(address: str, options: ChannelOptions = None,
+            token_from: TokenSource = auth_token) -> grpc.Channel:
     """A blocking channel to `address` that sends the token when one is set, over TLS
-    (verified against `$MARL_TLS_CA`, see `_tls_options`) when that is set."""
+    (verified against `$MARL_TLS_CA`, see `_tls_options`) when that is set. `token_from`:
+    where the token comes from (the services' by default; the sandbox's clients pass
+    `sandbox_token`: the sandbox must never see the services' token)."""
     creds = _credentials()
     if creds is not None:
         options = _tls_options(address, options)
     ch = (grpc.insecure_channel(address, options=options) if creds is None
           else grpc.secure_channel(address, creds, options=options))
-    token = auth_token()
+    token = token_from()
     return grpc.intercept_channel(ch, _SyncToken(token)) if token else ch
 
 
-def aio_channel(address: str, options: ChannelOptions = None) -> grpc.aio.Channel:
-    """An asyncio channel to `address` that sends the token when one is set."""
-    token = auth_token()
+def aio_channel(address: str, options: ChannelOptions = None,
+                token_from: TokenSource = auth_token) -> grpc.aio.Channel:
+    """An asyncio channel to `address` that sends the token when one is set (as `channel`)."""
+    token = token_from()
     interceptors: list[grpc.aio.ClientInterceptor] = (
         [_AioUnaryUnary(token), _AioUnaryStream(token), _AioStreamUnary(token),
          _AioStreamStream(token)] if token else [])

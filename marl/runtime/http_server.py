@@ -31,11 +31,12 @@ DEFAULT_MAX_BODY_BYTES = 64 << 20
 class HttpServer:
     """An aiohttp application bound to `host:port` (0 picks a free port) once started.
     `users`: with authentication on, users' tokens may call its routes (inference's
-    OpenAI API); otherwise only the services' token may (`marl.runtime.auth`)."""
+    OpenAI API); otherwise only the services' token may (`marl.runtime.auth`). `books`:
+    the tokens it accepts (the sandbox's own for the sandbox)."""
 
     def __init__(self, host: str, port: int, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 users: bool = False):
-        book = auth.token_book()
+                 users: bool = False, books: auth.BookSource = auth.token_book):
+        book = books()
         middlewares = [auth.http_middleware(book, users)] if book else []
         self.app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
         prometheus_metrics.mount(self.app)  # every service's HTTP port serves Prometheus /metrics

@@ -204,8 +204,10 @@ class StopWatchdog:
 class ServiceHost:
     """One grpc.aio server with health and reflection for a set of services."""
 
-    def __init__(self, service_names: Iterable[str], host: str, port: int):
-        interceptors = [*auth.server_interceptors(), GrpcMetrics(), BoundedErrors()]
+    def __init__(self, service_names: Iterable[str], host: str, port: int,
+                 books: auth.BookSource = auth.token_book):
+        """`books`: the tokens it accepts (the services' and users'; the sandbox's own)."""
+        interceptors = [*auth.server_interceptors(books), GrpcMetrics(), BoundedErrors()]
         self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -337,7 +339,8 @@ async def wait_healthy(address: str, timeout: float = 120.0, service: str = "") 
     """Block until `address` reports SERVING, or raise TimeoutError."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    async with auth.aio_channel(address) as channel:
+    # health needs no token: none is sent (the sandbox must never see the services')
+    async with auth.aio_channel(address, token_from=auth.no_token) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:

@@ -388,8 +388,17 @@ def load_service_config(
     for where, values in layers:
         merged.update(values)
         source.update(dict.fromkeys(values, where))
-    auth_token(environ)  # the deployment-wide settings too: a bad one stops `marl serve` here
-    auth_users(environ)
+    # the deployment-wide settings too: a bad one stops `marl serve` here
+    if service == "sandbox":
+        sandbox_holds_no_service_token(environ)
+    else:
+        auth_token(environ)
+        auth_users(environ)
+    if service in ("sandbox", "workflow"):
+        own = sandbox_token(environ)
+        if own is not None and own == auth_token(environ):
+            raise ValueError(f"{SANDBOX_TOKEN_ENV}: the sandbox's token is the services' "
+                             f"({AUTH_TOKEN_ENV}); give the sandbox a token of its own")
     tls_files(environ)
     try:
         return MODELS[service](**merged)
@@ -430,20 +439,53 @@ def auth_token(environ: Mapping[str, str] | None = None) -> str | None:
 
     Shared by all services and clients of one deployment, so it is not a per-service field:
     `$MARL_AUTH_TOKEN`, else the content (whitespace stripped) of the file
-    `$MARL_AUTH_TOKEN_FILE` names (a mounted Kubernetes Secret). A set but unusable value is a ValueError naming the variable.
+    `$MARL_AUTH_TOKEN_FILE` names (a mounted Kubernetes Secret). A set but unusable value
+    is a ValueError naming the variable. The sandbox never holds it (`sandbox_token`).
     """
+    return _token(AUTH_TOKEN_ENV, AUTH_TOKEN_FILE_ENV, environ)
+
+
+SANDBOX_TOKEN_ENV = "MARL_SANDBOX_TOKEN"
+SANDBOX_TOKEN_FILE_ENV = "MARL_SANDBOX_TOKEN_FILE"
+
+
+def sandbox_token(environ: Mapping[str, str] | None = None) -> str | None:
+    """The reward sandbox's own token, or None (its authentication off): the only one it
+    accepts, held by it and by its clients (the workflow workers, `marl sandbox run`),
+    never by the other services. Code a job runs may reach what the sandbox's process
+    holds; with this token it can call the sandbox and nothing else.
+
+    `$MARL_SANDBOX_TOKEN`, else the content of the file `$MARL_SANDBOX_TOKEN_FILE` names,
+    checked as `auth_token` is."""
+    return _token(SANDBOX_TOKEN_ENV, SANDBOX_TOKEN_FILE_ENV, environ)
+
+
+def sandbox_holds_no_service_token(environ: Mapping[str, str] | None = None) -> None:
+    """ValueError naming the variable when the sandbox's environment holds the services'
+    token or the users' file, or reuses the services' token as its own: whatever the
+    sandbox holds, code that escapes a job may read."""
     env = os.environ if environ is None else environ
-    value = env.get(AUTH_TOKEN_ENV) or None  # set but empty: off, as when unset
-    where = AUTH_TOKEN_ENV
-    if value is None and env.get(AUTH_TOKEN_FILE_ENV):
-        path = env[AUTH_TOKEN_FILE_ENV]
-        where = f"{AUTH_TOKEN_FILE_ENV} ({path[:200]})"
+    for name in (AUTH_TOKEN_ENV, AUTH_TOKEN_FILE_ENV, USERS_FILE_ENV):
+        if env.get(name):
+            raise ValueError(
+                f"{name}: the sandbox must not hold the services' token or users' tokens "
+                "(code its jobs run could read them); unset it in the sandbox's environment "
+                f"and give the sandbox a token of its own in {SANDBOX_TOKEN_ENV} (or "
+                f"{SANDBOX_TOKEN_FILE_ENV}), held by its clients too")
+
+
+def _token(var: str, file_var: str, environ: Mapping[str, str] | None) -> str | None:
+    env = os.environ if environ is None else environ
+    value = env.get(var) or None  # set but empty: off, as when unset
+    where = var
+    if value is None and env.get(file_var):
+        path = env[file_var]
+        where = f"{file_var} ({path[:200]})"
         try:
             value = Path(path).read_text(encoding="utf-8").strip()
         except (OSError, ValueError) as e:
             reason = getattr(e, "strerror", None) or "not a readable UTF-8 file"
-            raise ValueError(f"{AUTH_TOKEN_FILE_ENV}: cannot read the token file: {reason}"
-                             ) from None
+            raise ValueError(f"{file_var}: cannot read the token file: {reason}") from None
     if value is None:
         return None
     if not valid_token(value):

@@ -6,7 +6,10 @@ printed, returned by the `Info` RPC and in every ExecuteResponse, and published
 as a health entry named `marl.v1.Sandbox/isolation=<tier>` (SERVING), so a
 plain health probe can check it. With `--http-port` (`http_port`) the same jobs
 are also taken over HTTP as SandboxFusion's `POST /run_code` (see `http_api`). The server makes itself non-dumpable so a job
-running under the same uid cannot read its memory or /proc/<pid>/environ.
+running under the same uid cannot read its memory or /proc/<pid>/environ. It accepts
+only its own token (`$MARL_SANDBOX_TOKEN`) and refuses to start holding the services'
+token (`marl.spec.services.sandbox_holds_no_service_token`), so code that escapes a job
+finds no token that directs another service.
 
 MARL_SANDBOX_SABOTAGE=1 switches every protection off (see `naive`); it exists
 only so CI can prove that the deny tests detect a naive grader.
@@ -25,6 +28,7 @@ from typing import Any
 from grpc_health.v1 import health_pb2
 
 from marl.protocol.v1 import sandbox_pb2, sandbox_pb2_grpc
+from marl.runtime import auth
 from marl.runtime.http_server import HttpServer
 from marl.runtime.serving import ServiceHost, configure_logging, serve_until_stopped
 from marl.spec.services import SandboxConfig, add_flags, flag_values, load_sandbox
@@ -71,7 +75,9 @@ async def serve(cfg: SandboxConfig, host: str, port: int) -> None:
         log.warning("%s is set: ISOLATION IS OFF. Test use only.", SABOTAGE_ENV)
     else:
         syscalls.prctl(syscalls.PR_SET_DUMPABLE, 0)
-    service_host = ServiceHost([SERVICE_NAME], host=host, port=port)
+    # its own token only: the services' token never reaches this process
+    service_host = ServiceHost([SERVICE_NAME], host=host, port=port,
+                               books=auth.sandbox_token_book)
     service = SandboxService(cfg)
     sandbox_pb2_grpc.add_SandboxServicer_to_server(service, service_host.server)
     zygote = ZygoteClient(zygote_config(cfg, sabotage))
@@ -81,7 +87,7 @@ async def serve(cfg: SandboxConfig, host: str, port: int) -> None:
     os.chmod(scratch_root, 0o711)
     http = None
     if cfg.http_port is not None:  # SandboxFusion's POST /run_code, same admission and jails
-        http = HttpServer(host, cfg.http_port)
+        http = HttpServer(host, cfg.http_port, books=auth.sandbox_token_book)
         http_api.add_routes(http, service)
         await http.start()
 

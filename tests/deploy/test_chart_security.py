@@ -191,9 +191,67 @@ def test_sandbox_pod_has_no_token_no_links_and_scratch_only_in_tmp() -> None:
     assert pod["automountServiceAccountToken"] is False
     assert pod["enableServiceLinks"] is False
     (container,) = pod["containers"]
-    assert [m["mountPath"] for m in container["volumeMounts"]] == ["/etc/marl", "/tmp"]
+    assert [m["mountPath"] for m in container["volumeMounts"]] == [
+        "/etc/marl", "/tmp", "/etc/marl-sandbox-auth"]
     tmp = next(v for v in pod["volumes"] if v["name"] == "tmp")
     assert tmp["emptyDir"]["sizeLimit"]
+
+
+def _secrets_of(pod: dict[str, Any]) -> set[str]:
+    """Every Secret a pod's containers read: env references and mounted volumes."""
+    names = {v["secret"]["secretName"] for v in pod.get("volumes", []) if "secret" in v}
+    for c in [*pod["containers"], *pod.get("initContainers", [])]:
+        for e in c.get("env", []):
+            ref = e.get("valueFrom", {}).get("secretKeyRef")
+            if ref:
+                names.add(ref["name"])
+        for f in c.get("envFrom", []):
+            if "secretRef" in f:
+                names.add(f["secretRef"]["name"])
+    return names
+
+
+@pytest.mark.parametrize("sets", [
+    (), ("tls.enabled=true", "tls.certManager.enabled=true", "tls.certManager.issuerRef.name=i"),
+    ("auth.existingSecret=ops-token", "auth.users.existingSecret=ops-users"),
+    ("auth.sandbox.existingSecret=ops-sandbox",),
+])
+def test_sandbox_holds_its_own_token_never_the_services(sets: tuple[str, ...]) -> None:
+    """The sandbox pod reads one Secret of marl's: the sandbox's own token (a file, not an
+    env var), which the workflow pods hold too and no other pod; the services' token and
+    the users' file never reach it."""
+    docs = render(None, *sets)
+    pods = {name: w["spec"]["template"]["spec"] for name, w in workloads(docs).items()}
+    own = next((s.split("=", 1)[1] for s in sets if s.startswith("auth.sandbox.")),
+               "r-marl-sandbox-auth")
+    services = next((s.split("=", 1)[1] for s in sets if s.startswith("auth.existingSecret")),
+                    "r-marl-auth")
+    sandbox = pods["r-marl-sandbox"]
+    assert own in _secrets_of(sandbox)
+    assert not _secrets_of(sandbox) & {services, "ops-users"}
+    (container,) = sandbox["containers"]
+    env = {e["name"]: e for e in container.get("env", [])}
+    assert env["MARL_SANDBOX_TOKEN_FILE"] == {"name": "MARL_SANDBOX_TOKEN_FILE",
+                                              "value": "/etc/marl-sandbox-auth/token"}
+    assert not any(k.startswith("MARL_AUTH") or "valueFrom" in e for k, e in env.items())
+    workflow = pods["r-marl-workflow"]
+    assert {own, services} <= _secrets_of(workflow)
+    (worker,) = workflow["containers"]
+    assert any(e["name"] == "MARL_SANDBOX_TOKEN_FILE" for e in worker["env"])
+    assert "/etc/marl-sandbox-auth" in {m["mountPath"] for m in worker["volumeMounts"]}
+    for name, spec in pods.items():
+        if name not in ("r-marl-sandbox", "r-marl-workflow"):
+            assert own not in _secrets_of(spec), name
+    made = by_kind(docs, "Secret")
+    if own == "r-marl-sandbox-auth":  # generated at install, kept on upgrade with lookup
+        token = made[own]["data"]["token"]
+        assert len(token) == 64 and token != made.get("r-marl-auth", {}).get("data", {}).get(
+            "token")
+    else:
+        assert own not in made
+    source = (CHART / "templates" / "secret.yaml").read_text()
+    assert source.count('lookup "v1" "Secret" .Release.Namespace $name') == 2
+    assert not by_kind(render(None, *sets, "auth.enabled=false"), "Secret")
 
 
 @pytest.mark.parametrize(

@@ -234,9 +234,14 @@ def test_the_probes_check_health_over_tls(certs: Path) -> None:
         (container,) = pod(docs[f"r-marl-{service}"])["containers"]
         for kind in ("readinessProbe", "livenessProbe"):
             assert "grpc" not in container[kind], (service, kind)
-            assert container[kind]["exec"]["command"][:2] == ["python", "-c"], (service, kind)
+            command = container[kind]["exec"]["command"]
+            # an empty environment but PATH: a job could read the probe's (the sandbox's)
+            assert command[:2] == ["env", "-i"], (service, kind)
+            assert command[2].startswith("PATH=") and "$" not in command[2]
+            assert command[3:5] == ["python", "-c"], (service, kind)
     (container,) = pod(docs["r-marl-workflow"])["containers"]
-    script = container["readinessProbe"]["exec"]["command"][2]
+    rendered = container["readinessProbe"]["exec"]["command"]
+    script = rendered[5]
     assert "127.0.0.1:50053" in script and "r-marl.marl.svc" in script
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
@@ -249,7 +254,11 @@ def test_the_probes_check_health_over_tls(certs: Path) -> None:
     wrong_name = probe.replace("r-marl.marl.svc", "r-marl-sandbox")
 
     def passes(code: str) -> bool:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=30)
+        """Run as the kubelet would: the rendered command, this Python first on its PATH,
+        in an environment that holds a secret the probe must not pass on."""
+        path = f"PATH={Path(sys.executable).parent}:{rendered[2].removeprefix('PATH=')}"
+        out = subprocess.run([*rendered[:2], path, *rendered[3:5], code], capture_output=True,
+                             timeout=30, env={"MARL_AUTH_TOKEN": "must-not-pass"})
         return out.returncode == 0
 
     try:
@@ -260,3 +269,8 @@ def test_the_probes_check_health_over_tls(certs: Path) -> None:
     finally:
         server.stop(0)
     assert (not_serving, serving, other_name) == (False, True, False)
+    path = f"PATH={Path(sys.executable).parent}:{rendered[2].removeprefix('PATH=')}"
+    seen = subprocess.run([*rendered[:2], path, *rendered[3:5], "import os; print(dict(os.environ))"],
+                          capture_output=True, text=True, timeout=30,
+                          env={"MARL_AUTH_TOKEN": "must-not-pass", "PATH": "/usr/bin:/bin"})
+    assert seen.returncode == 0 and "must-not-pass" not in seen.stdout, seen

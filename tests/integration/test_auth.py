@@ -73,9 +73,11 @@ def call_raw(channel: grpc.Channel, service: Any, method: Any,
 def test_deny_every_rpc_without_the_token(endpoints: dict[str, Any], kind: str) -> None:
     service = SERVICES[kind]
     with grpc.insecure_channel(address(endpoints, kind)) as channel:
+        # the sandbox accepts only its own token, never the services' (test_sandbox_token.py)
+        shared = [[("authorization", f"Bearer {TOKEN}")]] if kind == "sandbox" else []
         for method in service.methods:
             for metadata in ([], [("authorization", "Bearer wrong")],
-                             [("authorization", TOKEN)]):
+                             [("authorization", TOKEN)], *shared):
                 code = call_raw(channel, service, method, metadata)
                 assert code == grpc.StatusCode.UNAUTHENTICATED, (kind, method.name, metadata)
         # probes and reflection need no secret
@@ -99,7 +101,11 @@ def test_deny_http_front_ends_without_the_token(endpoints: dict[str, Any]) -> No
         assert r.status_code == 401
     good = {"Authorization": f"Bearer {TOKEN}"}
     assert requests.get(f"http://{inference}/v1/models", headers=good, timeout=10).ok
-    ran = requests.post(f"http://{sandbox}/run_code", json=body, headers=good, timeout=60)
+    r = requests.post(f"http://{sandbox}/run_code", json=body, headers=good, timeout=30)
+    assert r.status_code == 401  # the services' token is not the sandbox's
+    own = Path(endpoints["sandbox_token_file"]).read_text().strip()
+    ran = requests.post(f"http://{sandbox}/run_code", json=body, timeout=60,
+                        headers={"Authorization": f"Bearer {own}"})
     assert ran.ok and ran.json()["status"] == "Success"
     for kind in ("inference", "sandbox", "workflow", "learner"):
         (address,) = endpoints[f"{kind}_http"]
@@ -107,8 +113,9 @@ def test_deny_http_front_ends_without_the_token(endpoints: dict[str, Any]) -> No
 
 
 def test_allow_marl_clients_with_the_token_train_one_step(
-        endpoints: dict[str, Any], tmp_path: Path) -> None:
+        endpoints: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert auth_token() == TOKEN
+    monkeypatch.setenv("MARL_SANDBOX_TOKEN_FILE", endpoints["sandbox_token_file"])
     with SandboxClient(endpoints["sandbox"][0]) as sandbox:  # what code-reward workers use
         assert sandbox.execute("print(input())", [{"stdin": "7", "expected_stdout": "7"}]
                                ).pass_rate == 1.0

@@ -51,6 +51,37 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- default (printf "%s-auth" (include "marl.fullname" .)) .Values.auth.existingSecret }}
 {{- end }}
 
+{{/* ---- The sandbox's own token (auth.sandbox): the only token the sandbox accepts and
+holds, a file mounted into the sandbox and the workflow pods only; the sandbox never gets
+the services' token. */}}
+{{- define "marl.sandboxAuthSecret" -}}
+{{- default (printf "%s-sandbox-auth" (include "marl.fullname" .)) .Values.auth.sandbox.existingSecret }}
+{{- end }}
+
+{{- define "marl.sandboxTokenEnv" -}}
+{{- if include "marl.authEnabled" . }}
+- name: MARL_SANDBOX_TOKEN_FILE
+  value: /etc/marl-sandbox-auth/token
+{{- end }}
+{{- end }}
+
+{{- define "marl.sandboxTokenMount" -}}
+{{- if include "marl.authEnabled" . }}
+- {name: sandbox-auth, mountPath: /etc/marl-sandbox-auth, readOnly: true}
+{{- end }}
+{{- end }}
+
+{{- define "marl.sandboxTokenVolume" -}}
+{{- if include "marl.authEnabled" . }}
+- name: sandbox-auth
+  secret:
+    secretName: {{ include "marl.sandboxAuthSecret" . }}
+    defaultMode: 0440
+    items:
+      - {key: token, path: token}
+{{- end }}
+{{- end }}
+
 {{- define "marl.authEnabled" -}}
 {{- if .Values.auth.enabled }}true{{ end }}
 {{- end }}
@@ -283,7 +314,9 @@ to check a server dialled at its IP against. */}}
 
 {{/* A health probe on a marl service's gRPC port: the kubelet's native gRPC probe, or with
 TLS (which that probe cannot speak) a short Python check of the same health service over
-TLS, verifying the pod's certificate for `name` against the CA. */}}
+TLS, verifying the pod's certificate for `name` against the CA. That check runs with an
+empty environment (`env -i`, PATH only) and needs no secret: in the sandbox pod a job of
+the same uid could read a process's environment, and the probe starts one every period. */}}
 {{- define "marl.probe" -}}
 {{- if .root.Values.tls.enabled }}
 {{- $script := printf `import sys, grpc
@@ -293,7 +326,7 @@ c = grpc.secure_channel("127.0.0.1:%d", ca, options=[("grpc.ssl_target_name_over
 sys.exit(g.HealthStub(c).Check(h.HealthCheckRequest(), timeout=4).status != h.HealthCheckResponse.SERVING)
 ` (int .port) .name }}
 exec:
-  command: ["python", "-c", {{ $script | toJson }}]
+  command: ["env", "-i", "PATH=/opt/marl/bin:/usr/local/bin:/usr/bin:/bin", "python", "-c", {{ $script | toJson }}]
 {{- else }}
 grpc:
   port: {{ .port }}
