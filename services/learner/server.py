@@ -103,7 +103,7 @@ def page_position(token: str) -> Position | None:
 
 def validate_spec(spec_yaml: str) -> RunSpec:
     """Everything a user can get wrong, checked before the run is accepted."""
-    from services.learner.options import spec_problems
+    from services.learner.option_checks import spec_problems
 
     spec = load_spec_text(spec_yaml)
     spec_problems(spec, policy_of_role(spec))

@@ -50,20 +50,14 @@ from services.learner.episodes import Episodes
 from services.learner.errors import ReplicaUnreachable, RunCancelled, RunFailed, RunStopped
 from services.learner.guard import Action, Guard, GuardStopped, spare_adapters
 from services.learner.lease import Lease, LeaseLost
-from services.learner.metrics import (
-    JsonlSink,
-    MetricsSink,
-    RolloutLog,
-    RunRecordSink,
-    StepClock,
-    StreamSink,
-    step_record,
-)
 from services.learner.outcome import step_failed
+from services.learner.records import step_record
 from services.learner.runs import RunStore
 from services.learner.sampler import DataSampler
 from services.learner.schedules import RolloutsAhead, Synchronous
+from services.learner.sinks import JsonlSink, MetricsSink, RolloutLog, RunRecordSink, StreamSink
 from services.learner.staleness import drop_stale
+from services.learner.step_clock import StepClock
 from services.learner.validator import Validator
 
 if TYPE_CHECKING:
@@ -404,7 +398,7 @@ class RunExecutor:
         signal (topped up from the data order), then those no more than
         train.max_staleness versions behind. Returns every rollout the step gathered,
         those that train, and the record of what was dropped."""
-        from services.learner.options import dynamic_sampling
+        from services.learner.dynamic_sampling import dynamic_sampling
 
         spec = self.spec
         topped: dict[str, float] = {}
