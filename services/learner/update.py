@@ -29,12 +29,14 @@ record.
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from marl.diagnostics.signatures import parallel_roles
 from marl.rollout import Rollout
+from marl.runtime import trace
 from marl.spec.run import RunSpec
 from services.learner import fsdp
 from services.learner.advantages import step_advantages
@@ -121,6 +123,7 @@ def grpo_step(
 ) -> StepResult:
     """Train every adapter on the step's `rollouts` (`groups`: each one's problem) and
     advance their schedules; `policy_of_role`: role -> adapter."""
+    started = time.monotonic()  # the "grpo step" span, on the thread that runs it
     g = spec.grpo
     adv = step_advantages(rollouts, groups, spec)
     rollouts, rewards = adv.rollouts, adv.rewards
@@ -169,6 +172,7 @@ def grpo_step(
         importance=step.watch.importance,
     )
     policy.end_step()
+    trace.add("grpo step", started, time.monotonic())
     return StepResult(metrics, mini_batches)
 
 
