@@ -157,7 +157,7 @@ class Rollout:
     role_rewards: dict[str, float] = field(default_factory=dict)
     """Rewards of single roles (from the workflow or the reward function); a role not named
     gets `reward`. Set: the learner normalises each role's advantages over its own rewards
-    (services/learner/role_rewards.py)."""
+    (services/learner/advantages.py)."""
     judge_turns: list[Turn] = field(default_factory=list)
     """The judge's turns when no policy group names the judge role: recorded, not trained."""
 

@@ -16,7 +16,7 @@ Either returns a number or a mapping `{"score": x, **components}`: numeric
 components are logged as metrics (`train/<name>`, `val/<name>`), others (verl's
 `pred` strings) are dropped. `{"role_rewards": {role: x}}` gives roles their own
 rewards (the learner then normalises each role's advantages over its own
-rewards, services/learner/role_rewards.py). A sync function runs in a thread,
+rewards, services/learner/advantages.py). A sync function runs in a thread,
 so a slow one does not stall the worker's other episodes.
 
 A function that raises, or returns NaN, infinity or no number, fails that

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
@@ -28,10 +29,11 @@ class TorchThread:
     def __init__(self, name: str = "torch"):
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
 
-    async def run(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
-        """`fn(*args, **kwargs)` on the thread, awaited without blocking the event loop."""
+    def run(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> asyncio.Future[R]:
+        """`fn(*args, **kwargs)` on the thread, to await without blocking the event loop (a
+        future, not a coroutine: no frame of its own between the caller and `fn`)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+        return loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
     def call(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """`fn(*args, **kwargs)` on the thread, from outside an event loop (blocks)."""

@@ -45,7 +45,7 @@ Off-policy steps (`train.max_staleness` >= 1) also record the importance weights
 (`train/importance_weight_mean`, `train/importance_truncated_fraction`).
 
 The step feeds all of it through one observer, `StepDiagnostics`, which times itself
-(`time/diagnostics_s`); metrics.py names what it sums.
+(`time/diagnostics_s`); records.py names what it sums.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from marl.spec.run import GRPOSpec
-from services.learner import fsdp, metrics
+from services.learner import fsdp, records
 from services.learner.grpo import LossStats, at_least_float32
 from services.learner.policy import MultiAdapterPolicy
 from services.learner.prompt_rows import pack_rows
@@ -174,7 +174,7 @@ class RoleSignals:
         return r.grad_norm / steps if steps else r.grad_norm
 
     def metrics(self) -> dict[str, float]:
-        return metrics.signal_metrics(self)
+        return records.signal_metrics(self)
 
 
 def sample_tokens(seqs: list[Sequence], per_role: int, rng: random.Random) -> dict[int, list[int]]:
@@ -272,7 +272,7 @@ class ImportanceStats:
         self.truncated += int((weights >= cap).sum())
 
     def metrics(self) -> dict[str, float]:
-        return metrics.importance_metrics(self)
+        return records.importance_metrics(self)
 
 
 def full_grads(policy: MultiAdapterPolicy, p: str) -> list[torch.Tensor]:

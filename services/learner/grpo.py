@@ -1,76 +1,22 @@
-"""GRPO's math: group-relative advantages, failed-episode filtering and the clipped loss.
+"""GRPO's loss: the clipped surrogate over a micro-batch's tokens, its weights, and pass@k.
 
-One outcome reward per whole-workflow rollout; the advantage is relative to the
-other rollouts of the same problem, and every token every role emitted in the
-rollout carries it (paper §A.7). A failed episode (no replica, sandbox down) is
-no score: it is left out of its group, and a group left with fewer than two
-good rollouts carries no comparison and is dropped. Each adapter's loss is
-aggregated over its own mini-batch as `grpo.loss_agg` says; no KL term. Off-policy
-tokens (`train.max_staleness` >= 1) are reweighted by π_old/μ, truncated (update.py).
+`grpo_loss` takes one typed input (`LossInputs`: the tokens' log-probs, π_old's, their
+advantages and weights) and keyword-only options, and returns `LossOutputs`; the
+advantages come from advantages.py. Each adapter's loss is aggregated over its own
+mini-batch as `grpo.loss_agg` says; no KL term. Off-policy tokens
+(`train.max_staleness` >= 1) are reweighted by π_old/μ, truncated (update.py).
 
 Beyond the paper, each off by default (the formulas and sources are in GRPOSpec's
-docstrings): a leave-one-out baseline (RLOO), per-role normalisation (Dr. MAS), GSPO's
-sequence-level ratio, a KL penalty to the base model (k1, k2, k3), an entropy bonus,
-DAPO's soft overlong band and its dynamic sampling's signal test; pass@k for validation.
+docstrings): GSPO's sequence-level ratio, a KL penalty to the base model (k1, k2, k3)
+and an entropy bonus; pass@k for validation.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-
-def group_advantages(
-    rewards: Sequence[float],
-    groups: Sequence[Hashable],
-    normalize_std: bool = True,
-    eps: float = 1e-6,
-    baseline: str = "group",
-) -> list[float]:
-    """(r - mean of its group) / (std of its group + eps); std is the unbiased estimate.
-    `baseline` leave_one_out: r - mean of the group's others, = G/(G-1) (r - mean) (RLOO).
-
-    A group whose rewards are all equal carries no signal: advantage 0.
-    """
-    assert len(rewards) == len(groups)
-    members: dict[Hashable, list[int]] = defaultdict(list)
-    for i, g in enumerate(groups):
-        members[g].append(i)
-    out = [0.0] * len(rewards)
-    for idx in members.values():
-        r = torch.tensor([float(rewards[i]) for i in idx], dtype=torch.float64)
-        centered = r - r.mean()
-        assert baseline in ("group", "leave_one_out"), baseline
-        if baseline == "leave_one_out" and len(idx) > 1:  # a lone rollout is centred to 0
-            centered = centered * (len(idx) / (len(idx) - 1))
-        if normalize_std:
-            std = float(r.std(unbiased=True)) if len(idx) > 1 else 0.0
-            centered = centered / (std + eps) if std > 0 else torch.zeros_like(centered)
-        for j, i in enumerate(idx):
-            out[i] = float(centered[j])
-    return out
-
-
-def signal_groups(rewards: Sequence[float], groups: Sequence[Hashable]) -> set[Hashable]:
-    """The groups whose rewards are not all equal: those that carry a comparison (DAPO's
-    dynamic sampling keeps only these)."""
-    values: dict[Hashable, set[float]] = defaultdict(set)
-    for r, g in zip(rewards, groups, strict=True):
-        values[g].add(float(r))
-    return {g for g, v in values.items() if len(v) > 1}
-
-
-def overlong_penalty(length: int, cap: int, band: int, penalty: float) -> float:
-    """DAPO's soft overlong punishment of one response of `length` tokens under a cap
-    of `cap`: 0 up to cap - band, then falling linearly to -penalty at the cap (and held
-    there beyond it)."""
-    if band <= 0:
-        return 0.0
-    over = length - (cap - band)
-    return -penalty * min(max(over, 0) / band, 1.0)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -83,23 +29,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     for i in range(n - c + 1, n + 1):
         miss *= 1.0 - k / i
     return 1.0 - miss
-
-
-def good_rollouts(errors: Sequence[bool], groups: Sequence[Hashable]) -> tuple[list[int], int]:
-    """Indices of the rollouts that train: not failed, in a group with >= 2 good ones.
-
-    Returns them and the number of groups dropped (every group that had a failed
-    rollout and kept fewer than two good ones).
-    """
-    good: dict[Hashable, list[int]] = defaultdict(list)
-    seen: dict[Hashable, None] = {}
-    for i, (err, g) in enumerate(zip(errors, groups, strict=True)):
-        seen[g] = None
-        if not err:
-            good[g].append(i)
-    kept = sorted(i for idx in good.values() if len(idx) >= 2 for i in idx)
-    dropped = sum(1 for g in seen if len(good.get(g, [])) < 2)
-    return kept, dropped
 
 
 def token_weights(completion_lengths: Sequence[int], loss_agg: str) -> list[float]:
@@ -158,6 +87,7 @@ def clipped_loss(
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    *,
     clip_low: float,
     clip_high: float,
     weights: torch.Tensor | None = None,
@@ -202,36 +132,59 @@ def behaviour_weights(old: torch.Tensor, sample_logprobs: list[float], cap: floa
     return torch.exp(old - mu).clamp(max=cap)
 
 
+@dataclass
+class LossInputs:
+    """One micro-batch's completion tokens, flat, in sequence order."""
+
+    logp: torch.Tensor
+    """log π of each token, with its graph."""
+    old_logp: torch.Tensor
+    """π_old's, the trust region's centre."""
+    advantages: torch.Tensor
+    weights: torch.Tensor
+    """Each token's weight in its mini-batch's loss (0 on a rank's padding micro-batch)."""
+    seq_lengths: Sequence[int] | None = None
+    """Each sequence's token count, for GSPO's sequence-level ratio; None: per token."""
+    ref_logp: torch.Tensor | None = None
+    """The base model's log-probs, for the KL term."""
+    entropy: torch.Tensor | None = None
+    """The tokens' entropies, for the entropy bonus."""
+
+
+@dataclass
+class LossOutputs:
+    loss: torch.Tensor
+    stats: LossStats
+    """The clipped surrogate's."""
+    kl: float
+    """The weighted KL estimate to the base model (0 without the KL term)."""
+
+
 def grpo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    weights: torch.Tensor,
+    inputs: LossInputs,
+    *,
     clip_low: float,
     clip_high: float,
-    seq_lengths: Sequence[int] | None = None,
-    kl: tuple[float, str, torch.Tensor] | None = None,
-    entropy: tuple[float, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, LossStats, float]:
-    """One micro-batch's part of its mini-batch's loss, over its completion tokens (flat):
-    the clipped surrogate (`clipped_loss`), plus `kl` = (coefficient, estimator, the base
-    model's log-probs) times the weighted KL estimate, minus `entropy` = (coefficient, the
-    tokens' entropies) times the weighted entropy. Returns the loss, the surrogate's stats
-    and the KL estimate's value (0 without it)."""
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy_coef: float = 0.0,
+) -> LossOutputs:
+    """One micro-batch's part of its mini-batch's loss: the clipped surrogate
+    (`clipped_loss`), plus `kl_coef` times the weighted KL estimate to the base model
+    (with `ref_logp`), minus `entropy_coef` times the weighted entropy (with `entropy`)."""
+    x = inputs
     loss, stats = clipped_loss(
-        logp, old_logp, advantages, torch.ones_like(logp), clip_low, clip_high, weights,
-        seq_lengths,
+        x.logp, x.old_logp, x.advantages, torch.ones_like(x.logp), clip_low=clip_low,
+        clip_high=clip_high, weights=x.weights, seq_lengths=x.seq_lengths,
     )
     kl_value = 0.0
-    if kl is not None:
-        coef, estimator, ref_logp = kl
-        estimate = (kl_penalty(logp, ref_logp, estimator) * weights).sum()
-        loss = loss + coef * estimate
+    if kl_coef > 0 and x.ref_logp is not None:
+        estimate = (kl_penalty(x.logp, x.ref_logp, kl_estimator) * x.weights).sum()
+        loss = loss + kl_coef * estimate
         kl_value = float(estimate.detach())
-    if entropy is not None:
-        coef, ent = entropy
-        loss = loss - coef * (ent * weights).sum()
-    return loss, stats, kl_value
+    if entropy_coef > 0 and x.entropy is not None:
+        loss = loss - entropy_coef * (x.entropy * x.weights).sum()
+    return LossOutputs(loss, stats, kl_value)
 
 
 def at_least_float32(x: torch.Tensor) -> torch.Tensor:

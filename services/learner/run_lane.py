@@ -17,6 +17,7 @@ its generators there; the lane then swaps only the server's, which none of its c
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -60,8 +61,8 @@ class RunLane(TorchThread):
         finally:
             self._rng = _get_rng()
 
-    async def run(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
-        return await self.thread.run(self._in_lane, fn, args, kwargs)
+    def run(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> asyncio.Future[R]:
+        return self.thread.run(self._in_lane, fn, args, kwargs)
 
     def call(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         return self.thread.call(self._in_lane, fn, args, kwargs)

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from marl.rollout import Rollout
     from services.learner.episodes import Pending
-    from services.learner.metrics import StepClock
     from services.learner.sampler import DataSampler
+    from services.learner.step_clock import StepClock
     from services.learner.trainer import Loop, RunExecutor, Trained
 
 

@@ -106,7 +106,7 @@ def validate_spec(spec_yaml: str, cfg: LearnerConfig) -> RunSpec:
     """Everything a user can get wrong, and everything the operator does not let a spec
     name (services/learner/intake.py), checked before the run is accepted. Its `out_dir`,
     if set, comes back resolved."""
-    from services.learner.options import spec_problems
+    from services.learner.option_checks import spec_problems
 
     intake.check_size(spec_yaml, cfg)
     spec = load_spec_text(spec_yaml)

@@ -1,6 +1,6 @@
 """Executes one training run: a short loop over parts that each do one job.
 
-`RunExecutor.train_with` is the loop. Step t: its schedule hands it the step's rollouts
+`RunExecutor.execute` is the loop. Step t: its schedule hands it the step's rollouts
 (the sampler picks the problems, `Episodes` runs each group_size times through the
 workflow with adapter version t); failed episodes are counted; the rollouts that train are
 selected (dynamic sampling, staleness); the GRPO update runs (update.py); the schedule
@@ -24,7 +24,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -50,20 +51,14 @@ from services.learner.episodes import Episodes
 from services.learner.errors import ReplicaUnreachable, RunCancelled, RunFailed, RunStopped
 from services.learner.guard import Action, Guard, GuardStopped, spare_adapters
 from services.learner.lease import Lease, LeaseLost
-from services.learner.metrics import (
-    JsonlSink,
-    MetricsSink,
-    RolloutLog,
-    RunRecordSink,
-    StepClock,
-    StreamSink,
-    step_record,
-)
 from services.learner.outcome import step_failed
+from services.learner.records import step_record
 from services.learner.runs import RunStore
 from services.learner.sampler import DataSampler
 from services.learner.schedules import RolloutsAhead, Synchronous
+from services.learner.sinks import JsonlSink, MetricsSink, RolloutLog, RunRecordSink, StreamSink
 from services.learner.staleness import drop_stale
+from services.learner.step_clock import StepClock
 from services.learner.validator import Validator
 
 if TYPE_CHECKING:
@@ -114,13 +109,6 @@ class Trained:
     record: dict[str, Any]
     rollouts: list[Rollout]
     clock: StepClock
-
-
-def grpo_call(policy: PolicyHandle, *call: Any) -> Any:
-    """`policy.call(*call)`, the step's update, on the torch thread and traced there as
-    "grpo step" (the event loop's "update" span also holds its wait to hear that it ended)."""
-    with trace.span("grpo step"):
-        return policy.call(*call)
 
 
 def trim_heap(policy: PolicyHandle) -> None:
@@ -177,31 +165,17 @@ class RunExecutor:
         self.saved_step: int | None = None
         """The step of the last checkpoint this run has (restored or saved)."""
         self.adapters = AdapterSync(
-            run_id,
-            spec,
-            r,
-            self.roles,
-            base_model_id(spec.model.path),
-            self.torch,
+            run_id, spec, r, self.roles, base_model_id(spec.model.path), self.torch,
             # each learner of the run, and each rollback within it, a range of its own
             version_base=takeover * (spec.guard.max_rollbacks + 1) * (spec.train.steps + 1),
-            check_cancel=self.check_cancel,
-            owner=owner,
-            lease=lease,
+            check_cancel=self.check_cancel, owner=owner, lease=lease,
         )
-        self.episodes = Episodes(
-            run_id, spec, r, learner_id, self.adapters.refs, self.check_cancel,
-            learner.max_queued_tasks, TaskSigner(auth_token()),
-        )
+        self.episodes = Episodes(run_id, spec, r, learner_id, self.adapters.refs, self.check_cancel,
+                                 learner.max_queued_tasks, TaskSigner(auth_token()))
         self.jsonl = JsonlSink(out_dir / "metrics.jsonl")
         self.stream = StreamSink(r, run_id)
         self.record = RunRecordSink(store, run_id)
-        self.sinks: list[MetricsSink] = [
-            self.jsonl,
-            self.record,
-            self.stream,
-            *(extra_sinks or []),
-        ]
+        self.sinks: list[MetricsSink] = [self.jsonl, self.record, self.stream, *(extra_sinks or [])]
         self.rollout_log = RolloutLog(out_dir / "rollouts", spec.train.rollouts_logged)
         adapters = list(self.roles.values())
         self.alarms = AlarmWatch(
@@ -217,24 +191,60 @@ class RunExecutor:
         self.burst: ThreadBurst | None = None
 
     async def execute(self) -> None:
+        """The run: its policy opened, then the step loop (`train.steps` steps, each its
+        rollouts, its selection, the GRPO update on the torch thread, and its push and
+        record as the schedule says), then everything it opened closed."""
+        from services.learner.ranks import close_policy
+        from services.learner.update import grpo_step
+
+        spec = self.spec
         await self.adapters.start()
         try:
-            await self.train()
+            policy, loop = await self.open()
+            schedule = (
+                RolloutsAhead(self, loop) if spec.train.max_staleness > 0
+                else Synchronous(self, loop)
+            )
+            try:
+                for step in range(loop.start, spec.train.steps):
+                    await self.check_cancel()
+                    if self.stop.is_set():
+                        await self.stop_here(schedule, loop, step)
+                    clock = StepClock(time.monotonic())
+                    rollouts = await self.unless_stopped(schedule.rollouts(step, clock))
+                    if rollouts is None:
+                        await self.stop_here(schedule, loop, step)
+                    failed_step = await self.count_failures(loop, step, rollouts)
+                    rollouts, trained, selection = await self.select(loop, step, rollouts)
+                    async with self.reading_ahead(schedule.ahead.task_ids()) as burst_s:
+                        result = await self.torch.run(
+                            policy.call, grpo_step, trained, [r.problem_id for r in trained],
+                            self.roles, spec,
+                        )
+                    clock.updated = time.monotonic()
+                    await schedule.updated()
+                    self.adapters.set_step(step + 1)
+                    record = step_record(
+                        rollouts, spec.workflow, result.metrics, selection, failed_step, clock,
+                        None if self.burst is None else burst_s[0],
+                    )
+                    await schedule.publish(Trained(step + 1, record, rollouts, clock))
+                await schedule.drain()
+                failure = self.record.outcome.verdict(spec.train)
+                if failure is not None:
+                    raise RunFailed(failure)
+            except RunCancelled:
+                await schedule.drain()  # the step it trained is logged, as a synchronous run's is
+                raise
+            finally:
+                await schedule.close()
+                await self.torch.run(close_policy, policy)
         finally:
-            if self.burst is not None:
-                await self.torch.run(self.burst.keep_share)
-            # a run whose lease was lost is another learner's: its adapters and its
-            # rollouts stream stay for that learner
-            held = self.lease is None or self.lease.lost is None
-            await self.adapters.close(release=held)
-            if held:
-                await self.episodes.close()
-            for sink in self.sinks:
-                await sink.close()
-            if self._own_torch_thread:
-                self.torch.close()
+            await self.close()
 
-    async def train(self) -> None:
+    async def open(self) -> tuple[PolicyHandle, Loop]:
+        """The run's data, its episodes' stream and its policy; the loop's parts from the
+        last checkpoint if there is one (`resume`)."""
         from services.learner.group import joined
         from services.learner.ranks import close_policy, open_policy
         from services.learner.threads import ThreadBurst
@@ -258,57 +268,26 @@ class RunExecutor:
         adapters = sorted(set(self.roles.values())) + sorted(set(self.spares.values()))
         policy = await self.torch.run(open_policy, spec, adapters, self.burst)
         try:
-            await self.train_with(policy, train, val)
-        finally:
+            return policy, await self.resume(policy, train, val)
+        except BaseException:
             await self.torch.run(close_policy, policy)
-
-    async def train_with(
-        self, policy: PolicyHandle, train: list[Problem], val: list[Problem]
-    ) -> None:
-        from services.learner.update import grpo_step
-
-        spec = self.spec
-        loop = await self.resume(policy, train, val)
-        schedule = (
-            RolloutsAhead(self, loop) if spec.train.max_staleness > 0 else Synchronous(self, loop)
-        )
-        try:
-            for step in range(loop.start, spec.train.steps):
-                await self.check_cancel()
-                if self.stop.is_set():
-                    await self.stop_here(schedule, loop, step)
-                clock = StepClock(time.monotonic())
-                rollouts = await self.unless_stopped(schedule.rollouts(step, clock))
-                if rollouts is None:
-                    await self.stop_here(schedule, loop, step)
-                failed_step = await self.count_failures(loop, step, rollouts)
-                rollouts, trained, selection = await self.select(loop, step, rollouts)
-                result, burst_s = await self.update(
-                    policy,
-                    schedule.ahead.task_ids(),
-                    grpo_step,
-                    trained,
-                    [r.problem_id for r in trained],
-                    self.roles,
-                    spec,
-                )
-                clock.updated = time.monotonic()
-                await schedule.updated()
-                self.adapters.set_step(step + 1)
-                record = step_record(
-                    rollouts, spec.workflow, result.metrics, selection, failed_step, clock,
-                    None if self.burst is None else burst_s,
-                )
-                await schedule.publish(Trained(step + 1, record, rollouts, clock))
-            await schedule.drain()
-            failure = self.record.outcome.verdict(spec.train)
-            if failure is not None:
-                raise RunFailed(failure)
-        except RunCancelled:
-            await schedule.drain()  # the step it trained is logged, as a synchronous run's is
             raise
-        finally:
-            await schedule.close()
+
+    async def close(self) -> None:
+        """What the run opened, closed: the burst's threads back to their share, the
+        adapters and (unless the lease was lost) the rollouts stream released, the sinks."""
+        if self.burst is not None:
+            await self.torch.run(self.burst.keep_share)
+        # a run whose lease was lost is another learner's: its adapters and its
+        # rollouts stream stay for that learner
+        held = self.lease is None or self.lease.lost is None
+        await self.adapters.close(release=held)
+        if held:
+            await self.episodes.close()
+        for sink in self.sinks:
+            await sink.close()
+        if self._own_torch_thread:
+            self.torch.close()
 
     async def unless_stopped(self, gathering: Awaitable[list[Rollout]]) -> list[Rollout] | None:
         """The step's rollouts, or None when the learner is asked to stop first: the
@@ -404,7 +383,7 @@ class RunExecutor:
         signal (topped up from the data order), then those no more than
         train.max_staleness versions behind. Returns every rollout the step gathered,
         those that train, and the record of what was dropped."""
-        from services.learner.options import dynamic_sampling
+        from services.learner.dynamic_sampling import dynamic_sampling
 
         spec = self.spec
         topped: dict[str, float] = {}
@@ -516,12 +495,15 @@ class RunExecutor:
             await self.write(step, full, None)
         await self.torch.run(trim_heap, policy)
 
-    async def update(self, policy: PolicyHandle, ahead: set[str], *call: Any) -> tuple[Any, float]:
-        """`policy.call(*call)` (the step's update) and the seconds of it run with the burst
-        of threads: while it runs, the rollouts of the tasks queued `ahead` are read, and
-        once all are in the update takes the cores their generation leaves idle."""
+    @asynccontextmanager
+    async def reading_ahead(self, ahead: set[str]) -> AsyncIterator[list[float]]:
+        """Around the step's update: the rollouts of the tasks queued `ahead` are read while
+        it runs, and once all are in the update takes the cores their generation leaves idle
+        (`ThreadBurst`). Yields a list that holds, after, the seconds it ran with them."""
+        burst_s = [0.0]
         if self.burst is None:
-            return await self.torch.run(grpo_call, policy, *call), 0.0
+            yield burst_s
+            return
         burst = self.burst
         burst.start_step()
         stop = asyncio.Event()
@@ -534,8 +516,8 @@ class RunExecutor:
 
         reader = asyncio.create_task(read_ahead())
         try:
-            result = await self.torch.run(grpo_call, policy, *call)
-            return result, burst.burst_seconds()
+            yield burst_s
+            burst_s[0] = burst.burst_seconds()
         finally:
             stop.set()
             await reader

@@ -21,21 +21,25 @@ token the learner has already moved past. At max_staleness 0, μ and π_old are 
 version (they differ by engine rounding alone, `policy/<adapter>/logprob_gap`), and the
 loss is left exactly the on-policy one.
 
-The objective options and mitigations are applied where options.py says; the per-role
-signals are an observer the step calls (diagnostics.py); metrics.py names the record.
+The advantages come from advantages.py, the mitigations from role_balance.py; the
+per-role signals are an observer the step calls (diagnostics.py); records.py names the
+record.
 """
 
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from marl.diagnostics.signatures import parallel_roles
 from marl.rollout import Rollout
+from marl.runtime import trace
 from marl.spec.run import RunSpec
 from services.learner import fsdp
+from services.learner.advantages import step_advantages
 from services.learner.batching import (
     Chunk,
     by_role,
@@ -45,21 +49,15 @@ from services.learner.batching import (
 )
 from services.learner.diagnostics import StepDiagnostics
 from services.learner.grpo import (
+    LossInputs,
     LossStats,
     behaviour_weights,
-    good_rollouts,
-    group_advantages,
     grpo_loss,
     token_weights,
 )
-from services.learner.metrics import update_metrics
-from services.learner.options import (
-    RoleBalance,
-    per_turn_advantages,
-    shaped_rewards,
-    slot_scale,
-)
 from services.learner.policy import MultiAdapterPolicy
+from services.learner.records import update_metrics
+from services.learner.role_balance import RoleBalance, slot_scale
 from services.learner.sequences import Sequence, build_sequences, turn_owners
 
 
@@ -125,14 +123,14 @@ def grpo_step(
 ) -> StepResult:
     """Train every adapter on the step's `rollouts` (`groups`: each one's problem) and
     advance their schedules; `policy_of_role`: role -> adapter."""
+    started = time.monotonic()  # the "grpo step" span, on the thread that runs it
     g = spec.grpo
-    keep, dropped = good_rollouts([r.error is not None for r in rollouts], groups)
-    rollouts = [rollouts[i] for i in keep]
-    groups = [groups[i] for i in keep]
-    rewards = shaped_rewards(rollouts, spec)
-    advantages = group_advantages(rewards, groups, g.normalize_std, baseline=g.baseline)
-    seqs = build_sequences(rollouts, advantages, policy_of_role)
-    per_turn_advantages(seqs, rollouts, rewards, groups, spec)
+    adv = step_advantages(rollouts, groups, spec)
+    rollouts, rewards = adv.rollouts, adv.rewards
+    seqs = build_sequences(rollouts, adv.per_rollout, policy_of_role)
+    if adv.per_sequence is not None:
+        for s, a in zip(seqs, adv.per_sequence, strict=True):
+            s.advantage = a
     parallel = parallel_roles(spec.workflow) or ()
     owners = turn_owners(rollouts)
     units = pooled_units(seqs, owners, parallel) if g.parallel_slots == "pool" else None
@@ -159,19 +157,22 @@ def grpo_step(
     step.watch.step_ends(policy, seqs, step.old, rng, spec.sampling.temperature, g)
     routed = set(policy_of_role.values())
     metrics = update_metrics(
-        policy.lr(),
-        {p: policy.lr(p) for p in policy.policies if p in routed},
-        len(seqs),
-        dropped,
-        [a - r.reward for a, r in zip(rewards, rollouts, strict=True)] if g.overlong else None,
-        step.watch.signals,
-        mini_batches,
-        g.kl_coef > 0,
-        step.balance.scales,
-        step.watch.seconds,
-        step.watch.importance,
+        lr=policy.lr(),
+        lrs={p: policy.lr(p) for p in policy.policies if p in routed},
+        sequences=len(seqs),
+        groups_dropped=adv.groups_dropped,
+        penalties=(
+            [a - r.reward for a, r in zip(rewards, rollouts, strict=True)] if g.overlong else None
+        ),
+        signals=step.watch.signals,
+        mini_batches=mini_batches,
+        kl=g.kl_coef > 0,
+        balance_scales=step.balance.scales,
+        diagnostics_s=step.watch.seconds,
+        importance=step.watch.importance,
     )
     policy.end_step()
+    trace.add("grpo step", started, time.monotonic())
     return StepResult(metrics, mini_batches)
 
 
@@ -192,9 +193,16 @@ def train_mini_batch(
         step.watch.role_starts(policy, p)
         step.balance.role_starts(policy, p)
         for chunk in chunks:
-            stats, entropy, kl = train_chunk(policy, step, chunk, weight_of, first_epoch)
+            inputs = loss_inputs(policy, step, chunk, weight_of, first_epoch)
+            out = grpo_loss(
+                inputs, clip_low=g.clip_low, clip_high=g.clip_high, kl_coef=g.kl_coef,
+                kl_estimator=g.kl_estimator, entropy_coef=g.entropy_coef,
+            )
+            out.loss.backward()
             if chunk[1]:
-                updates.append((role, stats, entropy, kl))
+                ent = inputs.entropy
+                entropy = float(ent.detach().sum()) if first_epoch and ent is not None else None
+                updates.append((role, out.stats, entropy, out.kl))
         step.watch.role_ends(policy, p, role)
         step.balance.role_ends(policy, p, role)
     st = MiniBatchStats(p, k, len(mb), 0.0, 0.0)
@@ -209,15 +217,16 @@ def train_mini_batch(
     return st
 
 
-def train_chunk(
+def loss_inputs(
     policy: MultiAdapterPolicy,
     step: Step,
     chunk: Chunk,
     weight_of: dict[int, float],
     first_epoch: bool,
-) -> tuple[LossStats, float | None, float]:
-    """One micro-batch's forward, loss and backward; its loss stats, its summed entropy
-    (first epoch) and its KL estimate to the base model."""
+) -> LossInputs:
+    """One micro-batch's forward, and what its loss takes: π_old (this very forward on the
+    first mini-batch), the tokens' weights (times π_old/μ off-policy), their advantages,
+    the base model's log-probs (kl_coef > 0) and the entropies (first epoch, or a bonus)."""
     g, seqs = step.spec.grpo, step.seqs
     idx, real = chunk
     temperature = step.spec.sampling.temperature
@@ -249,15 +258,12 @@ def train_chunk(
         advantages.append(torch.full((n,), seqs[i].advantage, device=logp.device))
     refs = [r for r in (step.ref[i] for i in idx) if r is not None]
     assert ent is not None or g.entropy_coef == 0
-    loss, stats, kl = grpo_loss(
-        logp, torch.cat(olds), torch.cat(advantages), torch.cat(weights), g.clip_low,
-        g.clip_high, lengths if g.ratio_level == "sequence" else None,
-        kl=(g.kl_coef, g.kl_estimator, torch.cat(refs)) if g.kl_coef > 0 else None,
-        entropy=(g.entropy_coef, ent) if g.entropy_coef > 0 and ent is not None else None,
+    return LossInputs(
+        logp, torch.cat(olds), torch.cat(advantages), torch.cat(weights),
+        seq_lengths=lengths if g.ratio_level == "sequence" else None,
+        ref_logp=torch.cat(refs) if g.kl_coef > 0 else None,
+        entropy=ent,
     )
-    loss.backward()
-    entropy = float(ent.detach().sum()) if first_epoch and ent is not None else None
-    return stats, entropy, kl
 
 
 @torch.no_grad()

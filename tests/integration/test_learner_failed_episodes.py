@@ -24,7 +24,7 @@ from marl.local.launcher import Cluster
 from marl.rollout import Rollout
 from marl.spec.run import parse_spec
 from marl.workflows import prompts
-from services.learner.grpo import good_rollouts, group_advantages
+from services.learner.advantages import good_rollouts, group_advantages
 from services.learner.sampler import DataSampler
 from services.learner.trainer import FAILED_STEPS_LIMIT
 from tests.support.runs import submit, wait_end

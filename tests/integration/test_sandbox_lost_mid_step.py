@@ -30,7 +30,7 @@ from parity_workflow import MOSTLY_RIGHT_REF, write_problems
 from marl.local.launcher import Cluster, Process
 from marl.protocol.v1 import learner_pb2, learner_pb2_grpc, workflow_pb2, workflow_pb2_grpc
 from marl.rollout import Rollout
-from services.learner.grpo import good_rollouts, group_advantages
+from services.learner.advantages import good_rollouts, group_advantages
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

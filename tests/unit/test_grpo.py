@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from marl.rollout import AdapterRef, Rollout, Turn
-from services.learner.grpo import clipped_loss, group_advantages, token_logprobs, token_weights
+from services.learner.advantages import group_advantages
+from services.learner.grpo import clipped_loss, token_logprobs, token_weights
 from services.learner.sequences import build_sequences, collate
 
 
@@ -77,7 +78,8 @@ def test_clipped_loss_clips_below_with_a_negative_advantage() -> None:
     # ratio e^-0.5 = 0.6065 < 0.8 with A = -1: max(0.6065, 0.8) = 0.8, clipped (no gradient)
     logp = torch.tensor([[-0.5, 0.1]], requires_grad=True)
     loss, stats = clipped_loss(
-        logp, torch.zeros((1, 2)), torch.tensor([[-1.0, -1.0]]), torch.ones((1, 2)), 0.2, 0.28
+        logp, torch.zeros((1, 2)), torch.tensor([[-1.0, -1.0]]), torch.ones((1, 2)), clip_low=0.2,
+        clip_high=0.28,
     )
     assert float(loss.detach()) == pytest.approx((0.8 + math.exp(0.1)) / 2)
     assert (stats.clipped_low, stats.clipped_high) == (1, 0)
@@ -98,8 +100,8 @@ def test_clipped_loss_gradient_follows_the_given_weights() -> None:
         torch.zeros((1, 2)),
         torch.tensor([[2.0, 2.0]]),
         torch.ones((1, 2)),
-        0.2,
-        0.28,
+        clip_low=0.2,
+        clip_high=0.28,
         weights=torch.full((1, 2), 0.25),
     )
     loss.backward()

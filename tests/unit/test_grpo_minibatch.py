@@ -16,8 +16,8 @@ import torch
 
 from marl.rollout import AdapterRef, Rollout, Turn
 from marl.spec.run import RunSpec, parse_spec
+from services.learner.advantages import good_rollouts, group_advantages
 from services.learner.batching import plan_mini_batches
-from services.learner.grpo import good_rollouts, group_advantages
 from services.learner.policy import MultiAdapterPolicy
 from services.learner.update import grpo_step
 

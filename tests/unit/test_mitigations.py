@@ -20,11 +20,11 @@ from marl.local.demo import DEMO_SPEC
 from marl.spec.run import SpecError, apply_overrides, dump_spec, parse_spec
 from marl.spec.services import LearnerConfig
 from services.learner import checkpoint
+from services.learner.advantages import group_advantages
 from services.learner.batching import plan_mini_batches, pooled_units
-from services.learner.grpo import group_advantages
 from services.learner.guard import Guard, spare_adapters
-from services.learner.options import balance_roles
 from services.learner.policy import MultiAdapterPolicy
+from services.learner.role_balance import balance_roles
 from services.learner.sequences import build_sequences, turn_owners
 from services.learner.server import validate_spec
 

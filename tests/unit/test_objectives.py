@@ -16,19 +16,18 @@ from test_grpo_minibatch import ROLES, new_policy, spec, step, voting_batch
 
 from marl.rollout import AdapterRef, Rollout, Turn
 from marl.spec.run import RunSpec, parse_spec
-from services.learner.grpo import (
-    clipped_loss,
+from services.learner.advantages import (
     group_advantages,
-    kl_penalty,
     overlong_penalty,
-    pass_at_k,
-    sequence_log_ratio,
-)
-from services.learner.options import (
-    dynamic_sampling,
-    groups_with_signal,
     sequence_advantages,
     shaped_rewards,
+)
+from services.learner.dynamic_sampling import dynamic_sampling, groups_with_signal
+from services.learner.grpo import (
+    clipped_loss,
+    kl_penalty,
+    pass_at_k,
+    sequence_log_ratio,
 )
 from services.learner.policy import MultiAdapterPolicy
 from services.learner.sequences import build_sequences
@@ -240,14 +239,14 @@ def test_sequence_ratio_and_clip_by_hand() -> None:
     adv = torch.tensor([1.0, 1.0, -1.0])
     w = torch.tensor([0.25, 0.25, 0.5])
     ones = torch.ones(3)
-    seq, st = clipped_loss(logp, old, adv, ones, 0.2, 0.28, w, seq_lengths=[2, 1])
+    seq, st = clipped_loss(logp, old, adv, ones, clip_low=0.2, clip_high=0.28, weights=w, seq_lengths=[2, 1])
     assert float(seq) == pytest.approx(-math.exp(0.2) * 0.5 + 0.8 * 0.5)
     assert (st.clipped_low, st.clipped_high) == (1, 0)
     seq.backward()
     assert logp.grad is not None
     # d/dlogp_t of -0.5 e^{mean} = -0.5 e^0.2 / 2 on each token of sequence 1; 0 on the clipped
     assert logp.grad.tolist() == pytest.approx([-0.25 * math.exp(0.2)] * 2 + [0.0])
-    tok, st = clipped_loss(logp.detach(), old, adv, ones, 0.2, 0.28, w)
+    tok, st = clipped_loss(logp.detach(), old, adv, ones, clip_low=0.2, clip_high=0.28, weights=w)
     assert float(tok) == pytest.approx(-(math.exp(0.1) + 1.28) * 0.25 + 0.8 * 0.5)
     assert (st.clipped_low, st.clipped_high) == (1, 1)
     assert sequence_log_ratio(torch.tensor([0.1, 0.3, -0.4]), [2, 1]).tolist() == (
@@ -291,12 +290,12 @@ def test_role_normalisation_by_hand() -> None:
         rollout("p", 2, 0.0, ["b"]),
     ]
     s = parse_spec({"workflow": "voting", "grpo": {"advantage_norm": "role"}})
-    got = sequence_advantages(rollouts, [1.0, 0.0, 0.0], ["p"] * 3, s)
+    got = sequence_advantages(rollouts, [1.0, 0.0, 0.0], ["p"] * 3, s.grpo)
     a, b = math.sqrt(1 / 3), math.sqrt(1 / 2)
     assert got == pytest.approx(
         [(2 / 3) / a, 0.5 / b, (-1 / 3) / a, (-1 / 3) / a, -0.5 / b], rel=1e-5
     )
-    assert sequence_advantages(rollouts, [1.0, 0.0, 0.0], ["p"] * 3, RunSpec()) is None
+    assert sequence_advantages(rollouts, [1.0, 0.0, 0.0], ["p"] * 3, RunSpec().grpo) is None
 
 
 # --- DAPO: overlong band and dynamic sampling ----------------------------------------------

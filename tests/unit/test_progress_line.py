@@ -8,7 +8,7 @@ from pathlib import Path
 
 from marl.monitor.progress import format_step
 from marl.rollout import Rollout
-from services.learner.metrics import RolloutLog
+from services.learner.sinks import RolloutLog
 
 
 def test_a_step_line_names_failed_episodes_and_where_to_look() -> None:

@@ -6,10 +6,10 @@ from __future__ import annotations
 from marl.clients.runs import RunInfo
 from marl.runtime import streams
 from marl.spec.run import TrainSpec
-from services.learner.metrics import RunRecordSink
 from services.learner.outcome import Outcome, step_failed
 from services.learner.runs import RunStore
 from services.learner.server import _run_message
+from services.learner.sinks import RunRecordSink
 
 
 def step(n: int, episodes: int, failed: int, max_failed_fraction: float = 0.5) -> dict:

@@ -19,7 +19,6 @@ from marl.runtime import streams
 from marl.spec.run import RunSpec, dump_spec
 from marl.spec.services import LearnerConfig
 from services.learner import server
-from services.learner.metrics import RunRecordSink, StreamSink
 from services.learner.runs import (
     EXPIRY,
     INDEX,
@@ -29,6 +28,7 @@ from services.learner.runs import (
     run_key,
     run_keys,
 )
+from services.learner.sinks import RunRecordSink, StreamSink
 
 RUNS = 200
 STEPS = 3

@@ -9,7 +9,7 @@ import pytest
 from redis.exceptions import NoPermissionError, ResponseError
 
 from marl.runtime import streams
-from services.learner.metrics import StreamSink
+from services.learner.sinks import StreamSink
 
 
 async def test_consume_ack_claim_and_dead_letter(redis_url: str) -> None:
