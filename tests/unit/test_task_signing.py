@@ -49,7 +49,7 @@ class RecordingRunner(worker.EpisodeRunner):
     """A worker whose episodes succeed at once; it records the runs whose tasks it ran."""
 
     def __init__(self, redis: object, worker_id: str):
-        super().__init__(redis, worker_id, replica_wait_s=0)
+        super().__init__(redis, worker_id, replica_wait_s=0, judge_endpoints=())
         self.ran: list[str] = []
 
     async def run(self, task: Task) -> Rollout:
