@@ -77,6 +77,11 @@ async def states_become(r: aioredis.Redis, expected: dict[str, str]) -> None:
     await until(check, f"states did not become {expected}")
 
 
+async def executing(held: dict[str, HeldRun], *run_ids: str) -> None:
+    """A run's state turns RUNNING before its executor starts: wait for the executor."""
+    await until(lambda: asyncio.sleep(0, all(i in held for i in run_ids)), f"{run_ids} not started")
+
+
 @pytest.fixture()
 def held(monkeypatch: pytest.MonkeyPatch) -> dict[str, HeldRun]:
     HeldRun.started = {}
@@ -94,7 +99,7 @@ async def test_two_runs_at_once_one_cancelled_one_crashed_the_others_go_on(
     loop = asyncio.create_task(server.run_loop(r, store, "learner-t", cfg))
     try:
         await states_become(r, {a: "RUNNING", b: "RUNNING"})
-        await until(lambda: asyncio.sleep(0, len(held) == 2), "a and b did not both start")
+        await executing(held, a, b)
         await asyncio.sleep(1.5)  # more than a queue poll: c waits for a free slot
         assert await state(r, c) == "QUEUED" and c not in held
         # each run its own lane of one torch thread, and no burst: the cores are shared
@@ -106,6 +111,7 @@ async def test_two_runs_at_once_one_cancelled_one_crashed_the_others_go_on(
         await store.request_cancel(a)
         await states_become(r, {a: "CANCELLED", b: "RUNNING", c: "RUNNING"})
         assert not held[b].end.done()
+        await executing(held, c)
         held[c].finish(RuntimeError("planted crash"))
         await states_become(r, {c: "FAILED", b: "RUNNING"})
         assert "planted crash" in str(await r.hget(run_key(c), "error"))
@@ -134,10 +140,10 @@ async def test_one_run_at_a_time_by_default(
         await states_become(r, {a: "RUNNING"})
         await asyncio.sleep(1.5)
         assert await state(r, b) == "QUEUED" and b not in held
-        await until(lambda: asyncio.sleep(0, a in held), "a did not start")
+        await executing(held, a)
         held[a].finish()
         await states_become(r, {a: "SUCCEEDED", b: "RUNNING"})
-        await until(lambda: asyncio.sleep(0, b in held), "b did not start")
+        await executing(held, b)
         held[b].finish()
         await states_become(r, {b: "SUCCEEDED"})
     finally:
@@ -157,7 +163,7 @@ async def test_a_learner_stopped_mid_runs_releases_every_lease(
     cfg = LearnerConfig(max_concurrent_runs=2)
     loop = asyncio.create_task(server.run_loop(r, store, "learner-t", cfg))
     try:
-        await until(lambda: asyncio.sleep(0, len(held) == 2), "a and b did not both start")
+        await executing(held, a, b)
     finally:
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
@@ -181,7 +187,7 @@ async def test_learner_replicas_each_take_runs_from_the_one_queue(
         await states_become(r, {a: "RUNNING", b: "RUNNING"})
         holders = {str(await r.get(f"{run_key(i)}:lease")).split(":")[0] for i in (a, b)}
         assert holders == {"learner-1", "learner-2"}
-        await until(lambda: asyncio.sleep(0, len(held) == 2), "a and b did not both start")
+        await executing(held, a, b)
         for run in held.values():
             run.finish()
         await states_become(r, {a: "SUCCEEDED", b: "SUCCEEDED"})
