@@ -22,7 +22,6 @@ from typing import Any
 import aiohttp
 import pytest
 import redis
-from chart_support import CHART, by_kind, helm, render, workloads
 from prometheus_client.parser import text_string_to_metric_families
 
 from marl.local.redis_server import die_with_parent, free_port
@@ -34,6 +33,7 @@ from marl.runtime.prometheus_metrics import (
     on_scrape,
     stream_lag_hook,
 )
+from tests.support.chart import CHART, by_kind, helm, render, workloads
 
 AUTOSCALING = CHART / "ci" / "autoscaling-values.yaml"
 

@@ -11,7 +11,9 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from chart_support import (
+
+from marl.spec.services import MODELS
+from tests.support.chart import (
     ALL_VALUES,
     CHART,
     ROOT,
@@ -22,8 +24,6 @@ from chart_support import (
     scenario_id,
     workloads,
 )
-
-from marl.spec.services import MODELS
 
 KUBERNETES_VERSION = "1.37.0"
 CRD_KINDS = {

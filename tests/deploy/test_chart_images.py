@@ -12,7 +12,8 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from chart_support import CHART, ROOT, render, workloads
+
+from tests.support.chart import CHART, ROOT, render, workloads
 
 REGISTRY, TAG = "registry.example.com/team", "1.2.3"
 

@@ -5,9 +5,9 @@ in Redis, each training up to `config.max_concurrent_runs` at once; with
 from __future__ import annotations
 
 import yaml
-from chart_support import CHART, by_kind, render
 
 from marl.spec.services import LearnerConfig
+from tests.support.chart import CHART, by_kind, render
 
 
 def test_learner_replicas_share_the_runs_volume_and_train_runs_at_once() -> None:
@@ -30,7 +30,7 @@ def test_one_learner_with_a_volume_of_its_own_by_default() -> None:
 
 
 def test_learner_replicas_below_one_are_refused() -> None:
-    from chart_support import helm
+    from tests.support.chart import helm
 
     out = helm("template", "r", str(CHART), "--set", "learner.replicas=0")
     assert out.returncode != 0 and "learner.replicas" in out.stderr, out.stderr
@@ -67,7 +67,7 @@ def test_learner_nodes_render_one_launched_group_across_pods() -> None:
 
 
 def test_a_multi_pod_learner_without_a_shared_volume_is_refused() -> None:
-    from chart_support import helm
+    from tests.support.chart import helm
 
     out = helm("template", "r", str(CHART), "--set", "learner.nodes=2")
     assert out.returncode != 0 and "learner.persistence.existingClaim" in out.stderr, out.stderr

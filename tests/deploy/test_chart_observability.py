@@ -11,9 +11,9 @@ import json
 import re
 
 import prometheus_client
-from chart_support import by_kind, render
 
 from marl.runtime import prometheus_metrics
+from tests.support.chart import by_kind, render
 
 
 def exported_names() -> set[str]:

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chart_support import (
+
+from tests.support.chart import (
     ALL_VALUES,
     CHART,
     ROOT,

@@ -15,8 +15,9 @@ from typing import Any
 
 import grpc
 import pytest
-from chart_support import CHART, by_kind, helm, render, workloads
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from tests.support.chart import CHART, by_kind, helm, render, workloads
 
 TLS = CHART / "ci" / "tls-values.yaml"
 MARL_SERVICES = ("inference", "workflow", "learner", "sandbox")

@@ -12,12 +12,12 @@ from urllib.parse import urlparse
 
 import pytest
 import redis
-from fake_kube import FakeKube
 
 from marl.cli import main as cli
 from marl.cli.cluster import ClusterError, parse_xinfo_groups
 from marl.local.redis_server import redis_server_binary
 from marl.runtime import streams
+from tests.support.fake_kube import FakeKube
 
 
 @pytest.fixture()

@@ -20,18 +20,18 @@ from typing import Any
 import grpc
 import pytest
 import yaml
-from chart_support import by_kind, render
-from containers_support import (
+
+from marl.clients import RunsClient, SandboxClient
+from marl.local.demo import DEMO_SPEC
+from marl.local.redis_server import free_port
+from tests.support.chart import by_kind, render
+from tests.support.containers import (
     Containers,
     container_engine,
     image,
     require_images,
     wait_serving,
 )
-
-from marl.clients import RunsClient, SandboxClient
-from marl.local.demo import DEMO_SPEC
-from marl.local.redis_server import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.images]
 

@@ -17,10 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_learner_resume import resume_spec, wait_for_rows
 
 from tests.support.cluster import ClusterFactory
-from tests.support.runs import rows, submit, wait_end
+from tests.support.runs import resume_spec, rows, submit, wait_end, wait_for_rows
 from tests.support.specs import demo_model_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.resume, pytest.mark.timeout(1500)]

@@ -22,7 +22,15 @@ from pathlib import Path
 import pytest
 
 from marl.local.launcher import Cluster
-from tests.support.runs import kill_learner, rows, start_learner, submit, wait_end
+from tests.support.runs import (
+    kill_learner,
+    resume_spec,
+    rows,
+    start_learner,
+    submit,
+    wait_end,
+    wait_for_rows,
+)
 from tests.support.specs import demo_model_dir
 
 pytestmark = [
@@ -30,29 +38,6 @@ pytestmark = [
     # one cluster for both kills, and the uninterrupted run they are compared with
     pytest.mark.cluster(env=lambda work: stall_hook_env(work), sandbox_replicas=0),
 ]
-
-
-def resume_spec(model_dir: Path, out_dir: Path) -> dict:
-    return {
-        "name": "resume",
-        "workflow": "voting",
-        "policy": "isolated",
-        "out_dir": str(out_dir),
-        "model": {"path": str(model_dir)},
-        "lora": {"rank": 4, "alpha": 8},
-        "optim": {"lr": 1e-2, "warmup_steps": 0},
-        "grpo": {"group_size": 4, "mini_batch_size": 4},
-        "train": {
-            "steps": 3,
-            "problems_per_step": 4,
-            "val_interval": 3,
-            "val_problems": 4,
-            "checkpoint_interval": 1,
-            "step_timeout_s": 300,
-        },
-        "sampling": {"temperature": 1.5, "max_tokens": 6},
-        "data": {"train": "arithmetic", "val": "arithmetic"},
-    }
 
 
 STALL_HOOK = textwrap.dedent(
@@ -99,14 +84,6 @@ def uninterrupted(cluster: Cluster) -> list[dict]:
     run = wait_end(cluster, submit(cluster, resume_spec(demo_model_dir(), plain)))
     assert run.state == "SUCCEEDED", run.error
     return rows(plain)
-
-
-def wait_for_rows(out: Path, n: int) -> None:
-    """Until the run's metrics.jsonl holds `n` steps (polled often: a demo step is short)."""
-    deadline = time.monotonic() + 300
-    while not (out / "metrics.jsonl").exists() or len(rows(out)) < n:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
 
 
 def assert_killed_mid_run(out: Path) -> None:

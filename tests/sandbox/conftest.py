@@ -13,9 +13,9 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from sandbox_support import ROOT, SandboxServer, cmdline
 
 from marl.clients import SandboxClient
+from tests.support.sandbox import ROOT, SandboxServer, cmdline
 
 
 @pytest.fixture(scope="session")

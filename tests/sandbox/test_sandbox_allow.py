@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sandbox_support import SandboxServer, run_alongside
-
 from marl.clients import SandboxClient
+from tests.support.sandbox import SandboxServer, run_alongside
 
 
 def test_allow_stdin_stdout_program(client: SandboxClient) -> None:

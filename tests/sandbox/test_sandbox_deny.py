@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sandbox_support import DENY_LIMITS, SandboxServer, run_alongside
+
+from tests.support.sandbox import DENY_LIMITS, SandboxServer, run_alongside
 
 
 def stdio(code: str, expected: str = "") -> tuple[str, list[dict[str, Any]]]:

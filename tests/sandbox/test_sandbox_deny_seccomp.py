@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sandbox_support import DENY_LIMITS, ROOT, SandboxServer, run_alongside
 
 from marl.clients import AsyncSandboxClient
+from tests.support.sandbox import DENY_LIMITS, ROOT, SandboxServer, run_alongside
 
 
 def stdio(code: str) -> tuple[str, list[dict[str, Any]]]:

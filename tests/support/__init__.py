@@ -1,5 +1,10 @@
-"""What the tests and the benches share: the cluster fixture (`cluster`), the small run
-spec (`specs`), the Runs API helpers (`runs`) and the planted-drift runs (`drift`).
+"""What the tests and the benches share, in one package: the cluster fixture (`cluster`),
+the small run spec (`specs`), the Runs API helpers (`runs`), the planted-drift runs
+(`drift`), the hand-made Voting batch (`batches`), a held RunExecutor (`held_runs`), a
+task and its answer (`tasks`), the sandbox server (`sandbox`), the Helm chart and the
+container images (`chart`, `containers`), a recorded Kubernetes API (`fake_kube`), and
+the loopback gRPC, worker-loop, loop-tick and scripted-workflow helpers.
 
 Importable as `tests.support` from the repository root (pytest's `pythonpath`, and the
-editable install's path entry for the benches and the service processes)."""
+editable install's path entry for the benches, the service processes and torchrun's
+ranks). No test module imports another test module."""

@@ -113,3 +113,34 @@ def kill_learner(cluster: Cluster) -> None:
 def start_learner(cluster: Cluster) -> Process:
     """A new learner on new ports, once it serves; it takes over the runs of a killed one."""
     return cluster.add("learner", cluster.learner_args())
+
+
+def resume_spec(model_dir: Path, out_dir: Path) -> dict:
+    return {
+        "name": "resume",
+        "workflow": "voting",
+        "policy": "isolated",
+        "out_dir": str(out_dir),
+        "model": {"path": str(model_dir)},
+        "lora": {"rank": 4, "alpha": 8},
+        "optim": {"lr": 1e-2, "warmup_steps": 0},
+        "grpo": {"group_size": 4, "mini_batch_size": 4},
+        "train": {
+            "steps": 3,
+            "problems_per_step": 4,
+            "val_interval": 3,
+            "val_problems": 4,
+            "checkpoint_interval": 1,
+            "step_timeout_s": 300,
+        },
+        "sampling": {"temperature": 1.5, "max_tokens": 6},
+        "data": {"train": "arithmetic", "val": "arithmetic"},
+    }
+
+
+def wait_for_rows(out: Path, n: int) -> None:
+    """Until the run's metrics.jsonl holds `n` steps (polled often: a demo step is short)."""
+    deadline = time.monotonic() + 300
+    while not (out / "metrics.jsonl").exists() or len(rows(out)) < n:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)

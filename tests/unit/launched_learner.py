@@ -15,12 +15,12 @@ import sys
 from pathlib import Path
 
 import torch
-from test_grpo_minibatch import ROLES, spec, voting_batch
 
 from marl.spec.run import RunSpec
 from services.learner import checkpoint, group
 from services.learner.ranks import PolicyArgs
 from services.learner.update import grpo_step
+from tests.support.batches import ROLES, spec, voting_batch
 
 
 def small_steps() -> RunSpec:

@@ -8,13 +8,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-from loopback_grpc import serving
 
 from marl.protocol import adapter_io
 from marl.protocol.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from marl.spec.run import RunSpec
 from services.learner.adapter_sync import AdapterSync, Published
 from services.learner.errors import ReplicaUnreachable, RunFailed
+from tests.support.loopback_grpc import serving
 
 
 class Aborting(inference_pb2_grpc.InferenceServicer):

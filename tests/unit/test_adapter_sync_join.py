@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-from loopback_grpc import serving
 
 from marl.protocol import adapter_io
 from marl.protocol.v1 import common_pb2, inference_pb2, inference_pb2_grpc
@@ -19,6 +18,7 @@ from marl.runtime import replicas, streams
 from marl.spec.run import RunSpec
 from services.learner.adapter_sync import AdapterSync, Published
 from services.learner.errors import RunCancelled
+from tests.support.loopback_grpc import serving
 
 
 class Recording(inference_pb2_grpc.InferenceServicer):

@@ -130,9 +130,8 @@ def test_run_episode_task_is_typed_and_complete(change: dict[str, Any], field: s
 async def test_a_prompt_that_fills_the_model_context_fails_the_episode() -> None:
     """Inference refuses a prompt that fills the context (INVALID_ARGUMENT); the worker knows
     the context and fails the episode first, as for a prompt over its cap."""
-    from workflows_scripted import CharTokenizer, ScriptedEngine, make_task
-
     from services.workflow.worker import EpisodeRunner
+    from tests.support.workflows_scripted import CharTokenizer, ScriptedEngine, make_task
 
     engine = ScriptedEngine(lambda role, slot, prompt: "\\boxed{5}")
     runner = EpisodeRunner(None, "w-test", replica_wait_s=0, judge_endpoints=())

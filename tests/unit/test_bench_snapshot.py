@@ -5,15 +5,12 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import sys
 from pathlib import Path
 
 import pytest
+import snapshot
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-
-import snapshot  # noqa: E402
 
 FACTS = {"cpu": "AMD EPYC 9B14", "cpu_family": "25", "cpu_model": "17", "cores": 2,
          "flags": ["avx2", "avx512f"], "torch": "2.13.0"}  # fmt: skip
@@ -37,8 +34,9 @@ def test_host_description_names_cpu_cores_flags_and_torch() -> None:
     assert snapshot.host_description(FACTS) == (
         "AMD EPYC 9B14 (family 25 model 17), 2 cores, avx2, avx512f; torch 2.13.0"
     )
-    assert snapshot.host_description({"cpu": None, "cores": 16, "gpu": "one NVIDIA H200",
-                                      "torch": None}) == (  # fmt: skip
+    assert snapshot.host_description(
+        {"cpu": None, "cores": 16, "gpu": "one NVIDIA H200", "torch": None}
+    ) == (  # fmt: skip
         "CPU not recorded, 16 cores, one NVIDIA H200; torch not recorded"
     )
     facts = snapshot.host_facts()

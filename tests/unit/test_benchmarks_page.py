@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import ast
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+from scripts import gen_benchmarks_page as page
 
-import gen_benchmarks_page as page  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_committed_page_equals_the_generated_one() -> None:

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_grpo_minibatch import new_policy, spec, step, voting_batch
 
 from marl.spec.run import LoraSpec, OptimSpec
 from services.learner import checkpoint
 from services.learner.checkpoint import Checkpointer
 from services.learner.policy import MultiAdapterPolicy
+from tests.support.batches import new_policy, spec, step, voting_batch
 
 
 def test_adapter_dir_loads_with_peft_and_gives_the_learners_greedy_tokens(

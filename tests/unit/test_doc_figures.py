@@ -4,15 +4,13 @@ date (scripts/make_doc_figures.py), and the committed images stay small."""
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+from scripts import make_doc_figures as figures
 
-import make_doc_figures as figures  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 MAX_TOTAL_BYTES = 1_500_000
 PAGES = {

@@ -8,10 +8,10 @@ a prompt is its content and "\\n\\n"), so every length below is counted by hand.
 from __future__ import annotations
 
 import pytest
-from workflows_scripted import ScriptedEngine, make_task, run_episode
 
 from marl.spec.run import WorkflowCaps
 from services.workflow.episode import PromptTooLong
+from tests.support.workflows_scripted import ScriptedEngine, make_task, run_episode
 
 VERDICT = "Write a short critique, then give your verdict: \\boxed{Correct} or \\boxed{Incorrect}."
 

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_grpo_minibatch import ROLES, new_policy, spec, voting_batch
 
 from marl.spec.run import RunSpec
 from services.learner import checkpoint
 from services.learner.ranks import PolicyArgs, RankedPolicy, RankFailed
 from services.learner.update import grpo_step
+from tests.support.batches import ROLES, new_policy, spec, voting_batch
 
 
 def ranked(model_dir: Path, s: RunSpec, world_size: int = 2) -> RankedPolicy:

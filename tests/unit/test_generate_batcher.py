@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-from loopback_grpc import serving
 
 from marl.protocol.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.workflow.generate_batcher import BatchingStub
+from tests.support.loopback_grpc import serving
 
 
 class RuleServicer(inference_pb2_grpc.InferenceServicer):

@@ -14,54 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from marl.rollout import AdapterRef, Rollout, Turn
 from marl.spec.run import RunSpec, parse_spec
 from services.learner.advantages import good_rollouts, group_advantages
 from services.learner.batching import plan_mini_batches
-from services.learner.policy import MultiAdapterPolicy
-from services.learner.update import grpo_step
-
-ROLES = {"shared": {"generator": "shared", "aggregator": "shared"},
-         "isolated": {"generator": "generator", "aggregator": "aggregator"}}
-REWARDS = {"p0": [1.0, 0.0, 0.0, 1.0], "p1": [0.0, 1.0, 1.0, 1.0]}
-
-
-def turn(role: str, slot: int, rng: random.Random, completion: int = 3) -> Turn:
-    prompt = [rng.randrange(3, 52) for _ in range(4)]
-    done = [rng.randrange(3, 52) for _ in range(completion)]
-    return Turn(role, slot, prompt, done, [-1.0] * completion, "stop", AdapterRef("r/p", 0), "")
-
-
-def voting_batch(seed: int = 0, aggregator_tokens: int = 2) -> list[Rollout]:
-    rng = random.Random(seed)
-    out = []
-    for pid, rewards in REWARDS.items():
-        for k, reward in enumerate(rewards):
-            turns = [turn("generator", s, rng) for s in range(3)]
-            turns.append(turn("aggregator", 0, rng, aggregator_tokens))
-            out.append(Rollout(f"{pid}:{k}", "r", 0, "train", pid, k, turns, "", reward))
-    return out
-
-
-def spec(**grpo: object) -> RunSpec:
-    return parse_spec(
-        {
-            "seed": 1,
-            "lora": {"rank": 2, "alpha": 4},
-            "optim": {"lr": 0.5, "warmup_steps": 0, "schedule": "constant"},
-            "sampling": {"temperature": 1.0},
-            "grpo": {"group_size": 4, "micro_batch_sequences": 5, **grpo},
-        }
-    )
-
-
-def new_policy(model_dir: Path, policy: str, s: RunSpec) -> MultiAdapterPolicy:
-    names = sorted(set(ROLES[policy].values()))
-    return MultiAdapterPolicy(str(model_dir), names, s.lora, s.optim, total_steps=10)
-
-
-def step(policy: MultiAdapterPolicy, rollouts: list[Rollout], mode: str, s: RunSpec):  # type: ignore[no-untyped-def]
-    return grpo_step(policy, rollouts, [r.problem_id for r in rollouts], ROLES[mode], s)
+from tests.support.batches import (
+    REWARDS,
+    new_policy,
+    spec,
+    step,
+    uneven_batch,
+    voting_batch,
+)
 
 
 @pytest.mark.parametrize(
@@ -104,14 +67,17 @@ def test_plan_is_a_shuffled_partition_per_epoch() -> None:
             assert len(got) == n and all(seqs[i].policy == p for i in got)
 
 
-@pytest.mark.parametrize(("sequences", "sizes"), [
-    (513, [513]),  # a remainder of 1 is no optimizer step of its own
-    (767, [767]),  # 255 < 256, half of 512
-    (768, [512, 256]),  # half of 512 is a mini-batch of its own
-    (1025, [512, 513]),
-    (512, [512]),
-    (200, [200]),  # one short mini-batch is still one
-])
+@pytest.mark.parametrize(
+    ("sequences", "sizes"),
+    [
+        (513, [513]),  # a remainder of 1 is no optimizer step of its own
+        (767, [767]),  # 255 < 256, half of 512
+        (768, [512, 256]),  # half of 512 is a mini-batch of its own
+        (1025, [512, 513]),
+        (512, [512]),
+        (200, [200]),  # one short mini-batch is still one
+    ],
+)
 def test_a_remainder_under_half_a_mini_batch_joins_the_one_before(
     sequences: int, sizes: list[int]
 ) -> None:
@@ -125,8 +91,12 @@ def test_a_remainder_under_half_a_mini_batch_joins_the_one_before(
     # pooled units (grpo.parallel_slots: pool) are cut by the same rule, counted in units
     units = [i // 3 for i in range(3 * 7)]  # 7 units of 3 sequences, 3 units a mini-batch
     pooled = plan_mini_batches(
-        [Sequence("shared", "generator", [1, 2], 1, 0.0, [0.0]) for _ in units], 3, 1,
-        random.Random(0), units)
+        [Sequence("shared", "generator", [1, 2], 1, 0.0, [0.0]) for _ in units],
+        3,
+        1,
+        random.Random(0),
+        units,
+    )
     assert [len(mb) for mb in pooled["shared"]] == [9, 12]  # units [3, 4]: the 1 left joins
     assert cut([1, 2, 3, 4, 5], 4) == [[1, 2, 3, 4, 5]] and cut([1, 2, 3], 2) == [[1, 2], [3]]
 
@@ -190,18 +160,6 @@ def test_a_failed_episode_changes_no_other_advantage_and_trains_nothing(model_di
     assert ra.metrics["policy/shared/loss"] == rb.metrics["policy/shared/loss"]
     for k, v in a.state_dict("shared").items():
         assert torch.equal(v, b.state_dict("shared")[k]), k
-
-
-def uneven_batch() -> list[Rollout]:
-    """Rollout k of a group: (k % 3) + 1 generator turns of 3 tokens, an aggregator of 2 + k."""
-    out = voting_batch()
-    for r in out:
-        for t in r.turns[r.sample % 3 + 1 : 3]:
-            t.completion_ids, t.logprobs = [], []
-        agg = r.turns[3]
-        agg.completion_ids = [5] * (2 + r.sample)
-        agg.logprobs = [-1.0] * (2 + r.sample)
-    return out
 
 
 def test_loss_aggregations_as_worked_out(model_dir: Path) -> None:
@@ -277,7 +235,10 @@ def test_optimizer_steps_at_the_papers_defaults(
 
     g = RunSpec().grpo
     assert (g.mini_batch_size, g.group_size, g.epochs, g.sequences_per_mini_batch) == (
-        64, 8, 1, 512,
+        64,
+        8,
+        1,
+        512,
     )
     episodes = RunSpec().train.problems_per_step * g.group_size
     seqs = [

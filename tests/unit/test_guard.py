@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_grpo_minibatch import new_policy, spec, step, voting_batch
 
 from marl.diagnostics.alarms import Alarm
 from marl.spec.run import RunSpec, parse_spec
 from services.learner.checkpoint import Checkpointer
 from services.learner.guard import Guard
+from tests.support.batches import new_policy, spec, step, voting_batch
 
 CLIFF = Alarm("accuracy_cliff", "all", 5, "validation accuracy 0.3, down 0.2")
 ENTROPY = Alarm("entropy_collapse", "generator", 5, "token entropy 1.0 -> 0.2")

@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 from aiohttp import web
 from pydantic import ValidationError
-from workflows_scripted import MATH, ScriptedEngine, make_task
 
 from marl.runtime.http_server import HttpServer
 from marl.spec.run import JudgeSpec, parse_spec
 from marl.workflows import policy_of_role
+from tests.support.workflows_scripted import MATH, ScriptedEngine, make_task
 from tests.unit.test_workflows_runtime import runner_with
 
 

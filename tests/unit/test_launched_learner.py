@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 from launched_learner import small_steps
-from test_grpo_minibatch import ROLES, new_policy, voting_batch
 
 from marl.runtime.processes import free_port
 from services.learner import checkpoint
 from services.learner.group import launch_size
 from services.learner.update import grpo_step
+from tests.support.batches import ROLES, new_policy, voting_batch
 
 HERE = Path(__file__).parent
 

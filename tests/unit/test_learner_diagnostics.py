@@ -162,7 +162,7 @@ def test_a_roles_grad_norm_is_its_mean_over_its_adapters_optimizer_steps() -> No
 
 @pytest.mark.parametrize("mode", ["shared", "isolated"])
 def test_every_role_signal_is_logged_under_ip_and_sp(model_dir: Path, mode: str) -> None:
-    from test_grpo_minibatch import new_policy, spec, step, voting_batch
+    from tests.support.batches import new_policy, spec, step, voting_batch
 
     s = spec(mini_batch_size=4)
     policy = new_policy(model_dir, mode, s)
@@ -204,7 +204,7 @@ def test_picked_sequences_are_cut_after_their_last_sampled_token() -> None:
 def test_drift_on_cut_sequences_matches_full_forwards(model_dir: Path) -> None:
     """On the real model, shared prompt rows and all: χ² and KL at the sampled tokens from
     the cut sequences equal those of each whole sequence forwarded on its own."""
-    from test_grpo_minibatch import new_policy, spec
+    from tests.support.batches import new_policy, spec
 
     policy = new_policy(model_dir, "shared", spec())
     torch.manual_seed(0)

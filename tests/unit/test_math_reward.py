@@ -10,11 +10,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from loop_ticks import loop_ticks
 
 from marl.rewards import math as math_reward
 from marl.rewards.math import FORMAT_PENALTY, last_boxed, score, score_async, warm_up
 from marl.rewards.verifier_pool import GRACE_S, VerifierPool
+from tests.support.loop_ticks import loop_ticks
 
 P = FORMAT_PENALTY
 

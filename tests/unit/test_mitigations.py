@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-from test_grpo_minibatch import REWARDS, ROLES, spec, step, uneven_batch, voting_batch
 
 import marl
 from marl.diagnostics.alarms import Alarm
@@ -27,6 +26,7 @@ from services.learner.policy import MultiAdapterPolicy
 from services.learner.role_balance import balance_roles
 from services.learner.sequences import build_sequences, turn_owners
 from services.learner.server import validate_spec
+from tests.support.batches import REWARDS, ROLES, spec, step, uneven_batch, voting_batch
 
 LEARNER = LearnerConfig(model_roots=[str(marl.__path__[0])])
 """A learner whose operator allows the demo model's directory."""

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_grpo_minibatch import ROLES, new_policy, spec, step, voting_batch
 
 from marl.rollout import AdapterRef, Rollout, Turn
 from marl.spec.run import RunSpec, parse_spec
@@ -32,6 +31,7 @@ from services.learner.grpo import (
 from services.learner.policy import MultiAdapterPolicy
 from services.learner.sequences import build_sequences
 from services.learner.update import completion_logprobs
+from tests.support.batches import ROLES, new_policy, spec, step, voting_batch
 
 GOLDEN_TOLERANCE = {"rel": 1e-3, "abs": 1e-6}
 """How closely a golden step must reproduce, whatever the CPU. A float32 step's reductions

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_grpo_minibatch import ROLES, new_policy, spec, voting_batch
 
 from services.learner.ranks import PolicyArgs, RankedPolicy, RankFailed
 from services.learner.threads import ThreadBurst
 from services.learner.update import grpo_step
+from tests.support.batches import ROLES, new_policy, spec, voting_batch
 
 
 def own_process(model_dir: Path, burst: ThreadBurst | None = None) -> RankedPolicy:

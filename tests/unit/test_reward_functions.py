@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 import pytest
-from workflows_scripted import MATH, ScriptedEngine, make_task
 
 from marl.data.problem import Problem
 from marl.rewards import functions
@@ -14,6 +13,7 @@ from marl.rewards.judge import judge_prompt, verdict_score
 from marl.spec.run import RunSpec, SpecError, parse_spec
 from marl.workflows import policy_of_role
 from services.workflow.worker import EpisodeRunner
+from tests.support.workflows_scripted import MATH, ScriptedEngine, make_task
 from tests.unit.test_workflows_runtime import runner_with
 
 USER = "tests.integration.byo_user"

@@ -13,8 +13,6 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from test_concurrent_run_loop import HeldRun, state, submit, until
-from test_grpo_minibatch import new_policy, spec
 
 from marl.runtime import fences, streams
 from marl.spec.services import LearnerConfig
@@ -22,6 +20,8 @@ from services.learner import lease as learner_lease
 from services.learner import server
 from services.learner.checkpoint import Checkpointer
 from services.learner.runs import RunStore, run_key
+from tests.support.batches import new_policy, spec
+from tests.support.held_runs import HeldRun, state, submit, until
 
 pytestmark = pytest.mark.timeout(120)
 

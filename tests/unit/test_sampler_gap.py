@@ -8,13 +8,13 @@ import dataclasses
 from pathlib import Path
 
 import torch
-from test_grpo_minibatch import ROLES, new_policy, spec, step, voting_batch
 
 from marl.diagnostics.alarms import scan
 from marl.rollout import Rollout
 from services.learner.policy import MultiAdapterPolicy
 from services.learner.sequences import build_sequences
 from services.learner.update import completion_logprobs
+from tests.support.batches import ROLES, new_policy, spec, step, voting_batch
 
 
 @torch.no_grad()

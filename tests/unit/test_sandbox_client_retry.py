@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from loopback_grpc import serving
 
 from marl.clients.sandbox import AsyncSandboxClient
 from marl.protocol.v1 import sandbox_pb2, sandbox_pb2_grpc
+from tests.support.loopback_grpc import serving
 
 
 class RefusesFirst(sandbox_pb2_grpc.SandboxServicer):

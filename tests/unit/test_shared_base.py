@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_grpo_minibatch import new_policy, spec, step, voting_batch
 
 from services.learner import base_models
 from services.learner.policy import MultiAdapterPolicy
+from tests.support.batches import new_policy, spec, step, voting_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,11 +80,10 @@ def test_another_dtype_is_another_base(model_dir: Path) -> None:
 
 
 MEMORY_SCRIPT = """
-import gc, json, sys
+import gc, json
 from pathlib import Path
-sys.path.insert(0, {tests!r})
 import torch
-from test_grpo_minibatch import spec, step, voting_batch
+from tests.support.batches import spec, step, voting_batch
 from marl.runtime import heap
 from services.learner.ranks import PolicyArgs
 
@@ -133,7 +132,7 @@ def test_four_concurrent_runs_hold_one_copy_of_the_base(tmp_path: Path) -> None:
     """In a fresh learner-like process, four runs' policies (each built and trained a step)
     take less resident memory beyond the first run's than one base model: one copy."""
     model = wide_model(tmp_path / "wide")
-    script = MEMORY_SCRIPT.format(tests=str(ROOT / "tests" / "unit"), model=str(model))
+    script = MEMORY_SCRIPT.format(model=str(model))
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT,
                          capture_output=True, text=True, timeout=560, check=False)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_grpo_minibatch import new_policy, spec, step, voting_batch
 
 from marl.rollout import AdapterRef, Rollout, Turn
 from services.inference.adapters import AdapterNotLoaded, AdapterRegistry, LoadedVersion
 from services.learner.diagnostics import ImportanceStats
 from services.learner.grpo import behaviour_weights
 from services.learner.staleness import drop_stale
+from tests.support.batches import new_policy, spec, step, voting_batch
 
 
 def rollout(task: str, *versions: tuple[str, int], error: str | None = None) -> Rollout:

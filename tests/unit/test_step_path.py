@@ -18,11 +18,11 @@ import traceback
 from pathlib import Path
 
 import pytest
-from test_grpo_minibatch import ROLES, new_policy, spec, voting_batch
 
 from marl.runtime.torch_thread import TorchThread
 from services.learner import trainer, update
 from services.learner.run_lane import RunLane
+from tests.support.batches import ROLES, new_policy, spec, voting_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 EVENT_LOOP_SIDE = ["run_loop", "train_run", "execute"]

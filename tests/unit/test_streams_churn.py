@@ -10,10 +10,10 @@ import asyncio
 from typing import Any
 
 import redis.asyncio as aioredis
-from worker_loop import working
 
 from marl.runtime import streams
 from services.workflow import worker
+from tests.support.worker_loop import working
 
 S, G = "s", "g"
 IDLE_MS = 20
@@ -156,7 +156,7 @@ class SlowRunner(worker.EpisodeRunner):
 
 
 async def test_a_worker_stopping_hands_back_what_it_holds(redis_url: str) -> None:
-    from test_streams_delivery import a_task
+    from tests.support.tasks import a_task
 
     r = streams.connect(redis_url)
     try:

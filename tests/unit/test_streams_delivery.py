@@ -12,7 +12,6 @@ import time
 from typing import Any
 
 import pytest
-from worker_loop import working
 
 from marl.data.problem import Problem
 from marl.models.demo import demo_model_dir
@@ -21,6 +20,8 @@ from marl.runtime import replicas, streams
 from marl.spec.run import RunSpec
 from marl.spec.services import LearnerConfig, WorkflowConfig
 from services.workflow import worker
+from tests.support.tasks import a_task, answered
+from tests.support.worker_loop import working
 
 
 async def test_dead_consumer_entries_are_claimed_and_a_live_ones_are_kept(redis_url: str) -> None:
@@ -136,14 +137,6 @@ async def test_forget_dead_consumers_keeps_live_and_holding_ones(redis_url: str)
         await r.aclose()
 
 
-def a_task() -> Task:
-    """run-1's task for problem p: sample 0 of step 0."""
-    return Task.for_spec(
-        RunSpec(), "run-1", Problem(id="p", prompt="q", answer="1"), 0, "train", 0,
-        {"generator": AdapterRef("run-1/generator", 1)},
-    )
-
-
 class FailingRunner(worker.EpisodeRunner):
     """A worker whose every episode hits a bug."""
 
@@ -222,12 +215,6 @@ async def test_a_worker_importing_its_tokenizer_library_beats_and_takes_no_task(
 
 async def never_cancelled() -> None:
     return None
-
-
-def answered(task: Task) -> Rollout:
-    """A worker's successful rollout of `task`, with no turns."""
-    return Rollout(task.id, task.run_id, task.step, task.kind, task.problem.id, task.sample,
-                   [], "x", 1.0, "w", 0.1)
 
 
 async def test_the_learner_counts_a_step_once_and_reports_dead_letters_and_duplicates(

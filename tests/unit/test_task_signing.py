@@ -8,13 +8,13 @@ import asyncio
 import time
 
 from prometheus_client import REGISTRY
-from test_streams_delivery import a_task, answered
-from worker_loop import working
 
 from marl.rollout import Rollout, Task
 from marl.runtime import streams
 from marl.runtime.task_signing import PAYLOAD_FIELD, SIGNATURE_FIELD, TaskSigner, canonical
 from services.workflow import worker
+from tests.support.tasks import a_task, answered
+from tests.support.worker_loop import working
 
 TOKEN = "service-token-1"
 

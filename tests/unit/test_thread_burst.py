@@ -8,10 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from test_grpo_minibatch import new_policy, spec, step, voting_batch
 
 from marl.runtime.torch_thread import TorchThread
 from services.learner.threads import ThreadBurst
+from tests.support.batches import new_policy, spec, step, voting_batch
 
 
 def test_the_burst_comes_at_the_first_forward_after_the_rollouts_are_in() -> None:

@@ -4,10 +4,10 @@ a valid N gives candidate N's answer; anything else leaves the aggregator's own 
 from __future__ import annotations
 
 import pytest
-from workflows_scripted import CODE, MATH, ScriptedEngine, make_task, run_episode
 
 from marl.workflows import prompts
 from marl.workflows.voting import stamp
+from tests.support.workflows_scripted import CODE, MATH, ScriptedEngine, make_task, run_episode
 
 FENCE = "```"
 MATH_CANDIDATES = {0: "first \\boxed{5}", 1: "second \\boxed{4}", 2: "third \\boxed{5}"}
@@ -96,9 +96,8 @@ async def test_a_code_stamp_gives_the_candidates_code() -> None:
 
 
 async def test_aggregator_output_answer_scores_the_aggregators_own_answer() -> None:
-    from workflows_scripted import make_episode
-
     from marl.workflows import resolve
+    from tests.support.workflows_scripted import make_episode
 
     scripted = engine("Combining them: \\boxed{2}")
     task = make_task("voting", workflow_args={"aggregator_output": "answer"})

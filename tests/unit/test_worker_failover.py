@@ -14,14 +14,14 @@ from typing import Any
 
 import grpc
 import pytest
-from loopback_grpc import serving
-from worker_loop import working
-from workflows_scripted import CharTokenizer, make_task
 
 from marl.protocol.v1 import inference_pb2, inference_pb2_grpc
 from marl.runtime import replicas, streams
 from services.workflow import worker
 from services.workflow.worker import EpisodeRunner
+from tests.support.loopback_grpc import serving
+from tests.support.worker_loop import working
+from tests.support.workflows_scripted import CharTokenizer, make_task
 
 
 class Answers(inference_pb2_grpc.InferenceServicer):

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from workflows_scripted import CODE, MATH, ScriptedEngine, make_task, run_episode
 
 from marl.protocol.v1 import inference_pb2
 from marl.spec.run import WorkflowCaps
 from marl.workflows import prompts
 from marl.workflows.eval_opt import verdict
+from tests.support.workflows_scripted import CODE, MATH, ScriptedEngine, make_task, run_episode
 
 
 def order(engine: ScriptedEngine) -> list[tuple[str, int]]:

@@ -12,8 +12,6 @@ from typing import Any
 
 import grpc
 import pytest
-from loop_ticks import loop_ticks
-from workflows_scripted import MATH, CharTokenizer, ScriptedEngine, make_episode, make_task
 
 from marl.models.demo import demo_model_dir
 from marl.rollout import Task
@@ -24,6 +22,14 @@ from services.workflow import episode as episode_module
 from services.workflow import worker
 from services.workflow.episode import PromptTooLong, Renders
 from services.workflow.worker import EpisodeRunner
+from tests.support.loop_ticks import loop_ticks
+from tests.support.workflows_scripted import (
+    MATH,
+    CharTokenizer,
+    ScriptedEngine,
+    make_episode,
+    make_task,
+)
 
 TEST_CODE = CodePolicy(("tests", "examples"))
 """The test suite's own workflows and rewards, as a worker's `allowed_modules` would allow."""
@@ -151,7 +157,7 @@ async def test_unknown_grpc_errors_are_bugs_too() -> None:
 
 
 async def test_a_code_task_without_a_sandbox_is_a_failed_episode() -> None:
-    from workflows_scripted import CODE
+    from tests.support.workflows_scripted import CODE
 
     engine = ScriptedEngine(lambda role, slot, prompt: "```python\nx = 1\n```")
     rollout = await runner_with(engine).run(make_task("single", problem=CODE))

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from workflows_scripted import ScriptedEngine, make_task, run_episode
 
 from marl.spec.run import RunSpec, SpecError, load_spec_text
 from marl.workflows import Workflow, policy_of_role, resolve
+from tests.support.workflows_scripted import ScriptedEngine, make_task, run_episode
 
 DEBATE = "examples.workflows.debate:DEBATE"
 
