@@ -236,11 +236,19 @@ checkov findings this chart does not follow, each with its reason (read by
 - CKV_K8S_35 (secrets as files): the auth token must reach Redis's --requirepass
   and the services' Redis URL, which the kubelet composes from an env var with
   $(MARL_AUTH_TOKEN); neither redis-server nor redis-py reads a password file.
+- CKV_K8S_8 (liveness probe), only on a learner of learner.nodes > 1 pods: one pod
+  template serves every rank, and only rank 0 serves gRPC; torchrun's agents watch
+  the ranks and restart the whole group when one exits (a collective that hangs
+  exits at its timeout).
 */}}
 {{- define "marl.checkovSkips" -}}
 checkov.io/skip1: CKV_K8S_43=tags are pinned per release; set TAG@sha256:DIGEST to pin a digest
 checkov.io/skip2: CKV_K8S_15=release tags are immutable; Always breaks side-loaded images
 checkov.io/skip3: CKV_K8S_35=the token reaches redis-server and the Redis URL only through env
+{{- end }}
+
+{{- define "marl.checkovSkipsLearnerGroup" -}}
+checkov.io/skip4: CKV_K8S_8=only rank 0 serves gRPC; torchrun's agents watch every rank
 {{- end }}
 
 {{/* ---- TLS (tls.enabled): one certificate for every pod but the sandbox, which has its own. */}}
