@@ -2,7 +2,7 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: help setup demo test test-sabotage test-vllm test-e2e test-workflows test-learner-resume check protos deploy-tools test-deploy images test-images
+.PHONY: help setup demo test test-extended test-sabotage test-vllm test-e2e test-workflows test-learner-resume check protos deploy-tools test-deploy images test-images
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -65,6 +65,9 @@ test-slow-other: setup ## every slow test no suite above claims (SmolLM2 if its 
 .PHONY: test-fuzz
 test-fuzz: setup ## Hypothesis fuzzes every public RPC (>= 500 requests each) and the RunSpec against real services: only clear errors, no server dies, RSS flat (slow)
 	$(BIN)/python -m pytest -q -m "slow and fuzz" tests
+
+test-extended: setup ## the slow suites CI leaves out (.ci/extended: workflows, drift, fuzz, slow-other, chaos, images; ~40 min)
+	bash .ci/extended
 
 check: setup ## ruff, mypy and the import layers (lint-imports, pyproject's [tool.importlinter])
 	$(BIN)/ruff check marl services tests bench scripts
