@@ -174,11 +174,11 @@ class AdapterSync:
             manifest = adapter_io.make_manifest(
                 self.adapter_name(p),
                 self.versions[p],
-                self.base_model,
-                self.spec.lora.rank,
-                self.spec.lora.alpha,
-                policy.target_modules(p),
-                payload,
+                base_model=self.base_model,
+                rank=self.spec.lora.rank,
+                alpha=self.spec.lora.alpha,
+                target_modules=policy.target_modules(p),
+                payload=payload,
                 # tasks queued K versions before they are generated still find theirs
                 keep_versions=self.spec.train.versions_per_adapter,
                 owner=self.owner,

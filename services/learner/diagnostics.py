@@ -352,8 +352,12 @@ class StepDiagnostics:
             self.signals.add_old(seqs, final_old)
             picked = sample_tokens(seqs, SAMPLE_TOKENS_PER_ROLE, rng)
             sampled_drift(
-                policy, seqs, final_old, picked, temperature, g.micro_batch_sequences,
-                self.signals, g.max_tokens_per_micro_batch, g.row_tokens,
+                policy, seqs, final_old, picked,
+                temperature=temperature,
+                micro=g.micro_batch_sequences,
+                signals=self.signals,
+                max_tokens=g.max_tokens_per_micro_batch,
+                row_tokens=g.row_tokens,
             )
         if self.importance is not None:
             for part in fsdp.gather(self.importance)[1:]:

@@ -120,10 +120,10 @@ class Episodes:
             self.spec,
             self.run_id,
             problem,
-            step,
-            kind,  # type: ignore[arg-type]
-            sample,
-            self.adapters(),
+            step=step,
+            kind=kind,  # type: ignore[arg-type]
+            sample=sample,
+            adapters=self.adapters(),
         )
 
     def submit(

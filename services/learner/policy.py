@@ -324,8 +324,8 @@ class MultiAdapterPolicy:
             h, y = features[start : start + step], targets[start : start + step]
             if grad:
                 lp, ent = checkpoint(
-                    _chunk_logprobs, self.head, h, y, t, entropy, entropy_grad,
-                    use_reentrant=False,
+                    _chunk_logprobs, self.head, h, y, t,
+                    entropy=entropy, entropy_grad=entropy_grad, use_reentrant=False,
                 )
             else:
                 lp, ent = _chunk_logprobs(self.head, h, y, t, entropy)

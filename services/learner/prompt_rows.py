@@ -119,7 +119,9 @@ def layout(seqs: list[Sequence], pad_id: int, row_tokens: int, dtype: torch.dtyp
     lengths = [len(s.tokens) - s.n_prompt for s in seqs]
     if not shared:
         padding = (seg != PADDING).long()
-        return Rows(input_ids, padding, None, rows, cols, targets, lengths)
+        return Rows(
+            input_ids, padding, None, rows=rows, cols=cols, targets=targets, lengths=lengths
+        )
     # query q may attend to key k <= q of the prompt or of q's own completion; padding
     # attends to itself alone, so that no row of the softmax is empty
     query, key = seg[:, :, None], seg[:, None, :]
@@ -128,7 +130,10 @@ def layout(seqs: list[Sequence], pad_id: int, row_tokens: int, dtype: torch.dtyp
     allowed = torch.where(query == PADDING, torch.eye(width, dtype=torch.bool), allowed)
     mask = torch.zeros((len(plan), 1, width, width), dtype=dtype)
     mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
-    return Rows(input_ids, mask, torch.tensor(positions), rows, cols, targets, lengths)
+    return Rows(
+        input_ids, mask, torch.tensor(positions), rows=rows, cols=cols, targets=targets,
+        lengths=lengths,
+    )
 
 
 def pack_rows(

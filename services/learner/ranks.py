@@ -83,23 +83,23 @@ class PolicyArgs:
             self.policies,
             self.lora,
             self.optim,
-            self.total_steps,
-            self.dtype,
-            self.seed,
-            device,
+            total_steps=self.total_steps,
+            dtype=self.dtype,
+            seed=self.seed,
+            device=device,
         )
 
     @classmethod
     def of(cls, spec: RunSpec, policies: list[str]) -> PolicyArgs:
         return cls(
-            spec.model.path,
-            policies,
-            spec.lora,
-            spec.optim,
-            spec.train.steps,
-            spec.model.dtype,
-            spec.seed,
-            spec.learner.device,
+            model_path=spec.model.path,
+            policies=policies,
+            lora=spec.lora,
+            optim=spec.optim,
+            total_steps=spec.train.steps,
+            dtype=spec.model.dtype,
+            seed=spec.seed,
+            device=spec.learner.device,
         )
 
 

@@ -398,7 +398,11 @@ async def run_loop(
             lane = RunLane(torch_thread)
             running.add(
                 asyncio.create_task(
-                    train_run(r, store, lease, cfg, takeover, lane, burst_threads, stop),
+                    train_run(
+                        r, store, lease, cfg,
+                        takeover=takeover, torch_thread=lane, burst_threads=burst_threads,
+                        stop=stop,
+                    ),
                     name=f"run {run_id}",
                 )
             )
@@ -449,7 +453,7 @@ async def train_run(
             r,
             store,
             lease.holder,
-            takeover,
+            takeover=takeover,
             extra_sinks=sinks,
             learner=cfg.model_copy(update={"burst_threads": burst_threads}),
             torch_thread=torch_thread,

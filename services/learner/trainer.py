@@ -170,8 +170,13 @@ class RunExecutor:
             version_base=takeover * (spec.guard.max_rollbacks + 1) * (spec.train.steps + 1),
             check_cancel=self.check_cancel, owner=owner, lease=lease,
         )
-        self.episodes = Episodes(run_id, spec, r, learner_id, self.adapters.refs, self.check_cancel,
-                                 learner.max_queued_tasks, TaskSigner(auth_token()))
+        self.episodes = Episodes(
+            run_id, spec, r, learner_id,
+            adapters=self.adapters.refs,
+            check_cancel=self.check_cancel,
+            max_queued_tasks=learner.max_queued_tasks,
+            signer=TaskSigner(auth_token()),
+        )
         self.jsonl = JsonlSink(out_dir / "metrics.jsonl")
         self.stream = StreamSink(r, run_id)
         self.record = RunRecordSink(store, run_id)
@@ -225,8 +230,11 @@ class RunExecutor:
                     await schedule.updated()
                     self.adapters.set_step(step + 1)
                     record = step_record(
-                        rollouts, spec.workflow, result.metrics, selection, failed_step, clock,
-                        None if self.burst is None else burst_s[0],
+                        rollouts, spec.workflow, result.metrics,
+                        selection=selection,
+                        failed_step=failed_step,
+                        clock=clock,
+                        burst_s=None if self.burst is None else burst_s[0],
                     )
                     await schedule.publish(Trained(step + 1, record, rollouts, clock))
                 await schedule.drain()
