@@ -38,8 +38,8 @@ TRAINED_PER_GENERATED = 2.0
 PEAK_FLOPS = 989e12
 """One H100's dense bf16 peak."""
 TRAIN_MFU = 0.058
-"""The learner's share of that peak: 11,947 tokens/s on Qwen3-0.6B shapes, LoRA rank 64,
-activation checkpointing, one H100 (docs/benchmarks.md and examples/qwen3-0.6b/README.md)."""
+"""The learner's share of that peak, from `bench/learner.py`'s Qwen3-0.6B-shaped LoRA rank 64
+run on one H100 (its snapshot on docs/benchmarks.md)."""
 GENERATE_MFU = 0.05
 """vLLM's share of that peak when decoding large batches (assumed; not measured here)."""
 

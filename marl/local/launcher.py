@@ -59,8 +59,7 @@ def service_threads(cores: int, overlapped: bool) -> dict[str, int]:
     (`train.max_staleness` 0) generates, then trains: the learner gets every core for its
     update, and the inference replica every core but one, which the workflow workers
     (one thread each) keep busy while it decodes: a replica pool over every core spins on
-    theirs (on 2 cores one replica thread gave more rollout tokens/s than two in
-    `bench/e2e.py`, though the engine alone gains from the second). An overlapped run
+    theirs. An overlapped run
     (>= 1) generates and trains at once: they get disjoint shares, so that neither's
     OpenMP pool spins on the other's cores (OMP_SPIN_COUNT). `learner_burst`: the threads
     the learner's update takes once every rollout queued ahead is in and the inference

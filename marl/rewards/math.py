@@ -108,8 +108,8 @@ def integer_verdict(pred: str, ground_truth: str) -> Verdict | None:
     """math-verify's verdict on two integer literals, without asking a worker: equal
     values (`007`, `+7` and `7`; `-0` and `0`) are correct, others wrong; None when
     either side is anything else. Integer answers are the common case (the demo's
-    sums, every DAPO-Math answer), and a worker round trip costs ~2 ms of CPU where
-    this costs microseconds; tests/unit/test_math_reward.py checks the verdicts
+    sums, every DAPO-Math answer), and a worker round trip costs far more CPU than this
+    comparison; tests/unit/test_math_reward.py checks the verdicts
     against math-verify's."""
     pred, ground_truth = pred.strip(), ground_truth.strip()
     if not (INTEGER.fullmatch(pred) and INTEGER.fullmatch(ground_truth)):

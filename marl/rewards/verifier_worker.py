@@ -74,7 +74,7 @@ def main() -> None:
 
     import marl.rewards.answer_text  # noqa: F401
 
-    # math-verify builds its parsers on first use (~0.3 s of CPU): here, not in a run's
+    # math-verify builds its parsers on first use: here, not in a run's
     # step; an expression of symbols takes the slowest path, and LaTeX is cheap after it
     judge("1", "2a")
     sys.stdout.write('{"ready": true}\n')

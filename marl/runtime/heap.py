@@ -39,8 +39,8 @@ MMAP_THRESHOLD = 32 << 20
 a few MB among them: the inference replica's setting."""
 LEARNER_MMAP_THRESHOLD = 1 << 20
 """The learner's: blocks of 1 MiB and more are mapped on their own. Its steps on real
-models hold the heap's free holes at the peak, so against 32 MiB a step peaks far lower
-for a little more step time (`bench/mmap_threshold.py` measures both; docs/benchmarks.md).
+models hold the heap's free holes at the peak, so against the replica's threshold a step
+peaks far lower for a little more step time (`bench/mmap_threshold.py` measures both; docs/benchmarks.md).
 A learner bound by time rather than memory can take 32 MiB with
 `MALLOC_MMAP_THRESHOLD_=33554432`."""
 TRIM_THRESHOLD = 256 << 20

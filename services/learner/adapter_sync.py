@@ -70,9 +70,9 @@ class Published:
 
 def adapter_bytes(policy: Any, p: str) -> bytes:
     """Adapter p's weights as pushed, serialized where the policy lives: bytes come back
-    from a policy in a process of its own in ~4 ms where its tensors took ~16 ms (the
-    demo's rank-16 adapter; torch hands tensors between processes through shared memory,
-    a segment each). Call it through `PolicyHandle.call`."""
+    from a policy in a process of its own faster than its tensors would (torch hands
+    tensors between processes through shared memory, a segment each;
+    `bench/policy_process.py`). Call it through `PolicyHandle.call`."""
     return adapter_io.serialize(policy.state_dict(p))
 
 

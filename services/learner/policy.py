@@ -172,7 +172,7 @@ class MultiAdapterPolicy:
 
     def parameters(self, policy: str) -> list[torch.nn.Parameter]:
         """The adapter's LoRA parameters, found once: the walk over every module's
-        parameters cost ~2.5 % of a demo-model update when it ran on every call."""
+        parameters is a visible share of a small model's update when it runs on every call."""
         if policy not in self._params:
             tag = f".{policy}."
             params = [p for n, p in self.model.named_parameters() if "lora_" in n and tag in n]

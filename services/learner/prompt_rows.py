@@ -10,7 +10,7 @@ own, the same numbers up to float rounding. The gradient that reaches the prompt
 positions is the sum of what each completion sends back, as it is when the prompt is run
 once per sequence.
 
-On the demo model's arithmetic task (15-token prompts, ~5-token answers), a group of 8 is
+On the demo model's arithmetic task (15-token prompts, 5-token answers), a group of 8 is
 55 positions instead of 160. The mask is dense, [rows, 1, L, L], and attention is
 computed over all of a row, so a row is capped (`grpo.shared_prompt_row_tokens` and the
 micro-batch budget): completions of hundreds of tokens, where the prompt is a small part

@@ -4,8 +4,8 @@ With `train.max_staleness` >= 1 on one machine, the inference replica generates 
 next steps' rollouts while the learner trains, so the two get disjoint shares of the
 cores (`marl.local.launcher.service_threads`): OpenMP pools that spin on each other's cores
 cost more than they give. But generation usually ends well before the update does
-(demo model, 2 cores, K = 1: the next step's rollouts are in after ~40 % of Voting's
-update and ~63 % of Single's), and from then on the inference share idles. `ThreadBurst` hands it to the
+(`bench/e2e.py` traces both), and from then on the inference
+share idles. `ThreadBurst` hands it to the
 learner: once every rollout of the steps queued ahead has arrived, the learner's next
 forward runs with `burst` threads; the next step starts on its `share` again, when its
 own newly queued tasks start generating.

@@ -116,8 +116,7 @@ def trim_heap(policy: PolicyHandle) -> None:
     run on the torch thread so that it never overlaps an update: one step ahead, a step's
     record is written while the next update runs, and a trim then handed back the pages of
     the activations that update was freeing and reallocating, each to be faulted in again
-    (`bench/heap_trim.py`: on the demo's Voting step, ~33,000 faults and 7-9 % of the
-    update; after it, 5-7 ms and no faults)."""
+    (`bench/heap_trim.py` counts the faults and times both)."""
     with trace.span("heap trim"):
         policy.release_free_heap()
 

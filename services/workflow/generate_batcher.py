@@ -1,10 +1,9 @@
 """One inference replica's Generate, with the calls a worker makes at once sent as one.
 
 A worker's episodes ask for their turns together: a step's tasks arrive in one read,
-Voting's generators start at once. Each unary Generate costs about 0.65 ms of CPU
-between client and server (grpc.aio on 2 cores: 128 calls ~70 ms wall and ~85 ms CPU,
-against ~20 ms for the same replies on one stream), so a step's 128 calls cost as much
-as the engine's whole batch of them on the demo model. `BatchingStub.Generate` keeps the
+Voting's generators start at once. Each unary Generate costs client and server CPU of its
+own (grpc.aio), several times what the same replies cost on one stream, so on a small
+model a step's calls cost as much as the engine's whole batch of them. `BatchingStub.Generate` keeps the
 stub's signature, queues the request, and sends everything queued in one turn of the
 event loop as one GenerateMany call; each caller gets its own response, or the error
 Generate would have raised for it, as soon as the replica has it.

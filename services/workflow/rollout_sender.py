@@ -1,9 +1,8 @@
 """Finished rollouts to their runs' streams, many in one Redis round trip.
 
 A step's episodes finish together (their turns decode in one batch), so sent one by one
-they queue behind each other for the worker's connection: measured on bench/vs_trl.py's
-Single step (128 episodes, 2 cores), the learner got the last rollout ~80 ms after the
-decode ended, ~40 ms once they were sent together and scored without a thread trip.
+they queue behind each other for the worker's connection, and the learner's last rollout
+of a step arrives later than the decode that made it (bench/vs_trl.py's step shows it).
 Every rollout finished by the time the previous round trip returns goes in the next one,
 a script (`SEND_SCRIPT`) that for each rollout, at once:
 - XADDs it to its run's stream only if its task entry is still in the tasks stream: the

@@ -124,8 +124,8 @@ class EpisodeRunner:
 
     async def tokenizer(self, model_path: str) -> Any:
         """The model's tokenizer, loaded once per model directory in a thread. A real
-        tokenizer takes ~1 s to load (Qwen3's, on 2 cores): on the event loop that would
-        stall the heartbeat and every episode in flight. A run's first episodes all wait
+        tokenizer takes seconds of CPU to load: on the event loop that would stall the
+        heartbeat and every episode in flight. A run's first episodes all wait
         on one load, or find it done by `preload`; a load that fails is tried again by
         the next episode."""
         if model_path not in self._tokenizers:
@@ -404,8 +404,7 @@ async def heartbeat(r: Any, worker_id: str, ttl_s: float) -> None:
 async def preload_served_tokenizers(runner: EpisodeRunner, period_s: float) -> None:
     """Keep `runner`'s replica list no older than `period_s` while no episode asks for it,
     so every model a replica announces (a joining one too) has its tokenizer loaded
-    before a run's first episodes: the load (~1 s for Qwen3's on 2 cores, once per
-    worker) runs while the worker waits for work, not inside a run's first step.
+    before a run's first episodes: the load (once per model and worker) runs while the worker waits for work, not inside a run's first step.
     Episodes share the same reads (`EpisodeRunner.stubs`)."""
     while True:
         age = runner.replicas_age()
@@ -479,7 +478,7 @@ def load_tokenizer(model_path: str) -> Any:
 
 
 def import_tokenizers() -> None:
-    """Import transformers' tokenizer classes: ~3 s of CPU, which an episode's first
+    """Import transformers' tokenizer classes: seconds of CPU, which an episode's first
     tokenizer load would otherwise spend on the event loop, stalling the heartbeat (TTL
     5 s) and every other episode. The load itself then takes milliseconds. Not in the
     server's `ready` (with the math verifier's warm-up): the worker would report SERVING
