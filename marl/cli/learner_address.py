@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from marl.spec.errors import UserError
+from marl.spec.services import LOCAL_LEARNER
 
 ENV = "MARL_LEARNER"
 UP_ENDPOINTS = Path("marl-up") / "endpoints.json"
 """Relative to the working directory: where `marl up` (default `--dir marl-up`) writes."""
-FALLBACK = "127.0.0.1:50051"
+FALLBACK = LOCAL_LEARNER
 
 
 @dataclass(frozen=True)

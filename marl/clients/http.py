@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from marl.spec.services import auth_token, sandbox_token
+from marl.spec.services import TLS_CA_ENV, auth_token, sandbox_token
 
 DEFAULT_ENDPOINTS = Path("marl-up") / "endpoints.json"
 TIMEOUT_EXIT = 124
@@ -42,7 +42,7 @@ def endpoint(flag: str | None, env: str, key: str, endpoints_file: Path = DEFAUL
     if not url:
         raise HttpUserError(f"no endpoint: pass the URL, set ${env}, or run `marl up` here so "
                             f"{endpoints_file} lists {key}")
-    scheme = "https" if os.environ.get("MARL_TLS_CA") else "http"
+    scheme = "https" if os.environ.get(TLS_CA_ENV) else "http"
     return url if "://" in url else f"{scheme}://{url}"
 
 
@@ -70,7 +70,7 @@ def post_json(url: str, body: dict[str, Any], timeout: float,
         headers["Authorization"] = f"Bearer {token}"
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     try:
-        ca = os.environ.get("MARL_TLS_CA")
+        ca = os.environ.get(TLS_CA_ENV)
         context = ssl.create_default_context(cafile=ca) if ca else None
         with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
             data: dict[str, Any] = json.loads(resp.read())

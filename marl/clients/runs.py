@@ -36,6 +36,7 @@ import grpc
 from marl.protocol.rpc_codes import SERVER_GONE
 from marl.protocol.v1 import learner_pb2, learner_pb2_grpc
 from marl.runtime import auth
+from marl.spec.services import LOCAL_LEARNER
 
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 WATCH_TIMEOUT_S = 86_400.0
@@ -187,7 +188,7 @@ def _translate(err: grpc.RpcError, address: str) -> Exception:
 class RunsClient:
     """Blocking client; one channel, closed by `close()` or the `with` block."""
 
-    def __init__(self, address: str = "127.0.0.1:50051", timeout: float = 60.0):
+    def __init__(self, address: str = LOCAL_LEARNER, timeout: float = 60.0):
         self.address = address
         self.timeout = timeout
         self._channel = auth.channel(address)
@@ -264,7 +265,7 @@ class RunsClient:
 class AsyncRunsClient:
     """asyncio client (grpc.aio); use `async with`."""
 
-    def __init__(self, address: str = "127.0.0.1:50051", timeout: float = 60.0):
+    def __init__(self, address: str = LOCAL_LEARNER, timeout: float = 60.0):
         self.address = address
         self.timeout = timeout
         self._channel = auth.aio_channel(address)

@@ -42,11 +42,10 @@ import grpc
 from marl.protocol.rpc_codes import SERVER_GONE
 from marl.protocol.v1 import sandbox_pb2, sandbox_pb2_grpc
 from marl.runtime import auth
-from marl.spec.services import sandbox_token
+from marl.spec.services import SANDBOX_TEST_TIMEOUT_S, sandbox_token
 
 BUSY_WAIT_S = 120.0
 """How long a call keeps asking a full sandbox (RESOURCE_EXHAUSTED) before it gives up."""
-_DEFAULT_TEST_SECONDS = 5.0
 _MARGIN_SECONDS = 15.0
 _RETRY = {
     "methodConfig": [{
@@ -135,7 +134,7 @@ def build_request(code: str, tests: list[dict[str, Any]],
 
 
 def default_deadline(request: sandbox_pb2.ExecuteRequest) -> float:
-    per_test = request.limits.timeout_seconds or _DEFAULT_TEST_SECONDS
+    per_test = request.limits.timeout_seconds or SANDBOX_TEST_TIMEOUT_S
     return len(request.tests) * (per_test + 0.5) + _MARGIN_SECONDS
 
 

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from marl.runtime import auth, prometheus_metrics
 from marl.spec import safe_input
-from marl.spec.services import tls_files
+from marl.spec.services import TLS_CERT_ENV, TLS_KEY_ENV, tls_files
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def _server_ssl() -> ssl.SSLContext | None:
     if "cert" not in tls_files():
         return None
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(os.environ["MARL_TLS_CERT"], os.environ["MARL_TLS_KEY"])
+    ctx.load_cert_chain(os.environ[TLS_CERT_ENV], os.environ[TLS_KEY_ENV])
     return ctx
 
 

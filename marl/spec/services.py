@@ -42,6 +42,13 @@ MiB = 1 << 20
 ServiceName = Literal["inference", "workflow", "learner", "sandbox"]
 SERVICES: tuple[ServiceName, ...] = get_args(ServiceName)
 
+LEARNER_PORT = 50051
+"""The Runs API's port where nothing else names one: the chart's, and a client's default."""
+LOCAL_LEARNER = f"127.0.0.1:{LEARNER_PORT}"
+"""Where a client looks for the learner when nothing names it."""
+SANDBOX_TEST_TIMEOUT_S = 5.0
+"""A sandbox's per-test wall-clock limit when a request sets none."""
+
 
 class _ServiceConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
@@ -255,7 +262,7 @@ class SandboxConfig(_ServiceConfig):
     """Jails the zygote keeps built and waiting, so a job does not wait for one."""
     max_queue: int = Field(default=32, ge=0, le=10_000)
     """Jobs waiting for a slot; past this the server answers RESOURCE_EXHAUSTED."""
-    default_timeout_seconds: float = Field(default=5.0, gt=0, le=600)
+    default_timeout_seconds: float = Field(default=SANDBOX_TEST_TIMEOUT_S, gt=0, le=600)
     """Per-test wall-clock limit when a request sets none."""
     max_timeout_seconds: float = Field(default=60.0, gt=0, le=3600)
     """Largest per-test limit a request may ask for."""
