@@ -87,7 +87,7 @@ class Synchronous:
         if self.next_step_ahead(trained.step):
             # the next step's tasks follow this push to the workers, and are generated
             # while this step is checkpointed and logged
-            judged = self.run.judge(trained.step, trained.record)
+            judged = self.run.records.judge(trained.step, trained.record)
             if judged[1] is None:  # no guard action: nothing before it to wait for
                 pushed = asyncio.Event()
                 self.ahead.submit(trained.step, pushed)
@@ -147,7 +147,7 @@ class RolloutsAhead:
         run, loop, done, clock = self.run, self.loop, trained.step, trained.clock
         judged = None
         if not (loop.validator.due(done) or loop.checkpointer.due(done, None)):
-            judged = full, action = run.judge(done, trained.record)
+            judged = full, action = run.records.judge(done, trained.record)
             if action is None:
                 snapshot = await run.adapters.snapshot(loop.policy)
                 clock.pushed = time.monotonic()

@@ -34,8 +34,6 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import redis.asyncio as aioredis
 
 from marl.data import load_problems
-from marl.diagnostics.alarms import AlarmWatch
-from marl.diagnostics.signatures import parallel_roles
 from marl.models.identity import base_model_id
 from marl.runtime import trace
 from marl.runtime.aio_tasks import cancel_until_done
@@ -49,14 +47,15 @@ from services.learner.adapter_sync import AdapterSync, Published
 from services.learner.checkpoint import Checkpointer
 from services.learner.episodes import Episodes
 from services.learner.errors import ReplicaUnreachable, RunCancelled, RunFailed, RunStopped
-from services.learner.guard import Action, Guard, GuardStopped, spare_adapters
+from services.learner.guard import Action, GuardStopped, spare_adapters
 from services.learner.lease import Lease, LeaseLost
 from services.learner.outcome import step_failed
 from services.learner.records import step_record
+from services.learner.run_log import RunLog
 from services.learner.runs import RunStore
 from services.learner.sampler import DataSampler
 from services.learner.schedules import RolloutsAhead, Synchronous
-from services.learner.sinks import JsonlSink, MetricsSink, RolloutLog, RunRecordSink, StreamSink
+from services.learner.sinks import MetricsSink, RunRecordSink
 from services.learner.staleness import drop_stale
 from services.learner.step_clock import StepClock
 from services.learner.validator import Validator
@@ -176,19 +175,13 @@ class RunExecutor:
             max_queued_tasks=learner.max_queued_tasks,
             signer=TaskSigner(auth_token()),
         )
-        self.jsonl = JsonlSink(out_dir / "metrics.jsonl")
-        self.stream = StreamSink(r, run_id)
-        self.record = RunRecordSink(store, run_id)
-        self.sinks: list[MetricsSink] = [self.jsonl, self.record, self.stream, *(extra_sinks or [])]
-        self.rollout_log = RolloutLog(out_dir / "rollouts", spec.train.rollouts_logged)
-        adapters = list(self.roles.values())
-        self.alarms = AlarmWatch(
-            spec.alarms, len(set(adapters)) < len(adapters), parallel_roles(spec.workflow)
-        )
-        """Role drift alarms over every logged record (a resumed run replays those kept)."""
         self.spares = spare_adapters(spec, self.roles)
         """Role -> the adapter a split would give it (guard.py); built with the others."""
-        self.guard = Guard(spec, spares=self.spares)
+        self.records = RunLog(
+            run_id, spec, out_dir, r, store,
+            roles=self.roles, spares=self.spares, extra_sinks=extra_sinks,
+        )
+        self.guard = self.records.guard
         self.data_position = 0
         """The data position a checkpoint of the step just trained resumes from."""
         self.burst_threads = learner.burst_threads
@@ -215,12 +208,17 @@ class RunExecutor:
                     if self.stop.is_set():
                         await self.stop_here(schedule, loop, step)
                     clock = StepClock(time.monotonic())
-                    rollouts = await self.unless_stopped(schedule.rollouts(step, clock))
+                    rollouts = await unless_stopped(self.stop, schedule.rollouts(step, clock))
                     if rollouts is None:
                         await self.stop_here(schedule, loop, step)
-                    failed_step = await self.count_failures(loop, step, rollouts)
+                    failed_step = await count_failures(
+                        self.records.record, self.spec, loop, step, rollouts
+                    )
                     rollouts, trained, selection = await self.select(loop, step, rollouts)
-                    async with self.reading_ahead(schedule.ahead.task_ids()) as burst_s:
+                    ahead = reading_ahead(
+                        self.burst, self.episodes, schedule.ahead.task_ids(), self.run_id
+                    )
+                    async with ahead as burst_s:
                         result = await self.torch.run(
                             policy.call, grpo_step, trained, [r.problem_id for r in trained],
                             self.roles, spec,
@@ -237,7 +235,7 @@ class RunExecutor:
                     )
                     await schedule.publish(Trained(step + 1, record, rollouts, clock))
                 await schedule.drain()
-                failure = self.record.outcome.verdict(spec.train)
+                failure = self.records.record.outcome.verdict(spec.train)
                 if failure is not None:
                     raise RunFailed(failure)
             except RunCancelled:
@@ -291,23 +289,9 @@ class RunExecutor:
         await self.adapters.close(release=held)
         if held:
             await self.episodes.close()
-        for sink in self.sinks:
-            await sink.close()
+        await self.records.close()
         if self._own_torch_thread:
             self.torch.close()
-
-    async def unless_stopped(self, gathering: Awaitable[list[Rollout]]) -> list[Rollout] | None:
-        """The step's rollouts, or None when the learner is asked to stop first: the
-        gathering is abandoned (nothing of the step has touched the policy yet)."""
-        task = asyncio.ensure_future(gathering)
-        stopped = asyncio.create_task(self.stop.wait())
-        try:
-            await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not task.done():
-                await cancel_until_done([task])
-            await cancel_until_done([stopped])
-        return None if task.cancelled() else task.result()
 
     async def stop_here(self, schedule: RolloutsAhead | Synchronous, loop: Loop, step: int
                         ) -> NoReturn:
@@ -356,9 +340,9 @@ class RunExecutor:
             sampler.position = int(restored["data_position"])
             log.info("resumed %s at step %d", self.run_id, start)
         if restored is not None or self.takeover:
-            self.jsonl.cut_back(None if restored is None else start)
-            await self.stream.cut_back(None if restored is None else start)
-            await self.replay(self.jsonl.records())
+            self.records.jsonl.cut_back(None if restored is None else start)
+            await self.records.stream.cut_back(None if restored is None else start)
+            await self.records.replay(self.records.jsonl.records())
         if restored is not None:
             self.guard.rollbacks = int(restored.get("rollbacks", 0))
             self.roles.update(restored.get("routing") or {})  # a split survives resume
@@ -368,20 +352,6 @@ class RunExecutor:
         if start == 0:
             await self.log(0, await validator.run(0))
         return Loop(policy, sampler, validator, checkpointer, start)
-
-    async def count_failures(self, loop: Loop, step: int, rollouts: list[Rollout]) -> bool:
-        """Whether the step failed (lost more than train.max_failed_fraction of its
-        episodes). FAILED_STEPS_LIMIT steps in a row with every episode failed fail the run."""
-        failed = [r.error for r in rollouts if r.error is not None]
-        failed_step = step_failed(len(rollouts), len(failed), self.spec.train.max_failed_fraction)
-        loop.failed_in_a_row = loop.failed_in_a_row + 1 if len(failed) == len(rollouts) > 0 else 0
-        if loop.failed_in_a_row >= FAILED_STEPS_LIMIT:
-            await self.record.note_unlogged(len(rollouts), len(failed), failed_step)
-            raise RunFailed(
-                f"every episode of steps {step + 2 - loop.failed_in_a_row}-{step + 1} failed, "
-                f"so they trained nothing; the last one's error: {failed[-1]}"
-            )
-        return failed_step
 
     async def select(
         self, loop: Loop, step: int, rollouts: list[Rollout]
@@ -398,7 +368,9 @@ class RunExecutor:
         if spec.grpo.dynamic_sampling:  # DAPO: groups with no signal make way
             rollouts, signal, topped = await dynamic_sampling(
                 rollouts,
-                partial(self.top_up, loop.sampler, step, {r.problem_id for r in rollouts}),
+                partial(
+                    top_up, self.episodes, loop.sampler, step, {r.problem_id for r in rollouts}
+                ),
                 spec,
             )
         current = {ref.name: ref.version for ref in self.adapters.refs().values()}
@@ -424,7 +396,7 @@ class RunExecutor:
             pushed.set()
             await self.episodes.add_tasks()
         with trace.span("rollout log", run=self.run_id, step=done):
-            self.rollout_log.write(done, trained.rollouts)
+            self.records.rollouts.write(done, trained.rollouts)
         if loop.validator.due(done):
             record.update(await loop.validator.run(done))
         accuracy = record.get("val/accuracy")
@@ -444,7 +416,14 @@ class RunExecutor:
         checkpoint directory refuses it too if a newer lease's token is written there."""
         if self.lease is not None:
             await self.lease.check()
-        state = self.checkpoint_state()
+        # besides the weights: where the data order resumes, the adapters' versions, the
+        # rollbacks so far and the routing (role -> adapter)
+        state = {
+            "data_position": self.data_position,
+            "versions": self.adapters.versions,
+            "rollbacks": self.guard.rollbacks,
+            "routing": dict(self.roles),
+        }
         try:
             await self.torch.run(checkpointer.save, step, policy, state, accuracy)
             self.saved_step = step
@@ -452,28 +431,6 @@ class RunExecutor:
             if self.lease is not None:
                 raise self.lease.lost_to(str(err)) from None
             raise
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        """What a checkpoint records besides the weights: where the data order resumes, the
-        adapters' versions, the rollbacks so far and the routing (role -> adapter)."""
-        return {
-            "data_position": self.data_position,
-            "versions": self.adapters.versions,
-            "rollbacks": self.guard.rollbacks,
-            "routing": dict(self.roles),
-        }
-
-    async def top_up(
-        self, sampler: DataSampler, step: int, held: set[str], n: int
-    ) -> list[Rollout]:
-        """Dynamic sampling's top-up: the rollouts of the next `n` problems of the data order
-        that step `step` does not hold yet (`held`, their ids, grows with them), run as
-        step `step`'s (task ids stay distinct: one problem once a step)."""
-        problems: list[Problem] = []
-        while len(problems) < n and len(held) < len(sampler.problems):
-            problems += [p for p in sampler.next(n - len(problems)) if p.id not in held]
-            held |= {p.id for p in problems}
-        return await self.episodes.run(problems, step, "train")
 
     async def finish(
         self,
@@ -497,48 +454,14 @@ class RunExecutor:
         trace.add("push overlapped", sent, sent + full["time/push_overlapped_s"],
                   "push overlapped", run=self.run_id, step=step)
         with trace.span("rollout log", run=self.run_id, step=step):
-            self.rollout_log.write(step, rollouts)
+            self.records.rollouts.write(step, rollouts)
         with trace.span("record", run=self.run_id, step=step):
-            await self.write(step, full, None)
+            await self.records.write(step, full, None)
         await self.torch.run(trim_heap, policy)
-
-    @asynccontextmanager
-    async def reading_ahead(self, ahead: set[str]) -> AsyncIterator[list[float]]:
-        """Around the step's update: the rollouts of the tasks queued `ahead` are read while
-        it runs, and once all are in the update takes the cores their generation leaves idle
-        (`ThreadBurst`). Yields a list that holds, after, the seconds it ran with them."""
-        burst_s = [0.0]
-        if self.burst is None:
-            yield burst_s
-            return
-        burst = self.burst
-        burst.start_step()
-        stop = asyncio.Event()
-
-        async def read_ahead() -> None:
-            with trace.span("read ahead", "read ahead", run=self.run_id):
-                await self.episodes.collect(ahead, stop)
-            if ahead <= self.episodes.arrived.keys():
-                burst.rollouts_in()
-
-        reader = asyncio.create_task(read_ahead())
-        try:
-            yield burst_s
-            burst_s[0] = burst.burst_seconds()
-        finally:
-            stop.set()
-            await reader
 
     async def check_cancel(self) -> None:
         if await self.store.cancel_requested(self.run_id):
             raise RunCancelled()
-
-    async def replay(self, records: list[dict[str, Any]]) -> None:
-        """A resumed run's kept records: the alarm watch and the run's alarm list go on
-        from them, as if this learner had logged them."""
-        for record in records:
-            self.alarms.update(record)
-        await self.record.restore(records)
 
     async def log(
         self,
@@ -550,7 +473,7 @@ class RunExecutor:
     ) -> None:
         """The record through the alarms, the guard's action, then every sink. `judged`:
         what `judge` made of the record before its last fields were added."""
-        full, action = self.judge(step, record) if judged is None else judged
+        full, action = self.records.judge(step, record) if judged is None else judged
         full.update(record)
         if action is not None and action.kind == "stop":
             full["guard"] = f"stop: {action.alarm}"
@@ -576,19 +499,78 @@ class RunExecutor:
                 self.adapters.version_base += self.spec.train.steps + 1
                 self.adapters.set_step(step)
                 await self.adapters.push(policy)
-        await self.write(step, full, action)
+        await self.records.write(step, full, action)
 
-    def judge(self, step: int, record: dict[str, Any]) -> tuple[dict[str, Any], Action | None]:
-        """The step's full record with the alarms it fires, and what the guard does."""
-        full = {"step": step, **record}
-        fired = self.alarms.update(full)
-        full["alarms"] = [str(a) for a in fired]
-        return full, self.guard.decide(fired)
 
-    async def write(self, step: int, full: dict[str, Any], action: Action | None) -> None:
-        """The record to every sink; a stop the guard called ends the run after it."""
-        for sink in self.sinks:
-            await sink.write(step, full)
-        if action is not None and action.kind == "stop":
-            raise GuardStopped(action.alarm, action.why)
+async def unless_stopped(stop: asyncio.Event, gathering: Awaitable[list[Rollout]]
+                         ) -> list[Rollout] | None:
+    """The step's rollouts, or None when the learner is asked to stop first: the
+    gathering is abandoned (nothing of the step has touched the policy yet)."""
+    task = asyncio.ensure_future(gathering)
+    stopped = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            await cancel_until_done([task])
+        await cancel_until_done([stopped])
+    return None if task.cancelled() else task.result()
 
+
+async def count_failures(
+    record: RunRecordSink, spec: RunSpec, loop: Loop, step: int, rollouts: list[Rollout]
+) -> bool:
+    """Whether the step failed (lost more than train.max_failed_fraction of its
+    episodes). FAILED_STEPS_LIMIT steps in a row with every episode failed fail the run."""
+    failed = [r.error for r in rollouts if r.error is not None]
+    failed_step = step_failed(len(rollouts), len(failed), spec.train.max_failed_fraction)
+    loop.failed_in_a_row = loop.failed_in_a_row + 1 if len(failed) == len(rollouts) > 0 else 0
+    if loop.failed_in_a_row >= FAILED_STEPS_LIMIT:
+        await record.note_unlogged(len(rollouts), len(failed), failed_step)
+        raise RunFailed(
+            f"every episode of steps {step + 2 - loop.failed_in_a_row}-{step + 1} failed, "
+            f"so they trained nothing; the last one's error: {failed[-1]}"
+        )
+    return failed_step
+
+
+async def top_up(
+    episodes: Episodes, sampler: DataSampler, step: int, held: set[str], n: int
+) -> list[Rollout]:
+    """Dynamic sampling's top-up: the rollouts of the next `n` problems of the data order
+    that step `step` does not hold yet (`held`, their ids, grows with them), run as
+    step `step`'s (task ids stay distinct: one problem once a step)."""
+    problems: list[Problem] = []
+    while len(problems) < n and len(held) < len(sampler.problems):
+        problems += [p for p in sampler.next(n - len(problems)) if p.id not in held]
+        held |= {p.id for p in problems}
+    return await episodes.run(problems, step, "train")
+
+
+@asynccontextmanager
+async def reading_ahead(
+    burst: ThreadBurst | None, episodes: Episodes, ahead: set[str], run_id: str
+) -> AsyncIterator[list[float]]:
+    """Around a step's update: the rollouts of the tasks queued `ahead` are read while it
+    runs, and once all are in the update takes the cores their generation leaves idle
+    (`burst`, a ThreadBurst). Yields a list that holds, after, the seconds it ran with them."""
+    burst_s = [0.0]
+    if burst is None:
+        yield burst_s
+        return
+    burst.start_step()
+    stop = asyncio.Event()
+
+    async def read_ahead() -> None:
+        with trace.span("read ahead", "read ahead", run=run_id):
+            await episodes.collect(ahead, stop)
+        if ahead <= episodes.arrived.keys():
+            burst.rollouts_in()
+
+    reader = asyncio.create_task(read_ahead())
+    try:
+        yield burst_s
+        burst_s[0] = burst.burst_seconds()
+    finally:
+        stop.set()
+        await reader

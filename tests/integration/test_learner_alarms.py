@@ -41,8 +41,7 @@ async def log_steps(redis_url: str, out: Path, spec_data: dict[str, Any]) -> Gua
     except GuardStopped as err:
         stopped = err
     finally:
-        for sink in executor.sinks:
-            await sink.close()
+        await executor.records.close()
         await r.aclose()
     return stopped
 
@@ -102,10 +101,10 @@ def test_run_record_keeps_every_alarm_and_a_resume_replays_the_kept_ones(
         executor = RunExecutor("run-1", spec, tmp_path, r, RunStore(r), "learner-2", takeover=1,
                                learner=LearnerConfig())
         try:
-            executor.jsonl.cut_back(step)
-            await executor.replay(executor.jsonl.records())
+            executor.records.jsonl.cut_back(step)
+            await executor.records.replay(executor.records.jsonl.records())
             # the watch goes on from the kept records: the cliff is firing, not new, at step 4
-            fired = executor.alarms.update({"step": 4, "val/accuracy": 0.4})
+            fired = executor.records.alarms.update({"step": 4, "val/accuracy": 0.4})
         finally:
             await r.aclose()
         return [str(a) for a in fired]

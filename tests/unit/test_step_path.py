@@ -68,3 +68,10 @@ def test_the_step_path_is_at_most_eight_frames(
     thread_side = marl_frames(stacks[0]) + ["grpo_loss"]
     assert thread_side == ["_in_lane", "call", "grpo_step", "train_mini_batch", "grpo_loss"]
     assert len(EVENT_LOOP_SIDE + thread_side) <= 8
+
+
+def test_the_run_executor_keeps_to_twelve_methods() -> None:
+    """The executor runs the loop; records (`RunLog`), the stop, the top-up and the read
+    ahead live beside it."""
+    methods = [name for name, _ in inspect.getmembers(trainer.RunExecutor, inspect.isfunction)]
+    assert len(methods) <= 12, methods
