@@ -2,12 +2,17 @@
 
 `checkpoints/step_N/` holds, per adapter, a PEFT directory
 `adapters/<policy>/{adapter_config.json, adapter_model.safetensors}`
-(`PeftModel.from_pretrained(base, dir)`, vLLM `LoRARequest(name, id, dir)`), its
-optimizer and LR-scheduler states, the RNG states, and `state.json` (step, data
-position, adapter versions; with `routing`, role -> adapter, only the adapters it names are
-saved, and `adapters` lists them: a run that split a role off (guard.py) resumes with its
-routing, and its untrained spare adapters are not saved). Each is written to a temporary directory,
-its files and the directory fsynced, and renamed into place, the parent fsynced, then
+(`PeftModel.from_pretrained(base, dir)`, vLLM `LoRARequest(name, id, dir)`); `dcp/`, the
+adapters' weights and AdamW moments as every rank wrote its shards of them
+(torch.distributed.checkpoint, dcp_state.py: they load at any world size);
+`schedule_<policy>.pt`, its AdamW hyperparameters and LR-scheduler state; the RNG states;
+and `state.json` (step, data position, adapter versions; with `routing`, role -> adapter,
+only the adapters it names are saved, and `adapters` lists them: a run that split a role
+off (guard.py) resumes with its routing, and its untrained spare adapters are not saved).
+A checkpoint of the earlier layout (whole optimizer states in `optimizer_<policy>.pt`, no
+`dcp/`) still loads. The ranks write `dcp/` into a temporary directory, each fsyncing
+its files; once the last is done (the call returns: a barrier), the learner (rank 0)
+writes the rest, fsyncs the tree and renames it into place, the parent fsynced, then
 `latest` is replaced atomically and fsynced too: a learner killed at any point, or a node
 that loses power, leaves the previous checkpoint whole and `latest` naming a checkpoint
 whose bytes are on disk. `best` is a copy of the checkpoint with the best validation
@@ -34,8 +39,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from marl.runtime.fences import StaleFence
+from services.learner import dcp_state
 from services.learner.policy import MultiAdapterPolicy
 from services.learner.ranks import PolicyHandle
+
+DCP_DIR = "dcp"
 
 
 def adapter_dir(ckpt: Path, policy: str) -> Path:
@@ -44,39 +52,74 @@ def adapter_dir(ckpt: Path, policy: str) -> Path:
 
 @dataclass
 class Snapshot:
-    """A policy's whole trainable state, on the CPU, whatever its world size: each
-    adapter's weights, its LoRA config, AdamW and scheduler states, and the RNG."""
+    """A checkpoint of the layout before `dcp/`, read whole onto the CPU: each adapter's
+    weights, AdamW and scheduler states, and the RNG."""
 
     adapters: dict[str, dict[str, torch.Tensor]]
-    configs: dict[str, Any]
     optimizers: dict[str, dict[str, Any]]
     schedulers: dict[str, dict[str, Any]]
     updates: int
     rng: dict[str, Any]
 
 
-def snapshot(policy: MultiAdapterPolicy, names: list[str] | None = None) -> Snapshot:
-    """Collective over the policy's ranks: call it through `PolicyHandle.call`. `names`:
-    the adapters to take (default: every one)."""
-    names = policy.policies if names is None else names
-    return Snapshot(
+def restore_snapshot(policy: MultiAdapterPolicy, snap: Snapshot) -> None:
+    """Collective over the policy's ranks: call it through `PolicyHandle.call`."""
+    for p in snap.adapters:
+        policy.load_state_dict(p, snap.adapters[p])
+        policy.load_optimizer_state(p, snap.optimizers[p])
+        policy.schedulers[p].load_state_dict(snap.schedulers[p])
+    _restore_rng(policy, snap.rng, snap.updates)
+
+
+def _restore_rng(policy: MultiAdapterPolicy, rng: dict[str, Any], updates: int) -> None:
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    policy.updates = updates
+
+
+@dataclass
+class Written:
+    """What rank 0 returns once every rank wrote its shards: the rest of the checkpoint."""
+
+    adapters: dict[str, dict[str, torch.Tensor]]
+    """Whole weights, for the PEFT directories."""
+    configs: dict[str, Any]
+    schedules: dict[str, dict[str, Any]]
+    updates: int
+    rng: dict[str, Any]
+
+
+def write_shards(policy: MultiAdapterPolicy, folder: str, names: list[str]) -> Written:
+    """Collective over the policy's ranks: call it through `PolicyHandle.call`."""
+    dcp_state.save(policy, folder, names)
+    return Written(
         {p: policy.state_dict(p) for p in names},
         {p: policy.model.peft_config[p] for p in names},
-        {p: policy.optimizer_state(p) for p in names},
-        {p: policy.schedulers[p].state_dict() for p in names},
+        {
+            p: {
+                "param_groups": policy.optimizers[p].state_dict()["param_groups"],
+                "scheduler": policy.schedulers[p].state_dict(),
+            }
+            for p in names
+        },
         policy.updates,
         {"torch": torch.get_rng_state(), "python": random.getstate()},
     )
 
 
-def restore_snapshot(policy: MultiAdapterPolicy, snap: Snapshot) -> None:
-    for p in snap.adapters:
-        policy.load_state_dict(p, snap.adapters[p])
-        policy.load_optimizer_state(p, snap.optimizers[p])
-        policy.schedulers[p].load_state_dict(snap.schedulers[p])
-    torch.set_rng_state(snap.rng["torch"])
-    random.setstate(snap.rng["python"])
-    policy.updates = snap.updates
+def read_shards(
+    policy: MultiAdapterPolicy,
+    folder: str,
+    schedules: dict[str, dict[str, Any]],
+    updates: int,
+    rng: dict[str, Any],
+) -> None:
+    """Collective over the policy's ranks: call it through `PolicyHandle.call`."""
+    names = list(schedules)
+    dcp_state.load(policy, folder, names, {p: s["param_groups"] for p, s in schedules.items()})
+    for p, s in schedules.items():
+        policy.schedulers[p].load_state_dict(s["scheduler"])
+    _restore_rng(policy, rng, updates)
 
 
 def save(
@@ -87,27 +130,26 @@ def save(
     fence: int | None = None,
 ) -> Path:
     """Write step `step`'s checkpoint and point `latest` at it. `fence`: the writer's
-    fencing token; the save is refused (StaleFence) if the directory holds a newer one."""
+    fencing token; the save is refused (StaleFence) if the directory holds a newer one.
+    Every rank writes its shards under `out_dir`, which they must all reach (one machine's
+    disk, or storage shared by the learner's nodes)."""
     routing = state.get("routing")
-    names = sorted(set(routing.values())) if routing else None
-    snap = policy.call(snapshot, names)
+    names = sorted(set(routing.values())) if routing else list(policy.policies)
     root = out_dir / "checkpoints"
     final = root / f"step_{step:06d}"
     tmp = root / f".step_{step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for p, weights in snap.adapters.items():
+    written = policy.call(write_shards, str(tmp / DCP_DIR), names)
+    for p, weights in written.adapters.items():
         folder = adapter_dir(tmp, p)
         folder.mkdir(parents=True)
         save_file(weights, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
-        snap.configs[p].save_pretrained(str(folder))
-        torch.save(
-            {"optimizer": snap.optimizers[p], "scheduler": snap.schedulers[p]},
-            tmp / f"optimizer_{p}.pt",
-        )
-    torch.save(snap.rng, tmp / "rng.pt")
+        written.configs[p].save_pretrained(str(folder))
+        torch.save(written.schedules[p], tmp / f"schedule_{p}.pt")
+    torch.save(written.rng, tmp / "rng.pt")
     (tmp / "state.json").write_text(
-        json.dumps({**state, "step": step, "updates": snap.updates, "adapters": list(snap.adapters)})
+        json.dumps({**state, "step": step, "updates": written.updates, "adapters": names})
     )
     sync_tree(tmp)
     if fence is not None:
@@ -175,14 +217,28 @@ def check_fence(root: Path, fence: int) -> None:
 
 
 def load(ckpt: Path, policy: PolicyHandle) -> dict[str, Any]:
+    """Restore `policy` from `ckpt`, written at whatever world size; its `state.json`."""
     state: dict[str, Any] = json.loads((ckpt / "state.json").read_text())
+    names = state.get("adapters", policy.policies)
+    if not (ckpt / DCP_DIR / dcp_state.METADATA).exists():
+        return load_whole(ckpt, policy, state, names)
+    schedules = {p: torch.load(ckpt / f"schedule_{p}.pt", weights_only=True) for p in names}
+    rng = torch.load(ckpt / "rng.pt", weights_only=True)
+    policy.call(read_shards, str(ckpt / DCP_DIR), schedules, int(state["updates"]), rng)
+    return state
+
+
+def load_whole(
+    ckpt: Path, policy: PolicyHandle, state: dict[str, Any], names: list[str]
+) -> dict[str, Any]:
+    """A checkpoint of the layout before `dcp/`: whole weights and optimizer states."""
     adapters, optimizers, schedulers = {}, {}, {}
-    for p in state.get("adapters", policy.policies):
+    for p in names:
         adapters[p] = load_file(str(adapter_dir(ckpt, p) / "adapter_model.safetensors"))
         states = torch.load(ckpt / f"optimizer_{p}.pt", weights_only=True)
         optimizers[p], schedulers[p] = states["optimizer"], states["scheduler"]
     rng = torch.load(ckpt / "rng.pt", weights_only=True)
-    snap = Snapshot(adapters, {}, optimizers, schedulers, int(state["updates"]), rng)
+    snap = Snapshot(adapters, optimizers, schedulers, int(state["updates"]), rng)
     policy.call(restore_snapshot, snap)
     return state
 

@@ -6,7 +6,7 @@ serves their calls first come, first served: each run's update, push snapshot an
 checkpoint in turn. torch's and Python's default generators are the process's, though,
 so runs that share it would draw from one another's streams: a run's LoRA dropout after
 another run seeded its LoRA init (`torch.manual_seed` in `MultiAdapterPolicy`) or restored
-its checkpoint's RNG state (`checkpoint.restore_snapshot`) would draw other numbers than
+its checkpoint's RNG state (`checkpoint.read_shards`) would draw other numbers than
 the same run trained alone. A `RunLane` puts the run's own generator states (torch's CPU
 generator, CUDA's once initialised, `random`'s) in place before each of its calls and
 keeps what the call left after, so each run draws what it would draw alone.

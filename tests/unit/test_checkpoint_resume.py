@@ -150,14 +150,15 @@ class _Planted:
 def test_a_checkpoint_is_read_as_data_never_as_code(
     model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A file placed where the learner reads its checkpoint (an optimizer state holding a
-    pickled callable) is refused (torch.load weights_only): nothing it names runs."""
+    """A file placed where the learner reads its checkpoint (an AdamW schedule holding a
+    pickled callable) is refused (torch.load weights_only): nothing it names runs. DCP's
+    own metadata: tests/unit/test_dcp_checkpoint.py."""
     import pickle
 
     s = spec(mini_batch_size=4)
     policy = new_policy(model_dir, "shared", s)
     ckpt = checkpoint.save(tmp_path, 1, policy, {"data_position": 0})
-    torch.save({"optimizer": _Planted(), "scheduler": {}}, ckpt / "optimizer_shared.pt")
+    torch.save({"param_groups": _Planted(), "scheduler": {}}, ckpt / "schedule_shared.pt")
     monkeypatch.chdir(tmp_path)
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         checkpoint.load_latest(tmp_path, new_policy(model_dir, "shared", s))

@@ -1,5 +1,6 @@
 """A learner group started by torch's own launcher (torchrun, env://) trains as one
-process does, and its checkpoints move between world sizes.
+process does, and its checkpoints (DCP shards, services/learner/dcp_state.py) move between
+world sizes.
 
 torchrun starts two ranks of `launched_learner.py` over gloo on loopback: rank 0 drives
 them through services/learner/group.py as a launched `marl serve learner` does. Step 1
@@ -70,6 +71,13 @@ def test_torchrun_group_trains_as_one_process_and_checkpoints_reshard(
     got = torch.load(tmp_path / "two" / "result.pt", weights_only=True)
 
     assert got["world_size"] == 2
+    # DCP state: each rank wrote its own shards; one process, one file
+    def shards(run: str) -> list[str]:
+        ckpt = tmp_path / run / "checkpoints" / "step_000001"
+        return sorted(p.name for p in (ckpt / "dcp").glob("*.distcp"))
+
+    assert shards("two") == ["__0_0.distcp", "__1_0.distcp"]
+    assert shards("one") == ["__0_0.distcp"]
     assert got["losses"] == pytest.approx(want_first, rel=1e-5, abs=1e-6)
     for p, state in want_states.items():
         for k, v in state.items():
