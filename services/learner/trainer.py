@@ -350,7 +350,7 @@ class RunExecutor:
         self.adapters.set_step(start)
         await self.adapters.push(policy)
         if start == 0:
-            await self.log(0, await validator.run(0))
+            await self.record_step(0, await validator.run(0))
         return Loop(policy, sampler, validator, checkpointer, start)
 
     async def select(
@@ -406,7 +406,7 @@ class RunExecutor:
         record.update(clock.push_times(time.monotonic()))
         clock.trace(self.run_id, done, clock.start + record["time/step_s"])
         with trace.span("record", run=self.run_id, step=done):
-            await self.log(done, record, policy, loop.checkpointer, judged)
+            await self.record_step(done, record, policy, loop.checkpointer, judged)
         await self.torch.run(trim_heap, policy)
 
     async def save(
@@ -463,7 +463,7 @@ class RunExecutor:
         if await self.store.cancel_requested(self.run_id):
             raise RunCancelled()
 
-    async def log(
+    async def record_step(
         self,
         step: int,
         record: dict[str, Any],
@@ -471,8 +471,10 @@ class RunExecutor:
         checkpointer: Checkpointer | None = None,
         judged: tuple[dict[str, Any], Action | None] | None = None,
     ) -> None:
-        """The record through the alarms, the guard's action, then every sink. `judged`:
-        what `judge` made of the record before its last fields were added."""
+        """The step's record through the alarms, then the guard's action carried out (a
+        split gives the role its own adapter, a rollback restores the last checkpoint, a
+        stop ends the run after the record), then every sink. `judged`: what
+        `RunLog.judge` made of the record before its last fields were added."""
         full, action = self.records.judge(step, record) if judged is None else judged
         full.update(record)
         if action is not None and action.kind == "stop":

@@ -37,7 +37,7 @@ async def log_steps(redis_url: str, out: Path, spec_data: dict[str, Any]) -> Gua
     stopped = None
     try:
         for step, acc in enumerate(VAL):
-            await executor.log(step, {"val/accuracy": acc})
+            await executor.record_step(step, {"val/accuracy": acc})
     except GuardStopped as err:
         stopped = err
     finally:
