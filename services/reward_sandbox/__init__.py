@@ -6,7 +6,7 @@ a warm jail forked by the single-threaded `zygote`. The jail (`jail`) was
 already confined for the detected tier (`tiers`: `namespaces`, `seccomp`,
 `syscalls`, rlimits); its harness (`harness`) forks candidate processes
 (`candidate`) that run the code, through the template (`template`) when the
-job has assert programs, and writes one record per test back. The server decides the verdicts (`judge`) from plain values
+job has assert programs, and writes one record per test back. The server decides the verdicts (`verdicts`) from plain values
 (`plain`) and kills the job's whole process group.
 
 Protected (strongest tier, `namespaces`):

@@ -26,7 +26,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from . import judge, plain, wire
+from . import plain, verdicts, wire
 from .jobspec import Job
 from .zygote import ZygoteClient
 
@@ -184,7 +184,7 @@ class Executor:
                         value = plain.decode(rec.get("value"))
                     except ValueError:
                         rec["outcome"] = "failed"
-                verdict = judge.verdict(test["kind"], str(rec.get("outcome")),
+                verdict = verdicts.verdict(test["kind"], str(rec.get("outcome")),
                                         stdout=str(rec.get("stdout", "")),
                                         expected_stdout=job.expected[i] or "",
                                         value=value, expected=job.expected[i])
