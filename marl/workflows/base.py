@@ -104,7 +104,7 @@ class Episode(Protocol):
 
     async def judge(self, messages: Messages) -> str:
         """The run's judge (`reward.judge`) answers `messages`; its turn is recorded, and
-        trained only when a policy group names the judge role (marl/rewards/judge.py)."""
+        trained only when a policy group names the judge role (marl/rewards/llm_judge.py)."""
         ...
 
 

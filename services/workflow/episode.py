@@ -147,7 +147,7 @@ class Episode:
         self.role_rewards: dict[str, float] = {}
         """Rewards of single roles the workflow set (see `marl.workflows.Episode`)."""
         self.judge_turns: list[Turn] = []
-        """The judge's turns when its role is not trained (marl/rewards/judge.py)."""
+        """The judge's turns when its role is not trained (marl/rewards/llm_judge.py)."""
         self.tool_roles: set[str] = set()
         """Roles that offered tools this episode (their `role/<r>/tool_errors` is logged)."""
         self.sandbox_client: Callable[[], Any] | None = None
@@ -181,7 +181,7 @@ class Episode:
         return self.sandbox_client()
 
     async def judge(self, messages: list[dict[str, str]]) -> str:
-        """The run's judge answers `messages` (marl/rewards/judge.py)."""
+        """The run's judge answers `messages` (marl/rewards/llm_judge.py)."""
         from services.workflow.judge import ask
 
         return await ask(self, messages)

@@ -9,7 +9,7 @@ import pytest
 
 from marl.data.problem import Problem
 from marl.rewards import functions
-from marl.rewards.judge import judge_prompt, verdict_score
+from marl.rewards.llm_judge import judge_prompt, verdict_score
 from marl.spec.run import RunSpec, SpecError, parse_spec
 from marl.workflows import policy_of_role
 from services.workflow.worker import EpisodeRunner
