@@ -153,7 +153,7 @@ class Episode:
         self.sandbox_client: Callable[[], Any] | None = None
         """The worker's reward sandbox client (set by the worker)."""
         self.judge_client: Callable[[Task], Awaitable[Any]] | None = None
-        """The run's judge endpoint (set by the worker; services/workflow/judge.py)."""
+        """The run's judge endpoint (set by the worker; services/workflow/judge_client.py)."""
 
     @property
     def caps(self) -> Caps:
@@ -182,7 +182,7 @@ class Episode:
 
     async def judge(self, messages: list[dict[str, str]]) -> str:
         """The run's judge answers `messages` (marl/rewards/llm_judge.py)."""
-        from services.workflow.judge import ask
+        from services.workflow.judge_client import ask
 
         return await ask(self, messages)
 

@@ -325,8 +325,8 @@ class EpisodeRunner:
         return await reward_functions.call(name, task.problem, final, view, task.reward_args)
 
     async def judge_client(self, task: Task) -> Any:
-        """The OpenAI-compatible endpoint the run's judge is asked through (judge.py)."""
-        from services.workflow.judge import endpoint_for
+        """The OpenAI-compatible endpoint the run's judge is asked through (judge_client.py)."""
+        from services.workflow.judge_client import endpoint_for
 
         return await endpoint_for(self, task)
 
