@@ -40,9 +40,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from marl.protocol.rpc_codes import NO_ANSWER
 from marl.protocol.v1 import inference_pb2_grpc
 from marl.rewards import functions as reward_functions
-from marl.rewards.checks import check_judge_endpoint
 from marl.rewards.code import SandboxFailure
 from marl.rewards.functions import RewardError, Scored
+from marl.rewards.spec_checks import check_judge_endpoint
 from marl.rollout import Rollout, Task
 from marl.runtime import auth, replicas, streams, trace
 from marl.runtime.aio_tasks import cancel_until_done, raise_if_cancelled
