@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import plain, verdicts, wire
+from .forkserver_client import ZygoteClient
 from .jobspec import Job
-from .zygote import ZygoteClient
 
 NOBODY = 65534
 _HEADER = struct.Struct(">I")

@@ -35,8 +35,8 @@ from marl.spec.services import SandboxConfig, add_flags, flag_values, load_sandb
 
 from . import http_api, syscalls
 from .executor import Executor
+from .forkserver_client import ZygoteClient
 from .service import SandboxService
-from .zygote import ZygoteClient
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = sandbox_pb2.DESCRIPTOR.services_by_name["Sandbox"].full_name
