@@ -258,9 +258,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    from marl.data import report
+    from marl.data import inspection
 
-    return report.run([args.spec, *args.overrides])
+    return inspection.run([args.spec, *args.overrides])
 
 
 def cmd_episode(args: argparse.Namespace) -> int:
