@@ -55,7 +55,7 @@ from marl.spec.services import WorkflowConfig, env_name
 from marl.workflows import EpisodeError, Workflow, resolve
 from marl.workflows.registry import check as check_workflow
 from services.workflow import openai_proxy
-from services.workflow.episode import NONE_REGISTERED, Episode, NoReplica, Renders
+from services.workflow.episode_runtime import NONE_REGISTERED, Episode, NoReplica, Renders
 from services.workflow.generate_batcher import BatchingStub
 from services.workflow.rollout_sender import RolloutSender
 from services.workflow.user_code import exit_error, running_user_code

@@ -18,7 +18,7 @@ from marl.protocol.v1 import common_pb2, inference_pb2
 from marl.rollout import AdapterRef, Task
 from marl.spec.run import WorkflowCaps
 from marl.workflows import resolve
-from services.workflow.episode import Episode
+from services.workflow.episode_runtime import Episode
 
 
 class CharTokenizer:

@@ -18,9 +18,9 @@ from marl.rollout import Task
 from marl.spec.code_refs import CodePolicy
 from marl.spec.run import WorkflowCaps
 from marl.workflows import prompts, resolve
-from services.workflow import episode as episode_module
+from services.workflow import episode_runtime as episode_module
 from services.workflow import worker
-from services.workflow.episode import PromptTooLong, Renders
+from services.workflow.episode_runtime import PromptTooLong, Renders
 from services.workflow.worker import EpisodeRunner
 from tests.support.loop_ticks import loop_ticks
 from tests.support.workflows_scripted import (
@@ -121,7 +121,7 @@ async def test_no_live_replica_is_a_failed_episode() -> None:
     runner._tokenizers[""] = CharTokenizer()
 
     async def no_replicas(fresh: bool = False) -> list[Any]:
-        from services.workflow.episode import NoReplica
+        from services.workflow.episode_runtime import NoReplica
 
         raise NoReplica("no live inference replica is registered in Redis")
 
