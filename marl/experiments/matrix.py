@@ -66,6 +66,7 @@ from marl.experiments.matrix_tables import (
     curve,
     table_rows,
 )
+from marl.models.engines import resolve_engine
 from marl.spec.run import RunSpec, SpecError, apply_overrides, parse_spec
 from marl.workflows.routing import adapter_versions_in_flight, policy_of_role
 
@@ -468,7 +469,7 @@ def run_matrix(
         in_flight = sorted((adapter_versions_in_flight(s) for s in specs), reverse=True)
         started = time.monotonic()
         cluster = Cluster(
-            root / "cluster", specs[0].model.path, engine=_engine(specs[0]),
+            root / "cluster", specs[0].model.path, engine=resolve_engine(specs[0].engine),
             max_lora_rank=max(s.lora.rank for s in specs),
             # Table 3 serves two adapters at once (SA-RL's and the base model's zeros)
             max_loras=max(2, sum(in_flight[:parallel])),
@@ -485,14 +486,6 @@ def run_matrix(
         finally:
             cluster.stop()
     return 1 if failed else 0
-
-
-def _engine(spec: RunSpec) -> str:
-    if spec.engine != "auto":
-        return spec.engine
-    from services.inference.factory import vllm_available
-
-    return "vllm" if vllm_available() else "transformers"
 
 
 class _Progress:
