@@ -205,8 +205,8 @@ def test_eval_against_an_unreachable_redis_is_a_user_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from marl.cli.main import main
-    from marl.local.redis_server import free_port
     from marl.models.demo import demo_model_dir
+    from marl.runtime.processes import free_port
     from marl.spec.run import dump_spec, parse_spec
 
     run = tmp_path / "run"
