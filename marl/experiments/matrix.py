@@ -64,17 +64,10 @@ from marl.experiments.matrix_tables import (
     SA_RL_CONTROL,
     Curve,
     curve,
-    table_rows,
 )
 from marl.models.engines import resolve_engine
 from marl.spec.run import RunSpec, SpecError, apply_overrides, parse_spec
 from marl.workflows.routing import adapter_versions_in_flight, policy_of_role
-
-__all__ = [
-    "AXES", "BASE_CONTROL", "CONTROL_WORKFLOW", "SA_RL_CONTROL", "Cell", "Curve", "Matrix",
-    "Transfer", "cell_dir", "cell_done", "curve", "load_curves", "load_matrix", "prepare",
-    "read_metrics", "run_matrix", "status_lines", "table_rows", "write_report",
-]  # fmt: skip
 
 AXES = ("task", "model", "workflow", "policy", "seed")
 """Axis names a matrix may have, in the order their values merge; any other key of `axes`
@@ -372,15 +365,6 @@ def load_curves(root: Path, matrix: Matrix) -> dict[Cell, Curve | None]:
         for cell in matrix.cells
         if cell_done(root, cell)
     }
-
-
-def write_report(
-    root: Path, out_dir: Path | None = None, chi2: str = "auto"
-) -> dict[str, Path]:
-    """Every table and figure of `marl matrix report` (marl/experiments/matrix_report.py)."""
-    from marl.experiments.matrix_report import write_report as write
-
-    return write(root, out_dir, chi2)
 
 
 def status_lines(root: Path, matrix: Matrix) -> list[str]:
