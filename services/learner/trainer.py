@@ -48,7 +48,7 @@ from marl.workflows import policy_of_role
 from services.learner.adapter_sync import AdapterSync, Published
 from services.learner.checkpoint import Checkpointer
 from services.learner.episodes import Episodes
-from services.learner.errors import ReplicaUnreachable, RunCancelled, RunFailed, RunStopped
+from services.learner.errors import RunCancelled, RunFailed, RunStopped
 from services.learner.guard import Action, Guard, GuardStopped, spare_adapters
 from services.learner.lease import Lease, LeaseLost
 from services.learner.outcome import step_failed
@@ -66,15 +66,6 @@ if TYPE_CHECKING:
     from marl.rollout import Rollout
     from services.learner.ranks import PolicyHandle
     from services.learner.threads import ThreadBurst
-
-__all__ = [
-    "DataSampler",
-    "GuardStopped",
-    "ReplicaUnreachable",
-    "RunCancelled",
-    "RunExecutor",
-    "RunFailed",
-]
 
 log = logging.getLogger(__name__)
 
