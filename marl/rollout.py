@@ -6,7 +6,7 @@ import copy
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 
 if TYPE_CHECKING:
     from marl.spec.run import RunSpec

@@ -15,7 +15,7 @@ judge role in `policy_groups` would train it too.
 
 from __future__ import annotations
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.workflows import Episode, Workflow
 
 

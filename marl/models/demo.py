@@ -33,7 +33,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from marl.data import arithmetic
-from marl.data.problem import Problem
+from marl.problem import Problem
 
 BUILDER_VERSION = "6"
 BOXED_SHARE = 0.5

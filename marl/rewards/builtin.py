@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 
 
 def problem_text(problem: Problem) -> str:

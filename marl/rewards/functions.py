@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.spec import code_refs
 from marl.spec.code_refs import CodePolicy
 from marl.spec.run import SpecError

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.rewards.math import last_boxed
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")

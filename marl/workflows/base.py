@@ -19,7 +19,7 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ValidationError
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.spec.run import WorkflowCaps
 
 Messages = list[dict[str, str]]

@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.rewards.math import last_boxed
 from marl.spec.run import WorkflowCaps
 from marl.workflows import prompts

@@ -31,7 +31,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.rewards.math import last_boxed
 from marl.spec.run import WorkflowCaps
 from marl.workflows import prompts

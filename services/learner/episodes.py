@@ -27,7 +27,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.rollout import AdapterRef, Rollout, Task
 from marl.runtime import streams, trace
 from marl.runtime.task_signing import TaskSigner

@@ -62,7 +62,7 @@ from services.learner.step_clock import StepClock
 from services.learner.validator import Validator
 
 if TYPE_CHECKING:
-    from marl.data.problem import Problem
+    from marl.problem import Problem
     from marl.rollout import Rollout
     from services.learner.ranks import PolicyHandle
     from services.learner.threads import ThreadBurst

@@ -27,8 +27,8 @@ import marl
 from marl.cli import main as cli
 from marl.clients.runs import RunRefused, RunsClient
 from marl.clients.sandbox import SandboxClient
-from marl.data.problem import Problem
 from marl.local.demo import DEMO_SPEC
+from marl.problem import Problem
 from marl.protocol.v1 import inference_pb2, learner_pb2, sandbox_pb2, workflow_pb2
 from marl.rollout import AdapterRef, Task
 from marl.runtime import auth, streams

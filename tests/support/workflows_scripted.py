@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.protocol.v1 import common_pb2, inference_pb2
 from marl.rollout import AdapterRef, Task
 from marl.spec.run import WorkflowCaps

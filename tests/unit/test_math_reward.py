@@ -394,7 +394,7 @@ def test_scientific_notation_is_written_out_exactly(text: str, plain: str | None
 
 
 def test_the_builtin_reward_reads_the_problems_text_and_its_messages() -> None:
-    from marl.data.problem import Problem
+    from marl.problem import Problem
     from marl.rewards.builtin import math_reward as builtin_math
 
     class Task:

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.rewards import functions
 from marl.rewards.llm_judge import judge_prompt, verdict_score
 from marl.spec.run import RunSpec, SpecError, parse_spec
