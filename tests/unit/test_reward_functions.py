@@ -13,8 +13,7 @@ from marl.rewards.llm_judge import judge_prompt, verdict_score
 from marl.spec.run import RunSpec, SpecError, parse_spec
 from marl.workflows import policy_of_role
 from services.workflow.worker import EpisodeRunner
-from tests.support.workflows_scripted import MATH, ScriptedEngine, make_task
-from tests.unit.test_workflows_runtime import runner_with
+from tests.support.workflows_scripted import MATH, ScriptedEngine, make_task, runner_with
 
 USER = "tests.integration.byo_user"
 VERL_PROBLEM = Problem(id="v1", prompt="What is 2 + 3?", answer="5", data_source="openai/gsm8k",
