@@ -230,7 +230,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_sandbox_run(args: argparse.Namespace) -> int:
-    from marl.clients.http import HttpUserError, sandbox_run
+    from marl.clients.http_endpoints import HttpUserError, sandbox_run
 
     try:
         return sandbox_run(args.file, args.stdin, args.sandbox, args.timeout)
@@ -248,7 +248,7 @@ def cmd_sandbox_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from marl.clients.http import HttpUserError, generate
+    from marl.clients.http_endpoints import HttpUserError, generate
 
     try:
         return generate(args.model, args.prompt, args.inference, args.chat, args.max_tokens,
