@@ -63,6 +63,6 @@ async def any_format_reward(problem: Problem, answer: str, episode: Any) -> dict
 async def code_reward(problem: Problem, answer: str, episode: Any) -> float:
     """The fraction of the problem's tests the answer's last Python block passes in the
     reward sandbox; 0 without runnable code or when any test timed out."""
-    from marl.rewards import code
+    from marl.rewards import code_scoring
 
-    return float(await code.score(answer, problem.tests, episode.sandbox()))
+    return float(await code_scoring.score(answer, problem.tests, episode.sandbox()))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from marl.rewards.code import extract_code
+from marl.rewards.code_scoring import extract_code
 from marl.rewards.math import last_boxed
 
 

@@ -40,7 +40,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from marl.protocol.rpc_codes import NO_ANSWER
 from marl.protocol.v1 import inference_pb2_grpc
 from marl.rewards import functions as reward_functions
-from marl.rewards.code import SandboxFailure
+from marl.rewards.code_scoring import SandboxFailure
 from marl.rewards.functions import RewardError, Scored
 from marl.rewards.spec_checks import check_judge_endpoint
 from marl.rollout import Rollout, Task
