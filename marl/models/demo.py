@@ -179,7 +179,7 @@ def validation_behaviour(
 ) -> dict[str, float]:
     """Greedy answers on the demo's 200 validation problems, as the generator and as an
     aggregator shown three copies of the generator's answer: the untrained workflow."""
-    from marl.rewards.math import last_boxed
+    from marl.rewards.math_scoring import last_boxed
     from marl.workflows import prompts
 
     _, val = arithmetic.split(WARM_START_SEED)

@@ -20,7 +20,7 @@ import re
 from typing import Any
 
 from marl.problem import Problem
-from marl.rewards.math import last_boxed
+from marl.rewards.math_scoring import last_boxed
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 

@@ -38,7 +38,7 @@ import functools
 from collections.abc import Callable, Sequence
 
 from marl.problem import Problem
-from marl.rewards.math import last_boxed
+from marl.rewards.math_scoring import last_boxed
 from marl.spec.run import WorkflowCaps
 from marl.workflows import prompts
 from marl.workflows.base import Caps, Episode, Messages, TaskName, Workflow, prompt_cap

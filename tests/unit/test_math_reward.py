@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from marl.rewards import math as math_reward
-from marl.rewards.math import FORMAT_PENALTY, last_boxed, score, score_async, warm_up
+from marl.rewards import math_scoring as math_reward
+from marl.rewards.math_scoring import FORMAT_PENALTY, last_boxed, score, score_async, warm_up
 from marl.rewards.verifier_pool import GRACE_S, VerifierPool
 from tests.support.loop_ticks import loop_ticks
 
