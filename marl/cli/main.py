@@ -46,9 +46,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if "redis" in MODELS[args.service].model_fields and not cfg.redis:
         raise UserError(f"marl serve {args.service}: --redis URL is required")
     if cfg.trace_dir is not None:
-        from marl.runtime import trace
+        from marl.runtime import tracing
 
-        trace.configure(args.service, cfg.trace_dir)
+        tracing.configure(args.service, cfg.trace_dir)
     if args.service == "inference":
         from services.inference import server as inference
 

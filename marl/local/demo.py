@@ -66,7 +66,7 @@ def demo_model() -> Path:
 def run_demo(  # noqa: PLR0915 (older than the limit; split it when next changed)
     out: str | None, steps: int | None, overrides: list[str], trace: bool = False
 ) -> int:
-    """`trace`: every service traces its spans into OUT/trace (marl.runtime.trace), and the run
+    """`trace`: every service traces its spans into OUT/trace (marl.runtime.tracing), and the run
     ends with where each step's time went and OUT/trace.json."""
     from marl.local.launcher import DEFAULT_CORES, Cluster, service_threads
     from marl.monitor.progress import follow_run

@@ -37,7 +37,7 @@ from marl.data import load_problems
 from marl.diagnostics.alarms import AlarmWatch
 from marl.diagnostics.signatures import parallel_roles
 from marl.models.identity import base_model_id
-from marl.runtime import trace
+from marl.runtime import tracing
 from marl.runtime.aio_tasks import cancel_until_done
 from marl.runtime.fences import StaleFence
 from marl.runtime.task_signing import TaskSigner
@@ -109,7 +109,7 @@ def trim_heap(policy: PolicyHandle) -> None:
     the activations that update was freeing and reallocating, each to be faulted in again
     (`bench/heap_trim.py`: on the demo's Voting step, ~33,000 faults and 7-9 % of the
     update; after it, 5-7 ms and no faults)."""
-    with trace.span("heap trim"):
+    with tracing.span("heap trim"):
         policy.release_free_heap()
 
 
@@ -407,7 +407,7 @@ class RunExecutor:
         if pushed is not None:
             pushed.set()
             await self.episodes.add_tasks()
-        with trace.span("rollout log", run=self.run_id, step=done):
+        with tracing.span("rollout log", run=self.run_id, step=done):
             self.rollout_log.write(done, trained.rollouts)
         if loop.validator.due(done):
             record.update(await loop.validator.run(done))
@@ -417,7 +417,7 @@ class RunExecutor:
             await self.save(loop.checkpointer, done, policy, accuracy)
         record.update(clock.push_times(time.monotonic()))
         clock.trace(self.run_id, done, clock.start + record["time/step_s"])
-        with trace.span("record", run=self.run_id, step=done):
+        with tracing.span("record", run=self.run_id, step=done):
             await self.log(done, record, policy, loop.checkpointer, judged)
         await self.torch.run(trim_heap, policy)
 
@@ -478,11 +478,11 @@ class RunExecutor:
         pushed.set()
         await self.episodes.add_tasks()
         full["time/push_overlapped_s"] = time.monotonic() - sent
-        trace.add("push overlapped", sent, sent + full["time/push_overlapped_s"],
+        tracing.add("push overlapped", sent, sent + full["time/push_overlapped_s"],
                   "push overlapped", run=self.run_id, step=step)
-        with trace.span("rollout log", run=self.run_id, step=step):
+        with tracing.span("rollout log", run=self.run_id, step=step):
             self.rollout_log.write(step, rollouts)
-        with trace.span("record", run=self.run_id, step=step):
+        with tracing.span("record", run=self.run_id, step=step):
             await self.write(step, full, None)
         await self.torch.run(trim_heap, policy)
 
@@ -500,7 +500,7 @@ class RunExecutor:
         stop = asyncio.Event()
 
         async def read_ahead() -> None:
-            with trace.span("read ahead", "read ahead", run=self.run_id):
+            with tracing.span("read ahead", "read ahead", run=self.run_id):
                 await self.episodes.collect(ahead, stop)
             if ahead <= self.episodes.arrived.keys():
                 burst.rollouts_in()

@@ -130,9 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_sandbox(args.config, **flag_values(args, "sandbox"))
         if cfg.trace_dir is not None:  # as `marl serve` does
-            from marl.runtime import trace
+            from marl.runtime import tracing
 
-            trace.configure("sandbox", cfg.trace_dir)
+            tracing.configure("sandbox", cfg.trace_dir)
         run(cfg)
     except ValueError as e:
         print(f"error: {e}")

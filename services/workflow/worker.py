@@ -44,7 +44,7 @@ from marl.rewards.code_scoring import SandboxFailure
 from marl.rewards.functions import RewardError, Scored
 from marl.rewards.spec_checks import check_judge_endpoint
 from marl.rollout import Rollout, Task
-from marl.runtime import auth, replicas, streams, trace
+from marl.runtime import auth, replicas, streams, tracing
 from marl.runtime.aio_tasks import cancel_until_done, raise_if_cancelled
 from marl.runtime.gc_pauses import freeze_long_lived
 from marl.runtime.prometheus_metrics import TASKS_REFUSED
@@ -272,7 +272,7 @@ class EpisodeRunner:
             episode.restub = functools.partial(self.stubs, fresh=True)
             episode.replica_wait_s = self.replica_wait_s
             final = await episode_run(workflow, episode, task)
-            with trace.span("score", "score", task=task.id):
+            with tracing.span("score", "score", task=task.id):
                 scored = await self.scored(task, final, episode)
             reward = scored.score
             facts = {**episode.facts, **scored.components, **tool_facts(episode)}
@@ -290,7 +290,7 @@ class EpisodeRunner:
         finally:
             self.stats.in_flight -= 1
         seconds = time.monotonic() - started
-        trace.add("episode", started, started + seconds, "episodes", task=task.id, error=error)
+        tracing.add("episode", started, started + seconds, "episodes", task=task.id, error=error)
         self.stats.done += 1
         self.stats.total_seconds += seconds
         return Rollout(
