@@ -35,7 +35,7 @@ last rollout in, `time/rollout_flight_s`: the generation rate of a synchronous r
 next tasks leave before its record is written; an overlapped run's tasks are in flight
 for a step and more), rollout tokens per wall-clock second, and the share of step time
 the learner spent waiting for rollouts, split by what the services did meanwhile (every service traces its
-spans, `marl.runtime.trace`; `marl.monitor.trace_summary`): generation (a replica's prefill or decode
+spans, `marl.runtime.tracing`; `marl.monitor.trace_summary`): generation (a replica's prefill or decode
 step), reward (a worker scoring, no replica generating) and queueing (the rest: tasks,
 requests and rollouts on their way, a replica gathering a burst; tracing costs ~8 us a
 span, ~270 spans and ~2 ms of CPU a Single step); then training, pushing adapters, and

@@ -46,10 +46,10 @@ import torch
 from host import describe, host
 from snapshot import add_save_option, emit
 
-from marl.local.redis_server import free_port
 from marl.models.identity import base_model_id
 from marl.protocol import adapter_io
 from marl.runtime.heap import keep_freed_heap_until_trimmed
+from marl.runtime.processes import free_port
 from marl.runtime.serving import wait_healthy
 from services.inference.engine import AdapterWeights, Engine, GenerationRequest
 

@@ -300,7 +300,7 @@ def numeric_check(run_dir: Path, model_dir: str, val_problems: int, max_tokens: 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from marl.data import arithmetic
-    from marl.rewards.math import last_boxed, loose_answer
+    from marl.rewards.math_scoring import last_boxed, loose_answer
     from marl.workflows import prompts
 
     _, val = arithmetic.split(0)

@@ -49,7 +49,7 @@ from host import describe, host
 from snapshot import add_save_option, emit
 
 from marl.clients import SandboxClient
-from marl.local.redis_server import free_port
+from marl.runtime.processes import free_port
 from marl.runtime.serving import wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent

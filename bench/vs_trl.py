@@ -2,7 +2,7 @@
 
 Both train the shipped demo model in float32 with a LoRA (rank `--rank`, alpha 2x) on the same
 arithmetic problems, prompts (the generator's chat messages, through the tokenizer's
-chat template) and reward (`marl.rewards.math.score`, format penalty included): `--problems`
+chat template) and reward (`marl.rewards.math_scoring.score`, format penalty included): `--problems`
 problems a step, `--group` samples each, at most `--max-tokens` new tokens, temperature
 1.0, one optimizer step per training step (the whole group batch is one mini-batch),
 AdamW at a constant learning rate, PPO clip 0.2/0.28, no KL, group-normalised advantages,
@@ -44,7 +44,7 @@ from marl.data import load_problems
 from marl.local.launcher import DEFAULT_CORES, Cluster, service_threads
 from marl.models.demo import demo_model_dir
 from marl.monitor.trace_summary import load, step_times
-from marl.rewards.math import score
+from marl.rewards.math_scoring import score
 from marl.spec.run import DataSpec
 from marl.workflows import prompts
 

@@ -6,7 +6,7 @@ import copy
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 
 if TYPE_CHECKING:
     from marl.spec.run import RunSpec
@@ -42,7 +42,8 @@ class Task:
     math_timeout_s: float = 5.0
     seed: int = 0
     """The run's seed; each turn's sampling seed is derived from it and the task (see
-    `services/workflow/episode.py`), so a rerun samples the same tokens on the same engine."""
+    `services/workflow/episode_runtime.py`), so a rerun samples the same tokens on the
+    same engine."""
     chat_template: bool = True
     """`model.chat_template`: render prompts with the tokenizer's chat template."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from marl.rewards.math import last_boxed
+from marl.rewards.math_scoring import last_boxed
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: str,

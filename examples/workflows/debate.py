@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.workflows import Episode, Workflow, prompts
 
 

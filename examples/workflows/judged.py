@@ -2,7 +2,7 @@
 
 The writer gets the data's prompt as it is (its chat messages when the file gave
 messages), with no answer-format instruction: nothing here is checked by a rule.
-The reward is the judge's (`reward.judge` in the spec; marl/rewards/judge.py):
+The reward is the judge's (`reward.judge` in the spec; marl/rewards/llm_judge.py):
 
     workflow: examples.workflows.judged:WRITER
     reward:
@@ -15,7 +15,7 @@ judge role in `policy_groups` would train it too.
 
 from __future__ import annotations
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.workflows import Episode, Workflow
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from openai import AsyncOpenAI
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.workflows import Episode, Workflow
 
 

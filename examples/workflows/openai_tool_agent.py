@@ -18,7 +18,7 @@ from typing import Any
 
 from openai import AsyncOpenAI
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.workflows import Episode, Workflow
 from marl.workflows.tools import calculate
 

@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.workflows import Episode, Workflow, prompts
 from marl.workflows.tools import BUILTIN_TOOLS
 

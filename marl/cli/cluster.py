@@ -63,13 +63,13 @@ class StreamLag:
     consumers: int
 
 
-class Cluster:
+class HelmRelease:
     """The API clients for one kubeconfig context, scoped to a namespace and a release."""
 
     def __init__(
         self,
         namespace: str | None,
-        release: str,
+        name: str,
         kubeconfig: str | None = None,
         context: str | None = None,
     ):
@@ -103,11 +103,11 @@ class Cluster:
         self.apps = client.AppsV1Api(self.api)
         self.autoscaling = client.AutoscalingV2Api(self.api)
         self.namespace = namespace or context_ns or "default"
-        self.release = release
+        self.name = name
         self.host = configuration.host
 
     def selector(self, service: str | None = None) -> str:
-        parts = ["app.kubernetes.io/part-of=marl", f"app.kubernetes.io/instance={self.release}"]
+        parts = ["app.kubernetes.io/part-of=marl", f"app.kubernetes.io/instance={self.name}"]
         if service:
             parts.append(f"app.kubernetes.io/component={service}")
         return ",".join(parts)
@@ -199,7 +199,7 @@ class Cluster:
         ).items
         if not deployments:
             raise ClusterError(
-                f"no {service} Deployment of release {self.release!r} in namespace "
+                f"no {service} Deployment of release {self.name!r} in namespace "
                 f"{self.namespace!r} (check --release and -n)"
             )
         name = deployments[0].metadata.name
@@ -227,7 +227,7 @@ class Cluster:
         ).items
         if not pods:
             raise ClusterError(
-                f"no {service} pods of release {self.release!r} in namespace {self.namespace!r}"
+                f"no {service} pods of release {self.name!r} in namespace {self.namespace!r}"
             )
         out = []
         for pod in sorted(pods, key=lambda p: p.metadata.name):
@@ -246,7 +246,7 @@ class Cluster:
             self.core.list_namespaced_pod, self.namespace, label_selector=self.selector(service)
         ).items
         if not pods:
-            raise ClusterError(f"no {service} pods of release {self.release!r}")
+            raise ClusterError(f"no {service} pods of release {self.name!r}")
         name = sorted(p.metadata.name for p in pods)[0]
         # unpreloaded, the client hands back the raw urllib3 response to stream from
         resp: Any = self.core.read_namespaced_pod_log(
@@ -359,31 +359,31 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.action == "scale" and args.replicas < 0:
         raise ClusterError("replicas: must be >= 0")
-    cluster = Cluster(args.namespace, args.release, args.kubeconfig, args.context)
+    release = HelmRelease(args.namespace, args.release, args.kubeconfig, args.context)
     if args.action == "status":
-        return _status(cluster, args.json, args.redis)
+        return _status(release, args.json, args.redis)
     if args.action == "scale":
-        name = cluster.scale(args.service, args.replicas)
+        name = release.scale(args.service, args.replicas)
         print(f"{name}: scaled to {args.replicas} replicas")
         return 0
     if args.follow:
-        cluster.follow(args.service, args.tail)
+        release.follow(args.service, args.tail)
         return 0
-    for pod, text in cluster.logs(args.service, args.tail):
+    for pod, text in release.logs(args.service, args.tail):
         for line in text.splitlines():
             print(f"[{pod}] {line}")
     return 0
 
 
-def _status(cluster: Cluster, as_json: bool, redis_url: str | None) -> int:
-    services = cluster.services()
-    lag = lag_via_redis(redis_url) if redis_url else cluster.lag_via_exec()
+def _status(release: HelmRelease, as_json: bool, redis_url: str | None) -> int:
+    services = release.services()
+    lag = lag_via_redis(redis_url) if redis_url else release.lag_via_exec()
     if as_json:
         print(
             json.dumps(
                 {
-                    "namespace": cluster.namespace,
-                    "release": cluster.release,
+                    "namespace": release.namespace,
+                    "release": release.name,
                     "services": {
                         s: {"ready": st.ready, "pods": [asdict(p) for p in st.pods]}
                         for s, st in services.items()
@@ -394,7 +394,7 @@ def _status(cluster: Cluster, as_json: bool, redis_url: str | None) -> int:
             )
         )
         return 0
-    print(f"release {cluster.release} in namespace {cluster.namespace}")
+    print(f"release {release.name} in namespace {release.namespace}")
     for name, st in services.items():
         if not st.pods and name == "redis":
             continue

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.rollout import AdapterRef, Rollout, Task
 from marl.spec.run import RunSpec, SpecError
 

@@ -17,6 +17,7 @@ from marl.spec.run import RunSpec, SpecError, apply_overrides, parse_spec
 
 def cmd_matrix(args: argparse.Namespace) -> int:
     from marl.experiments import matrix
+    from marl.experiments.matrix_report import write_report
 
     action, *rest = args.target
     if action in ("report", "status"):
@@ -24,7 +25,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
             raise SpecError(f"usage: marl matrix {action} DIR")
         root = Path(rest[0])
         if action == "report":
-            paths = matrix.write_report(root, Path(args.out) if args.out else None, args.chi2)
+            paths = write_report(root, Path(args.out) if args.out else None, args.chi2)
             print(paths["markdown"].read_text())
             _print_report(paths)
             return 0
@@ -43,7 +44,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     rc = matrix.run_matrix(
         m, root, learner=args.learner, redis_url=args.redis, parallel=args.parallel
     )
-    _print_report(matrix.write_report(root, chi2=args.chi2))
+    _print_report(write_report(root, chi2=args.chi2))
     return rc
 
 

@@ -46,9 +46,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if "redis" in MODELS[args.service].model_fields and not cfg.redis:
         raise UserError(f"marl serve {args.service}: --redis URL is required")
     if cfg.trace_dir is not None:
-        from marl.runtime import trace
+        from marl.runtime import tracing
 
-        trace.configure(args.service, cfg.trace_dir)
+        tracing.configure(args.service, cfg.trace_dir)
     if args.service == "inference":
         from services.inference import server as inference
 
@@ -230,7 +230,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_sandbox_run(args: argparse.Namespace) -> int:
-    from marl.clients.http import HttpUserError, sandbox_run
+    from marl.clients.http_endpoints import HttpUserError, sandbox_run
 
     try:
         return sandbox_run(args.file, args.stdin, args.sandbox, args.timeout)
@@ -248,7 +248,7 @@ def cmd_sandbox_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from marl.clients.http import HttpUserError, generate
+    from marl.clients.http_endpoints import HttpUserError, generate
 
     try:
         return generate(args.model, args.prompt, args.inference, args.chat, args.max_tokens,
@@ -258,9 +258,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    from marl.data import report
+    from marl.data import inspection
 
-    return report.run([args.spec, *args.overrides])
+    return inspection.run([args.spec, *args.overrides])
 
 
 def cmd_episode(args: argparse.Namespace) -> int:

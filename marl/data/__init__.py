@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Literal
 
 from marl.data import arithmetic, champ, columns, dapo, deepcoder, humaneval
-from marl.data.problem import Problem
 from marl.data.rows import Loaded, columns_of, convert, data_files, has_val_split, read_rows
 from marl.data.split import kept, ordered, split
+from marl.problem import Problem
 from marl.spec.run import DataSpec, SpecError
 
 Split = Literal["train", "val"]
@@ -168,4 +168,4 @@ def _read_files(
     return loaded
 
 
-__all__ = ["BUNDLED", "FROM_FILE", "Problem", "SplitData", "load_problems", "load_split"]
+__all__ = ["BUNDLED", "FROM_FILE", "SplitData", "load_problems", "load_split"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 
 MAX_OPERAND = 50
 VAL_PAIRS = 200

@@ -10,7 +10,7 @@ import json
 from importlib import resources
 
 from marl.data.champ_answers import ground_truth
-from marl.data.problem import Problem
+from marl.problem import Problem
 
 DATA_FILE = "dataset_files/v0.json"
 

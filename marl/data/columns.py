@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from marl.data.deepcoder import convert_tests
-from marl.data.problem import Problem
 from marl.data.rows import RowError
+from marl.problem import Problem
 from marl.spec.run import DataSpec, SpecError
 
 PROMPT_NAMES = ("prompt", "question", "problem")

@@ -20,8 +20,8 @@ import hashlib
 import json
 from typing import Any
 
-from marl.data.problem import Problem
 from marl.data.rows import RowError
+from marl.problem import Problem
 
 COLUMNS = ("prompt", "reward_model", "extra_info", "data_source")
 INSTRUCTION_HEAD = (

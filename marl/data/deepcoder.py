@@ -27,8 +27,8 @@ import json
 import re
 from typing import Any
 
-from marl.data.problem import Problem
 from marl.data.rows import RowError, require_text
+from marl.problem import Problem
 
 COLUMNS = ("problem", "tests", "starter_code", "metadata")
 

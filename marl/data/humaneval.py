@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 
 FENCE = "```"
 

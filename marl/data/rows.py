@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.spec.run import SpecError
 from marl.spec.safe_input import MAX_DEPTH, check_path, load_json, read_text, shorten, too_deep
 

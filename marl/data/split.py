@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.spec.run import SpecError
 
 

@@ -6,7 +6,7 @@ import re
 import statistics
 from collections import Counter
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.rewards.answer_text import is_prose
 
 _FORMATS: list[tuple[str, re.Pattern[str]]] = [

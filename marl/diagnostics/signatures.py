@@ -45,7 +45,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from marl.rewards.math import last_boxed
+from marl.rewards.math_scoring import last_boxed
 from marl.rollout import Rollout, Turn
 
 HEDGING_PHRASES = (

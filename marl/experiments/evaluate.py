@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from marl.models.engines import resolve_engine
 from marl.runtime import auth
 from marl.spec.run import RunSpec, SpecError, load_spec_text
 
@@ -394,15 +395,10 @@ class EvalCluster:
 
     def __init__(self, workdir: Path, spec: RunSpec):
         from marl.local.launcher import Cluster
-        from services.inference.factory import vllm_available
-
-        engine = spec.engine
-        if engine == "auto":
-            engine = "vllm" if vllm_available() else "transformers"
         self.cluster = Cluster(
             workdir,
             spec.model.path,
-            engine=engine,
+            engine=resolve_engine(spec.engine),
             learner=False,
             max_lora_rank=max(spec.lora.rank, 64),
         )

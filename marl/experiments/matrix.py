@@ -64,16 +64,10 @@ from marl.experiments.matrix_tables import (
     SA_RL_CONTROL,
     Curve,
     curve,
-    table_rows,
 )
+from marl.models.engines import resolve_engine
 from marl.spec.run import RunSpec, SpecError, apply_overrides, parse_spec
 from marl.workflows.routing import adapter_versions_in_flight, policy_of_role
-
-__all__ = [
-    "AXES", "BASE_CONTROL", "CONTROL_WORKFLOW", "SA_RL_CONTROL", "Cell", "Curve", "Matrix",
-    "Transfer", "cell_dir", "cell_done", "curve", "load_curves", "load_matrix", "prepare",
-    "read_metrics", "run_matrix", "status_lines", "table_rows", "write_report",
-]  # fmt: skip
 
 AXES = ("task", "model", "workflow", "policy", "seed")
 """Axis names a matrix may have, in the order their values merge; any other key of `axes`
@@ -373,15 +367,6 @@ def load_curves(root: Path, matrix: Matrix) -> dict[Cell, Curve | None]:
     }
 
 
-def write_report(
-    root: Path, out_dir: Path | None = None, chi2: str = "auto"
-) -> dict[str, Path]:
-    """Every table and figure of `marl matrix report` (marl/experiments/matrix_report.py)."""
-    from marl.experiments.matrix_report import write_report as write
-
-    return write(root, out_dir, chi2)
-
-
 def status_lines(root: Path, matrix: Matrix) -> list[str]:
     """One line per cell: done / partial / pending, its last step and validation accuracy;
     then one per Table 3 evaluation."""
@@ -468,7 +453,7 @@ def run_matrix(
         in_flight = sorted((adapter_versions_in_flight(s) for s in specs), reverse=True)
         started = time.monotonic()
         cluster = Cluster(
-            root / "cluster", specs[0].model.path, engine=_engine(specs[0]),
+            root / "cluster", specs[0].model.path, engine=resolve_engine(specs[0].engine),
             max_lora_rank=max(s.lora.rank for s in specs),
             # Table 3 serves two adapters at once (SA-RL's and the base model's zeros)
             max_loras=max(2, sum(in_flight[:parallel])),
@@ -485,14 +470,6 @@ def run_matrix(
         finally:
             cluster.stop()
     return 1 if failed else 0
-
-
-def _engine(spec: RunSpec) -> str:
-    if spec.engine != "auto":
-        return spec.engine
-    from services.inference.factory import vllm_available
-
-    return "vllm" if vllm_available() else "transformers"
 
 
 class _Progress:

@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from marl.models import names as model_names
+from marl.models.engines import resolve_engine, vllm_available
 from marl.spec.run import apply_overrides, dump_spec, parse_spec
 from marl.spec.services import LearnerConfig
 
@@ -65,7 +66,7 @@ def demo_model() -> Path:
 def run_demo(  # noqa: PLR0915 (older than the limit; split it when next changed)
     out: str | None, steps: int | None, overrides: list[str], trace: bool = False
 ) -> int:
-    """`trace`: every service traces its spans into OUT/trace (marl.runtime.trace), and the run
+    """`trace`: every service traces its spans into OUT/trace (marl.runtime.tracing), and the run
     ends with where each step's time went and OUT/trace.json."""
     from marl.local.launcher import DEFAULT_CORES, Cluster, service_threads
     from marl.monitor.progress import follow_run
@@ -84,12 +85,8 @@ def run_demo(  # noqa: PLR0915 (older than the limit; split it when next changed
     if (out_dir / "metrics.jsonl").exists():
         raise UserError(f"--out: {out_dir} already holds a run; choose another directory")
     started = time.monotonic()
-    from services.inference.factory import vllm_available
-
-    engine = spec.engine
-    if engine == "auto":
-        engine = "vllm" if vllm_available() else "transformers"
-    elif engine == "vllm" and not vllm_available():
+    engine = resolve_engine(spec.engine)
+    if engine == "vllm" and not vllm_available():
         raise UserError(
             "engine=vllm: the vllm package is not installed in this environment; "
             "run scripts/setup_vllm_env.sh and start marl from .venv-vllm "
@@ -262,10 +259,7 @@ def run_up(
         model_path = model_names.resolve(model) if model else str(demo_model())
     except ValueError as err:
         raise UserError(str(err).replace("field `model.path`", "--model")) from None
-    if engine == "auto":
-        from services.inference.factory import vllm_available
-
-        engine = "vllm" if vllm_available() else "transformers"
+    engine = resolve_engine(engine)
     threads = service_threads(cores, overlapped)
     cluster = Cluster(workdir, model_path, engine=engine, redis_aof=True, threads=threads,
                       trace_dir=None if trace_dir is None else trace_dir.resolve(),

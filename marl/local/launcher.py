@@ -162,7 +162,7 @@ class Cluster:
     """The private Redis (when `redis_url` is not given) logs every write to an append-only
     file (fsync every second): a Redis killed and restarted keeps what it acknowledged."""
     trace_dir: Path | None = None
-    """Where every service writes its trace spans (`marl serve --trace-dir`, marl.runtime.trace)."""
+    """Where every service writes its trace spans (`marl serve --trace-dir`, marl.runtime.tracing)."""
     sandbox_token_file: Path | None = None
     """The sandbox's token this cluster made (authentication on, no `$MARL_SANDBOX_TOKEN`
     given); set by `start`."""

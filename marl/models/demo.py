@@ -33,7 +33,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from marl.data import arithmetic
-from marl.data.problem import Problem
+from marl.problem import Problem
 
 BUILDER_VERSION = "6"
 BOXED_SHARE = 0.5
@@ -179,7 +179,7 @@ def validation_behaviour(
 ) -> dict[str, float]:
     """Greedy answers on the demo's 200 validation problems, as the generator and as an
     aggregator shown three copies of the generator's answer: the untrained workflow."""
-    from marl.rewards.math import last_boxed
+    from marl.rewards.math_scoring import last_boxed
     from marl.workflows import prompts
 
     _, val = arithmetic.split(WARM_START_SEED)

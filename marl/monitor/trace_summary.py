@@ -1,4 +1,4 @@
-"""Where each training step's time went, read from a trace directory (`marl.runtime.trace`).
+"""Where each training step's time went, read from a trace directory (`marl.runtime.tracing`).
 
 The learner's spans give a step's phases: waiting for its rollouts, the update, the push
 (or, one step ahead, the snapshot) and the rest. The wait is split by what the other
@@ -182,7 +182,7 @@ def shares(steps: list[StepTimes]) -> dict[str, float]:
 
 def full_collections(events: list[dict[str, Any]]) -> list[tuple[str, float, float]]:
     """Every full (generation 2) garbage collection, each a pause of its process
-    (`marl.runtime.trace`): its service, its start in wall-clock seconds and its milliseconds."""
+    (`marl.runtime.tracing`): its service, its start in wall-clock seconds and its milliseconds."""
     service = {e["pid"]: e["args"]["name"] for e in events
                if e.get("ph") == "M" and e.get("name") == "process_name"}
     return [(service.get(e.get("pid"), f"pid {e.get('pid')}"), e["ts"] / 1e6, e["dur"] / 1e3)

@@ -15,12 +15,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 
 
 def problem_text(problem: Problem) -> str:
     """What the model was asked: the prompt, and the data's own chat messages when it gave
-    them (an expression written there is no answer, `marl.rewards.math.check`)."""
+    them (an expression written there is no answer, `marl.rewards.math_scoring.check`)."""
     said = [m.get("content", "") for m in problem.messages or () if isinstance(m, dict)]
     return "\n".join([problem.prompt, *[s for s in said if isinstance(s, str)]])
 
@@ -29,7 +29,7 @@ async def math_reward(problem: Problem, answer: str, episode: Any) -> dict[str, 
     """1 when the last `\\boxed{}` equals the ground truth, 0 when not, the format penalty
     when none parses. Exact matches and remembered verdicts are scored on the event loop;
     otherwise both checks take one trip to a thread, not two."""
-    from marl.rewards import math as math_reward_
+    from marl.rewards import math_scoring as math_reward_
 
     task = episode.task
     truth, penalty, timeout = problem.answer, task.format_penalty, task.math_timeout_s
@@ -63,6 +63,6 @@ async def any_format_reward(problem: Problem, answer: str, episode: Any) -> dict
 async def code_reward(problem: Problem, answer: str, episode: Any) -> float:
     """The fraction of the problem's tests the answer's last Python block passes in the
     reward sandbox; 0 without runnable code or when any test timed out."""
-    from marl.rewards import code
+    from marl.rewards import code_scoring
 
-    return float(await code.score(answer, problem.tests, episode.sandbox()))
+    return float(await code_scoring.score(answer, problem.tests, episode.sandbox()))

@@ -7,7 +7,7 @@ Two signatures are understood, told apart by the parameter names:
   answer, and the episode (`episode.turns`: every role turn with its text and
   token ids; `episode.facts`; `episode.task`; `episode.sandbox()`: the reward
   sandbox client; `episode.judge(messages)`: the run's judge, see
-  marl/rewards/judge.py).
+  marl/rewards/llm_judge.py).
 - verl's: `compute_score(data_source, solution_str, ground_truth, extra_info=None,
   **reward.args)` (verl's `custom_reward_function`), called unchanged with the
   problem's `data_source`, the final answer, the ground truth and `extra_info`.
@@ -36,14 +36,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.spec import code_refs
 from marl.spec.code_refs import CodePolicy
 from marl.spec.run import SpecError
 
 BUILTIN_MATH = "marl.rewards.builtin:math_reward"
 BUILTIN_CODE = "marl.rewards.builtin:code_reward"
-BUILTIN_JUDGE = "marl.rewards.judge:judge_reward"
+BUILTIN_JUDGE = "marl.rewards.llm_judge:judge_reward"
 VERL_PARAMS = ("data_source", "solution_str", "ground_truth")
 
 

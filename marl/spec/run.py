@@ -455,7 +455,7 @@ class DataSpec(_Spec):
 
 
 class JudgeSpec(_Spec):
-    """An LLM judge that scores the final answer (marl/rewards/judge.py)."""
+    """An LLM judge that scores the final answer (marl/rewards/llm_judge.py)."""
 
     role: str = Field("judge", pattern=r"^[a-z][a-z0-9_]{0,31}$")
     """The judge's role name. Its turns are recorded in every rollout and trained only

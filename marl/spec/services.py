@@ -294,8 +294,6 @@ class SandboxConfig(_ServiceConfig):
     """Time a job may take on top of its tests' timeouts before it is killed."""
 
 
-ServiceConfig = InferenceConfig | WorkflowConfig | LearnerConfig | SandboxConfig
-
 MODELS: dict[ServiceName, type[_ServiceConfig]] = {
     "inference": InferenceConfig,
     "workflow": WorkflowConfig,

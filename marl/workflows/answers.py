@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from marl.rewards.code import extract_code
-from marl.rewards.math import last_boxed
+from marl.rewards.code_scoring import extract_code
+from marl.rewards.math_scoring import last_boxed
 
 
 def answer_key(text: str, task: str) -> str | None:

@@ -19,7 +19,7 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ValidationError
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.spec.run import WorkflowCaps
 
 Messages = list[dict[str, str]]
@@ -104,7 +104,7 @@ class Episode(Protocol):
 
     async def judge(self, messages: Messages) -> str:
         """The run's judge (`reward.judge`) answers `messages`; its turn is recorded, and
-        trained only when a policy group names the judge role (marl/rewards/judge.py)."""
+        trained only when a policy group names the judge role (marl/rewards/llm_judge.py)."""
         ...
 
 

@@ -37,8 +37,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 
-from marl.data.problem import Problem
-from marl.rewards.math import last_boxed
+from marl.problem import Problem
+from marl.rewards.math_scoring import last_boxed
 from marl.spec.run import WorkflowCaps
 from marl.workflows import prompts
 from marl.workflows.base import Caps, Episode, Messages, TaskName, Workflow, prompt_cap

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.spec.run import WorkflowCaps
 from marl.workflows import prompts
 from marl.workflows.answers import answer_key, majority

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 
 Messages = list[dict[str, str]]
 

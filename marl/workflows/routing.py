@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from marl.rewards.checks import check_reward
+from marl.rewards.spec_checks import check_reward
 from marl.spec.run import RunSpec, SpecError
 from marl.workflows.registry import resolve
 

@@ -7,7 +7,7 @@ so its adapter can be placed on the generator role of Voting or Eval-Opt
 
 from __future__ import annotations
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.spec.run import WorkflowCaps
 from marl.workflows import prompts
 from marl.workflows.base import PAPER_PROMPT_TOKENS, Caps, Episode, TaskName, Workflow, prompt_cap

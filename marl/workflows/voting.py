@@ -31,8 +31,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from marl.data.problem import Problem
-from marl.rewards.math import last_boxed
+from marl.problem import Problem
+from marl.rewards.math_scoring import last_boxed
 from marl.spec.run import WorkflowCaps
 from marl.workflows import prompts
 from marl.workflows.answers import answer_key, majority

@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
+from marl.models.engines import resolve_engine, vllm_available
 from marl.spec.services import InferenceConfig
 from services.inference.engine import Engine
-
-
-def vllm_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
 
 
 def make_engine(cfg: InferenceConfig) -> Engine:
     """The engine `cfg.engine` names (`auto`: vLLM when installed) for the model `cfg.model`.
     The vLLM settings are read by the vLLM engine only, `device` by the transformers one."""
-    name = cfg.engine
-    if name == "auto":
-        name = "vllm" if vllm_available() else "transformers"
+    name = resolve_engine(cfg.engine)
     if name == "vllm":
         if not vllm_available():
             raise ValueError(

@@ -28,7 +28,7 @@ from marl.models import names as model_names
 from marl.models.limits import ModelLimits, model_limits
 from marl.protocol import adapter_io
 from marl.protocol.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from marl.runtime import auth, replicas, streams, trace
+from marl.runtime import auth, replicas, streams, tracing
 from marl.runtime.aio_tasks import cancel_until_done
 from marl.runtime.fences import PushFences
 from marl.runtime.heap import keep_freed_heap_until_trimmed
@@ -189,7 +189,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         finally:
             # first: a caller that has every answer cancels the call, and this finally
             # may not get past its first await
-            trace.add("GenerateMany", started, time.monotonic(), "GenerateMany", requests=n)
+            tracing.add("GenerateMany", started, time.monotonic(), "GenerateMany", requests=n)
             await cancel_until_done(tasks)  # a caller that went away: its rows are dropped
 
     async def _generate(

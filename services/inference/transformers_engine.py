@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from marl.models.devices import resolve_device
 from marl.models.identity import base_model_id
-from marl.runtime import trace
+from marl.runtime import tracing
 from marl.runtime.heap import release_free_heap
 from marl.runtime.torch_thread import TorchThread
 from marl.spec.services import InferenceConfig
@@ -197,7 +197,7 @@ class TransformersEngine:
         try:
             while self._inbox or self._batch.rows:
                 if not self._batch.rows:
-                    with trace.span("burst wait"):
+                    with tracing.span("burst wait"):
                         await self._gather_burst()
                 await self._thread.run(self._decode_loop)
                 if not self._batch.rows and not self._inbox:
@@ -233,7 +233,7 @@ class TransformersEngine:
             if not batch.rows or self._waiting_jobs:
                 return
             try:
-                with trace.span("decode", rows=len(batch.rows)):
+                with tracing.span("decode", rows=len(batch.rows)):
                     finished = batch.step()
             except Exception as err:
                 log.exception("decode step of %d rows failed", len(batch.rows))
@@ -271,7 +271,7 @@ class TransformersEngine:
         if not rows:
             return
         try:
-            with trace.span("prefill", rows=len(rows)):
+            with tracing.span("prefill", rows=len(rows)):
                 finished = self._batch.admit(rows)
         except Exception as err:
             if len(rows) > 1:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from marl.models.identity import base_model_id
-from marl.runtime import trace
+from marl.runtime import tracing
 from marl.runtime.heap import release_free_heap
 from marl.spec.services import InferenceConfig
 from services.inference.engine import AdapterWeights, GenerationRequest, GenerationResult
@@ -383,7 +383,7 @@ class VLLMEngine:
                 final = out
         finally:
             # vLLM's own steps are out of sight: its requests in flight stand for them
-            trace.add("engine request", started, time.monotonic(), "engine requests")
+            tracing.add("engine request", started, time.monotonic(), "engine requests")
             self._in_flight[request.adapter_key] -= 1
             async with self._idle:
                 self._idle.notify_all()

@@ -27,9 +27,9 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.rollout import AdapterRef, Rollout, Task
-from marl.runtime import streams, trace
+from marl.runtime import streams, tracing
 from marl.runtime.task_signing import TaskSigner
 from marl.spec.run import RunSpec
 from services.learner.errors import RunFailed
@@ -203,7 +203,7 @@ class Episodes:
                 pending.released = now
         # one MULTI/EXEC: a worker blocked on the stream wakes once to all of them, not to
         # the first alone (whose episode would then decode as a batch of one)
-        with trace.span("queue tasks", "tasks", tasks=len(batch)):
+        with tracing.span("queue tasks", "tasks", tasks=len(batch)):
             async with self.r.pipeline(transaction=True) as pipe:
                 for t, _ in batch:
                     entry: dict[Any, Any] = self.signer.fields(streams.TASKS, t.to_dict())

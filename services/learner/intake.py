@@ -24,7 +24,7 @@ from pathlib import Path
 
 from marl.models import names as model_names
 from marl.rewards import functions as reward_functions
-from marl.rewards.checks import check_judge_endpoint
+from marl.rewards.spec_checks import check_judge_endpoint
 from marl.spec.code_refs import CodePolicy
 from marl.spec.run import RunSpec, SpecError
 from marl.spec.safe_input import shorten

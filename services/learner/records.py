@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
     """Outcome and per-role response shape of one step's rollouts."""
-    from marl.rewards.math import last_boxed
+    from marl.rewards.math_scoring import last_boxed
 
     out: dict[str, float] = {}
     rewards = [r.reward for r in rollouts]

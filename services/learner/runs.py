@@ -291,6 +291,3 @@ class RunStore:
     async def count_takeover(self, run_id: str) -> int:
         """How many times this run has been taken over, this one included."""
         return int(await self.r.hincrby(_key(run_id), "takeovers", 1))
-
-    async def takeovers(self, run_id: str) -> int:
-        return int(await self.r.hget(_key(run_id), "takeovers") or 0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 
 
 class DataSampler:

@@ -40,9 +40,10 @@ from marl.spec.safe_input import shorten
 from marl.spec.services import LearnerConfig
 from marl.workflows import policy_of_role
 from services.learner import intake
+from services.learner.errors import RunCancelled, RunFailed, RunStopped
 from services.learner.lease import Lease, LeaseLost
 from services.learner.runs import TERMINAL, Position, RunStore, new_run_id, owner_of
-from services.learner.trainer import RunCancelled, RunExecutor, RunFailed, RunStopped
+from services.learner.trainer import RunExecutor
 
 log = logging.getLogger(__name__)
 

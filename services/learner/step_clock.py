@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from marl.runtime import trace
+from marl.runtime import tracing
 
 
 @dataclass
@@ -44,6 +44,6 @@ class StepClock:
             ("update", self.gathered, self.updated),
             ("push", self.updated, self.pushed),
         ):
-            trace.add(name, start, stop, run=run, step=step)
-        trace.add("rollout flight", self.released, self.gathered, "rollout flight", run=run,
+            tracing.add(name, start, stop, run=run, step=step)
+        tracing.add("rollout flight", self.released, self.gathered, "rollout flight", run=run,
                   step=step)

@@ -35,7 +35,7 @@ import redis.asyncio as aioredis
 
 from marl.data import load_problems
 from marl.models.identity import base_model_id
-from marl.runtime import trace
+from marl.runtime import tracing
 from marl.runtime.aio_tasks import cancel_until_done
 from marl.runtime.fences import StaleFence
 from marl.runtime.task_signing import TaskSigner
@@ -46,7 +46,7 @@ from marl.workflows import policy_of_role
 from services.learner.adapter_sync import AdapterSync, Published
 from services.learner.checkpoint import Checkpointer
 from services.learner.episodes import Episodes
-from services.learner.errors import ReplicaUnreachable, RunCancelled, RunFailed, RunStopped
+from services.learner.errors import RunCancelled, RunFailed, RunStopped
 from services.learner.guard import Action, GuardStopped, spare_adapters
 from services.learner.lease import Lease, LeaseLost
 from services.learner.outcome import step_failed
@@ -61,19 +61,10 @@ from services.learner.step_clock import StepClock
 from services.learner.validator import Validator
 
 if TYPE_CHECKING:
-    from marl.data.problem import Problem
+    from marl.problem import Problem
     from marl.rollout import Rollout
     from services.learner.ranks import PolicyHandle
     from services.learner.threads import ThreadBurst
-
-__all__ = [
-    "DataSampler",
-    "GuardStopped",
-    "ReplicaUnreachable",
-    "RunCancelled",
-    "RunExecutor",
-    "RunFailed",
-]
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +107,7 @@ def trim_heap(policy: PolicyHandle) -> None:
     record is written while the next update runs, and a trim then handed back the pages of
     the activations that update was freeing and reallocating, each to be faulted in again
     (`bench/heap_trim.py` counts the faults and times both)."""
-    with trace.span("heap trim"):
+    with tracing.span("heap trim"):
         policy.release_free_heap()
 
 
@@ -395,7 +386,7 @@ class RunExecutor:
         if pushed is not None:
             pushed.set()
             await self.episodes.add_tasks()
-        with trace.span("rollout log", run=self.run_id, step=done):
+        with tracing.span("rollout log", run=self.run_id, step=done):
             self.records.rollouts.write(done, trained.rollouts)
         if loop.validator.due(done):
             record.update(await loop.validator.run(done))
@@ -405,7 +396,7 @@ class RunExecutor:
             await self.save(loop.checkpointer, done, policy, accuracy)
         record.update(clock.push_times(time.monotonic()))
         clock.trace(self.run_id, done, clock.start + record["time/step_s"])
-        with trace.span("record", run=self.run_id, step=done):
+        with tracing.span("record", run=self.run_id, step=done):
             await self.record_step(done, record, policy, loop.checkpointer, judged)
         await self.torch.run(trim_heap, policy)
 
@@ -451,11 +442,11 @@ class RunExecutor:
         pushed.set()
         await self.episodes.add_tasks()
         full["time/push_overlapped_s"] = time.monotonic() - sent
-        trace.add("push overlapped", sent, sent + full["time/push_overlapped_s"],
+        tracing.add("push overlapped", sent, sent + full["time/push_overlapped_s"],
                   "push overlapped", run=self.run_id, step=step)
-        with trace.span("rollout log", run=self.run_id, step=step):
+        with tracing.span("rollout log", run=self.run_id, step=step):
             self.records.rollouts.write(step, rollouts)
-        with trace.span("record", run=self.run_id, step=step):
+        with tracing.span("record", run=self.run_id, step=step):
             await self.records.write(step, full, None)
         await self.torch.run(trim_heap, policy)
 
@@ -564,7 +555,7 @@ async def reading_ahead(
     stop = asyncio.Event()
 
     async def read_ahead() -> None:
-        with trace.span("read ahead", "read ahead", run=run_id):
+        with tracing.span("read ahead", "read ahead", run=run_id):
             await episodes.collect(ahead, stop)
         if ahead <= episodes.arrived.keys():
             burst.rollouts_in()

@@ -36,7 +36,7 @@ import torch
 
 from marl.diagnostics.signatures import parallel_roles
 from marl.rollout import Rollout
-from marl.runtime import trace
+from marl.runtime import tracing
 from marl.spec.run import RunSpec
 from services.learner import fsdp
 from services.learner.advantages import step_advantages
@@ -172,7 +172,7 @@ def grpo_step(
         importance=step.watch.importance,
     )
     policy.end_step()
-    trace.add("grpo step", started, time.monotonic())
+    tracing.add("grpo step", started, time.monotonic())
     return StepResult(metrics, mini_batches)
 
 

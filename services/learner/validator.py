@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from marl.data.problem import Problem
 from marl.diagnostics.signatures import role_signatures
+from marl.problem import Problem
 from marl.rollout import Rollout, mean_facts
 from services.learner.episodes import Episodes
 from services.learner.grpo import pass_at_k

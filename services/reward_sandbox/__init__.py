@@ -2,11 +2,12 @@
 
 How a job flows: the gRPC server (`server`, `service`) validates the request
 (`jobspec`) and hands the job to `executor`, which passes four descriptors to
-a warm jail forked by the single-threaded `zygote`. The jail (`jail`) was
+a warm jail forked by the single-threaded zygote (`forkserver`, started and
+asked by `forkserver_client`). The jail (`jail`) was
 already confined for the detected tier (`tiers`: `namespaces`, `seccomp`,
 `syscalls`, rlimits); its harness (`harness`) forks candidate processes
 (`candidate`) that run the code, through the template (`template`) when the
-job has assert programs, and writes one record per test back. The server decides the verdicts (`judge`) from plain values
+job has assert programs, and writes one record per test back. The server decides the verdicts (`verdicts`) from plain values
 (`plain`) and kills the job's whole process group.
 
 Protected (strongest tier, `namespaces`):

@@ -16,7 +16,7 @@ import sys
 from marl.spec.services import load_sandbox
 
 from . import tiers
-from .zygote import single_threaded_probe
+from .forkserver_client import single_threaded_probe
 
 
 def report(config_path: str | None = None) -> dict[str, object]:

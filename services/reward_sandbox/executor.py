@@ -26,9 +26,9 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from . import judge, plain, wire
+from . import plain, verdicts, wire
+from .forkserver_client import ZygoteClient
 from .jobspec import Job
-from .zygote import ZygoteClient
 
 NOBODY = 65534
 _HEADER = struct.Struct(">I")
@@ -184,7 +184,7 @@ class Executor:
                         value = plain.decode(rec.get("value"))
                     except ValueError:
                         rec["outcome"] = "failed"
-                verdict = judge.verdict(test["kind"], str(rec.get("outcome")),
+                verdict = verdicts.verdict(test["kind"], str(rec.get("outcome")),
                                         stdout=str(rec.get("stdout", "")),
                                         expected_stdout=job.expected[i] or "",
                                         value=value, expected=job.expected[i])

@@ -1,6 +1,6 @@
 """The zygote process: a single-threaded fork server that builds every job's jail.
 
-`zygote.ZygoteClient` starts it as `python -I -S -X utf8` with an empty
+`forkserver_client.ZygoteClient` starts it as `python -I -S -X utf8` with an empty
 environment. It imports the jail code and the common standard-library modules
 once, detects the isolation tier, and then forks jails ahead of time
 (`warm_jails` of them), handing each the descriptors of one job. It never sees
@@ -10,8 +10,8 @@ re-parented to it and reaped, and it dies with the server.
 Every jail, harness, template and candidate is a copy of this process, so what
 it holds is paid for by every fork of every job (page tables, copy-on-write
 faults, at-fork hooks): it imports neither asyncio, threading nor subprocess
-(the server's side of the socket, in `zygote`, does), and it freezes its heap
-away from the garbage collector before the first fork.
+(the server's side of the socket, in `forkserver_client`, does), and it freezes
+its heap away from the garbage collector before the first fork.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ reads that test's nonce and writes the record carrying it to the server.
 Who forks the candidates, so that none is a copy of a memory holding a secret:
 - A job with assert programs: the template (`TemplateSpawner`), forked once
   the public job is read and before the harness reads the programs. The
-  programs run here (see `checks`) and may ask for a new candidate at any
+  programs run here (see `assert_programs`) and may ask for a new candidate at any
   time, so the harness cannot fork those itself.
 - Any other job: the harness itself (`DirectSpawner`), one process fewer per
   job. Such a job has no secret but its nonces, and a candidate is forked
@@ -29,8 +29,8 @@ import socket
 import time
 from typing import Any, Protocol
 
-from . import checks, plain, template, wire
-from .checks import CandidateGone
+from . import assert_programs, plain, template, wire
+from .assert_programs import CandidateGone
 
 _GRACE = 5.0
 _REPLY_CAP = 64 << 20
@@ -378,11 +378,11 @@ class Harness:
     def run_assert(self, test: dict[str, Any], program: str) -> dict[str, Any]:
         gone: CandidateGone | None = None
         try:
-            outcome, error = checks.run_check(program, test["entry_point"],
+            outcome, error = assert_programs.run_check(program, test["entry_point"],
                                               self.candidate_request, self.deadline)
         except CandidateGone as e:
             outcome, error, gone = e.outcome, "", e
-        except checks.CheckTimeout:
+        except assert_programs.CheckTimeout:
             outcome, error = "timeout", ""
             if self.cand is not None and self.cand.alive:
                 self.cand._gone("timeout")

@@ -46,8 +46,8 @@ from marl.runtime.http_server import HttpServer, json_response, read_json_object
 
 from . import jobspec
 from .executor import TestOutcome
+from .forkserver_client import ZygoteError
 from .service import SandboxBusy, SandboxService, SandboxStarting
-from .zygote import ZygoteError
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import signal
 import sys
 from typing import Any, NoReturn
 
-from . import judge, wire
+from . import verdicts, wire
 
 MARKER = "__MARL_RESULT__ "
 
@@ -49,7 +49,7 @@ def _run_test(job: dict[str, Any], test: dict[str, Any], secrets: dict[str, Any]
     elif code != 0:
         verdict = "RUNTIME_ERROR"
     elif test["kind"] == "stdio":
-        verdict = "PASSED" if judge.stdout_matches(stdout, secrets["expected"][str(i)]) \
+        verdict = "PASSED" if verdicts.stdout_matches(stdout, secrets["expected"][str(i)]) \
             else "FAILED"
     else:
         verdict = "PASSED"

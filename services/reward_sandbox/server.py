@@ -35,8 +35,8 @@ from marl.spec.services import SandboxConfig, add_flags, flag_values, load_sandb
 
 from . import http_api, syscalls
 from .executor import Executor
+from .forkserver_client import ZygoteClient
 from .service import SandboxService
-from .zygote import ZygoteClient
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = sandbox_pb2.DESCRIPTOR.services_by_name["Sandbox"].full_name
@@ -130,9 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_sandbox(args.config, **flag_values(args, "sandbox"))
         if cfg.trace_dir is not None:  # as `marl serve` does
-            from marl.runtime import trace
+            from marl.runtime import tracing
 
-            trace.configure("sandbox", cfg.trace_dir)
+            tracing.configure("sandbox", cfg.trace_dir)
         run(cfg)
     except ValueError as e:
         print(f"error: {e}")

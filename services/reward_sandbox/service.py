@@ -24,8 +24,8 @@ from marl.spec.services import SandboxConfig
 
 from . import jobspec, tiers
 from .executor import Executor, JobResult
+from .forkserver_client import ZygoteError
 from .jobspec import Job
-from .zygote import ZygoteError
 
 log = logging.getLogger(__name__)
 _DEADLINE_MARGIN = 0.1

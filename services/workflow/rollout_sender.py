@@ -28,7 +28,7 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from marl.rollout import Rollout
-from marl.runtime import streams, trace
+from marl.runtime import streams, tracing
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class RolloutSender:
         while self._queue:
             batch, self._queue = self._queue, []
             try:
-                with trace.span("send rollouts", rollouts=len(batch)):
+                with tracing.span("send rollouts", rollouts=len(batch)):
                     results = await self._send(batch)
             except asyncio.CancelledError:
                 for out in [*batch, *self._queue]:

@@ -151,7 +151,7 @@ async def _serve(cfg: WorkflowConfig) -> None:
         await http.start()
 
     async def ready() -> None:
-        from marl.rewards import math as math_reward
+        from marl.rewards import math_scoring as math_reward
 
         await r.ping()
         await asyncio.to_thread(math_reward.warm_up)

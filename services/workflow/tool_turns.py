@@ -31,7 +31,7 @@ async def tool_turn(
     tools: Sequence[tools_.Tool],
     max_tool_calls: int | None = None,
 ) -> str:
-    from services.workflow.episode import PromptTooLong
+    from services.workflow.episode_runtime import PromptTooLong
 
     limit = DEFAULT_MAX_TOOL_CALLS if max_tool_calls is None else max_tool_calls
     if limit < 0:

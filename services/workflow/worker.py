@@ -40,11 +40,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from marl.protocol.rpc_codes import NO_ANSWER
 from marl.protocol.v1 import inference_pb2_grpc
 from marl.rewards import functions as reward_functions
-from marl.rewards.checks import check_judge_endpoint
-from marl.rewards.code import SandboxFailure
+from marl.rewards.code_scoring import SandboxFailure
 from marl.rewards.functions import RewardError, Scored
+from marl.rewards.spec_checks import check_judge_endpoint
 from marl.rollout import Rollout, Task
-from marl.runtime import auth, replicas, streams, trace
+from marl.runtime import auth, replicas, streams, tracing
 from marl.runtime.aio_tasks import cancel_until_done, raise_if_cancelled
 from marl.runtime.gc_pauses import freeze_long_lived
 from marl.runtime.prometheus_metrics import TASKS_REFUSED
@@ -55,7 +55,7 @@ from marl.spec.services import WorkflowConfig, env_name
 from marl.workflows import EpisodeError, Workflow, resolve
 from marl.workflows.registry import check as check_workflow
 from services.workflow import openai_proxy
-from services.workflow.episode import NONE_REGISTERED, Episode, NoReplica, Renders
+from services.workflow.episode_runtime import NONE_REGISTERED, Episode, NoReplica, Renders
 from services.workflow.generate_batcher import BatchingStub
 from services.workflow.rollout_sender import RolloutSender
 from services.workflow.user_code import exit_error, running_user_code
@@ -272,7 +272,7 @@ class EpisodeRunner:
             episode.restub = functools.partial(self.stubs, fresh=True)
             episode.replica_wait_s = self.replica_wait_s
             final = await episode_run(workflow, episode, task)
-            with trace.span("score", "score", task=task.id):
+            with tracing.span("score", "score", task=task.id):
                 scored = await self.scored(task, final, episode)
             reward = scored.score
             facts = {**episode.facts, **scored.components, **tool_facts(episode)}
@@ -290,7 +290,7 @@ class EpisodeRunner:
         finally:
             self.stats.in_flight -= 1
         seconds = time.monotonic() - started
-        trace.add("episode", started, started + seconds, "episodes", task=task.id, error=error)
+        tracing.add("episode", started, started + seconds, "episodes", task=task.id, error=error)
         self.stats.done += 1
         self.stats.total_seconds += seconds
         return Rollout(
@@ -325,8 +325,8 @@ class EpisodeRunner:
         return await reward_functions.call(name, task.problem, final, view, task.reward_args)
 
     async def judge_client(self, task: Task) -> Any:
-        """The OpenAI-compatible endpoint the run's judge is asked through (judge.py)."""
-        from services.workflow.judge import endpoint_for
+        """The OpenAI-compatible endpoint the run's judge is asked through (judge_client.py)."""
+        from services.workflow.judge_client import endpoint_for
 
         return await endpoint_for(self, task)
 

@@ -24,9 +24,9 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from marl.local.redis_server import die_with_parent, free_port
 from marl.runtime import streams
 from marl.runtime.http_server import HttpServer
+from marl.runtime.processes import die_with_parent, free_port
 from marl.runtime.prometheus_metrics import (
     INFERENCE_IN_FLIGHT,
     STREAM_LAG,

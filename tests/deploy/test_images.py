@@ -23,7 +23,7 @@ import yaml
 
 from marl.clients import RunsClient, SandboxClient
 from marl.local.demo import DEMO_SPEC
-from marl.local.redis_server import free_port
+from marl.runtime.processes import free_port
 from tests.support.chart import by_kind, render
 from tests.support.containers import (
     Containers,

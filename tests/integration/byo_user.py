@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.workflows import Episode, Workflow, prompts
 from marl.workflows.tools import CALCULATOR, tool
 

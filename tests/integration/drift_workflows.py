@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import re
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.workflows import prompts, voting
 from marl.workflows.base import Episode, Workflow
 

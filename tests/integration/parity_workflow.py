@@ -16,7 +16,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.workflows import single
 from marl.workflows.base import Episode, Workflow
 

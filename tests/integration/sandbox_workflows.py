@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.workflows import single
 from marl.workflows.base import Workflow
 

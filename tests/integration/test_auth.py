@@ -27,14 +27,15 @@ import marl
 from marl.cli import main as cli
 from marl.clients.runs import RunRefused, RunsClient
 from marl.clients.sandbox import SandboxClient
-from marl.data.problem import Problem
 from marl.local.demo import DEMO_SPEC
+from marl.problem import Problem
 from marl.protocol.v1 import inference_pb2, learner_pb2, sandbox_pb2, workflow_pb2
 from marl.rollout import AdapterRef, Task
 from marl.runtime import auth, streams
 from marl.runtime.task_signing import PAYLOAD_FIELD, TaskSigner, canonical
 from marl.spec.run import apply_overrides, dump_spec, parse_spec
 from marl.spec.services import auth_token
+from tests.support.raw_grpc import call_raw
 
 TOKEN = "s3cret-test-token"
 pytestmark = pytest.mark.cluster(env={"MARL_AUTH_TOKEN": TOKEN})
@@ -49,24 +50,6 @@ SERVICES = {
 def address(endpoints: dict[str, Any], kind: str) -> str:
     found = endpoints[kind]
     return str(found if isinstance(found, str) else found[0])
-
-
-def call_raw(channel: grpc.Channel, service: Any, method: Any,
-             metadata: list[tuple[str, str]]) -> grpc.StatusCode:
-    """Call `method` with an empty request, as a client that knows nothing but the name."""
-    path = f"/{service.full_name}/{method.name}"
-    try:
-        if method.client_streaming:
-            fn: Any = (channel.stream_stream if method.server_streaming else channel.stream_unary)
-            reply = fn(path)(iter([b""]), timeout=10, metadata=metadata)
-        else:
-            fn = channel.unary_stream if method.server_streaming else channel.unary_unary
-            reply = fn(path)(b"", timeout=10, metadata=metadata)
-        if method.server_streaming:
-            list(reply)
-    except grpc.RpcError as err:
-        return err.code()  # type: ignore[no-any-return]
-    return grpc.StatusCode.OK
 
 
 @pytest.mark.parametrize("kind", list(SERVICES))

@@ -160,7 +160,7 @@ def test_worker_scores_humaneval_answers_in_the_cluster_sandbox(cluster: Cluster
 def test_worker_scores_an_answer_that_times_out_on_any_test_zero(cluster: Cluster) -> None:
     """§A.7: an answer that hits the per-test timeout gets 0, even with other tests passed;
     a plain wrong answer on one of the same tests keeps its pass rate."""
-    from marl.data.problem import Problem
+    from marl.problem import Problem
     from services.workflow.worker import EpisodeRunner
 
     tests: list[dict[str, Any]] = [{"fn_name": "f", "args": [x], "expected": x} for x in (0, 1)]

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from marl.local.launcher import Cluster
-from tests.integration.test_byo import base_spec, records, rollouts, train
+from tests.support.byo import base_spec, records, rollouts, train
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 

@@ -17,8 +17,9 @@ import marl
 from marl.runtime import streams
 from marl.spec.run import parse_spec
 from marl.spec.services import LearnerConfig
+from services.learner.guard import GuardStopped
 from services.learner.runs import RunStore
-from services.learner.trainer import GuardStopped, RunExecutor
+from services.learner.trainer import RunExecutor
 
 VAL = [0.2, 0.6, 0.55, 0.45, 0.4]
 """Validation accuracy at steps 0..4: the cliff (0.1 below the best 0.6) opens at step 3."""

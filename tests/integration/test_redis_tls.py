@@ -34,8 +34,8 @@ import marl
 from marl.clients.runs import RunsClient
 from marl.local.demo import DEMO_SPEC
 from marl.local.launcher import Cluster
-from marl.local.redis_server import die_with_parent, free_port
 from marl.runtime import auth, streams
+from marl.runtime.processes import die_with_parent, free_port
 from marl.runtime.serving import ServiceHost
 from marl.spec.run import apply_overrides, dump_spec, parse_spec
 

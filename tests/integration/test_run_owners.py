@@ -41,6 +41,7 @@ from marl.protocol.v1 import (
 )
 from marl.runtime.auth import USER_METHODS
 from marl.spec.run import apply_overrides
+from tests.support.raw_grpc import call_raw
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -198,8 +199,6 @@ def test_deny_another_users_run_as_if_it_did_not_exist(shared: Shared) -> None:
 
 
 def test_deny_user_tokens_on_the_services_own_rpcs(shared: Shared) -> None:
-    from tests.integration.test_auth import call_raw
-
     refused = []
     for kind, service in SERVICES.items():
         address = shared.endpoints[kind]

@@ -29,7 +29,7 @@ import requests
 from sandbox_fusion import RunCodeRequest, RunCodeResponse, run_code
 
 from marl.clients import SandboxClient
-from marl.local.redis_server import free_port
+from marl.runtime.processes import free_port
 from marl.runtime.serving import wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]

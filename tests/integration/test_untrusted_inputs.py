@@ -24,9 +24,9 @@ import grpc
 import pytest
 import yaml
 
-from marl.data.problem import Problem
 from marl.local.launcher import Cluster
 from marl.models.demo import demo_model_dir
+from marl.problem import Problem
 from marl.protocol.v1 import learner_pb2, learner_pb2_grpc, workflow_pb2, workflow_pb2_grpc
 from marl.rollout import AdapterRef, Rollout, Task
 from marl.runtime import streams

@@ -23,8 +23,8 @@ from marl.spec.services import SandboxConfig
 from services.reward_sandbox import executor as executor_module
 from services.reward_sandbox import jobspec, wire
 from services.reward_sandbox.executor import Executor, JobResult
+from services.reward_sandbox.forkserver_client import ZygoteClient
 from services.reward_sandbox.server import zygote_config
-from services.reward_sandbox.zygote import ZygoteClient
 
 FIND = r"""
 import gc, re, sys

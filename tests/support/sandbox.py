@@ -25,9 +25,9 @@ from typing import Any
 
 from marl.clients import AsyncSandboxClient
 from marl.clients.sandbox import ExecuteResult
-from marl.local.redis_server import free_port
+from marl.runtime.processes import free_port
 from marl.runtime.serving import wait_healthy
-from services.reward_sandbox.zygote import MARKER
+from services.reward_sandbox.forkserver_client import MARKER
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET_ENV = "MARL_SANDBOX_TEST_SECRET"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.rollout import AdapterRef, Rollout, Task
 from marl.spec.run import RunSpec
 

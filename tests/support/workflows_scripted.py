@@ -3,7 +3,8 @@
 The real runtime `Episode` (rendering, prompt caps, routing, seeds, recording)
 talks to this in place of an inference replica: each Generate answers with the
 text a script returns for (role, slot, prompt), after an optional delay, and
-remembers every request it saw.
+remembers every request it saw. `runner_with` is a worker's `EpisodeRunner` whose
+only replica is such an engine.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.protocol.v1 import common_pb2, inference_pb2
 from marl.rollout import AdapterRef, Task
+from marl.spec.code_refs import CodePolicy
 from marl.spec.run import WorkflowCaps
 from marl.workflows import resolve
-from services.workflow.episode import Episode
+from services.workflow.episode_runtime import Episode
+from services.workflow.worker import EpisodeRunner
 
 
 class CharTokenizer:
@@ -110,3 +113,20 @@ async def run_episode(task: Task, engine: ScriptedEngine, **kw: Any) -> tuple[Ep
     episode = make_episode(task, engine, **kw)
     final = await resolve(task.workflow).run(episode, task.problem)
     return episode, final
+
+
+TEST_CODE = CodePolicy(("tests", "examples"))
+"""The test suite's own workflows and rewards, as a worker's `allowed_modules` would allow."""
+
+
+def runner_with(engine: Any, **options: Any) -> EpisodeRunner:
+    options.setdefault("code", TEST_CODE)
+    options.setdefault("judge_endpoints", ())
+    runner = EpisodeRunner(None, "w-test", replica_wait_s=0, **options)
+    runner._tokenizers[""] = CharTokenizer()
+
+    async def stubs(fresh: bool = False) -> list[Any]:
+        return [engine]
+
+    runner.stubs = stubs  # type: ignore[method-assign]
+    return runner

@@ -3,9 +3,9 @@
 import asyncio
 from types import SimpleNamespace
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.rewards.builtin import any_format_reward
-from marl.rewards.math import any_format_correct, loose_answer, score
+from marl.rewards.math_scoring import any_format_correct, loose_answer, score
 from marl.rollout import Rollout, mean_facts
 
 

@@ -21,9 +21,9 @@ from sympy import Basic, MatrixBase
 
 from marl.data import champ
 from marl.data.champ_answers import ground_truth, to_latex
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.rewards.answer_text import is_prose, normalize_text
-from marl.rewards.math import check, score
+from marl.rewards.math_scoring import check, score
 
 PROBLEMS = champ.load()
 

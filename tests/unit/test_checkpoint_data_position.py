@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from marl.data import load_problems
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.spec.run import DataSpec, LoraSpec, OptimSpec
 from services.learner import checkpoint
 from services.learner.policy import MultiAdapterPolicy

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from marl.rewards.code import SandboxFailure, compiles, extract_code, python_blocks, score
+from marl.rewards.code_scoring import SandboxFailure, compiles, extract_code, python_blocks, score
 
 FENCE = "```"
 

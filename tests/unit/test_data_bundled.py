@@ -8,8 +8,8 @@ import sys
 import textwrap
 
 from marl.data import arithmetic, deepcoder, humaneval, load_problems
-from marl.data.problem import Problem
-from marl.rewards.code import python_blocks
+from marl.problem import Problem
+from marl.rewards.code_scoring import python_blocks
 from marl.spec.run import DataSpec, RunSpec, parse_spec, task_of_dataset
 from marl.workflows import prompts
 

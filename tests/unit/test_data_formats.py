@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from marl.data import load_problems, load_split
-from marl.data.report import main as inspect_main
+from marl.data.inspection import main as inspect_main
 from marl.spec.run import DataSpec, SpecError
 
 VERL_ROWS = [

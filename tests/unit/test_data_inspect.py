@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from marl.data.report import main
+from marl.data.inspection import main
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from marl.data import load_problems
-from marl.data.problem import Problem
 from marl.data.split import ordered, split
+from marl.problem import Problem
 from marl.spec.run import DataSpec, SpecError, parse_spec
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"

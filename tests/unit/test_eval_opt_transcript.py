@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from marl.spec.run import WorkflowCaps
-from services.workflow.episode import PromptTooLong
+from services.workflow.episode_runtime import PromptTooLong
 from tests.support.workflows_scripted import ScriptedEngine, make_task, run_episode
 
 VERDICT = "Write a short critique, then give your verdict: \\boxed{Correct} or \\boxed{Incorrect}."

@@ -9,10 +9,11 @@ from typing import Any
 import grpc
 import pytest
 
+from marl.models.limits import ModelLimits
 from marl.protocol.v1 import common_pb2, inference_pb2
 from services.inference import server
 from services.inference.adapters import AdapterRegistry, LoadedVersion
-from services.inference.engine import GenerationRequest, GenerationResult, ModelLimits
+from services.inference.engine import GenerationRequest, GenerationResult
 
 
 class EchoEngine:

@@ -12,8 +12,7 @@ from pydantic import ValidationError
 from marl.runtime.http_server import HttpServer
 from marl.spec.run import JudgeSpec, parse_spec
 from marl.workflows import policy_of_role
-from tests.support.workflows_scripted import MATH, ScriptedEngine, make_task
-from tests.unit.test_workflows_runtime import runner_with
+from tests.support.workflows_scripted import MATH, ScriptedEngine, make_task, runner_with
 
 
 def test_the_judge_is_routed_only_when_a_policy_group_names_it() -> None:

@@ -13,70 +13,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from marl.rollout import AdapterRef, Rollout, Turn
 from marl.spec.run import parse_spec
 from services.learner.grpo import token_entropy, token_logprobs
 from services.learner.policy import MultiAdapterPolicy
 from services.learner.prompt_rows import pack_rows
 from services.learner.sequences import Sequence, collate
-from services.learner.update import completion_logprobs, grpo_step
+from services.learner.update import completion_logprobs
+from tests.support.learner_step import run_step, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN3_VOCAB = 151936  # Qwen3's embedding rows: vocabulary-wide logits dominate memory
 
 
-def tiny_model(out: Path, vocab: int) -> Path:
-    """A Qwen3-shaped model from a config (hidden 64, 2 layers) with `vocab` rows."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from marl.models.demo import build_tokenizer
-
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True,
-        max_position_embeddings=512,
-    )
-    Qwen3ForCausalLM(config).save_pretrained(out)
-    build_tokenizer(["What is"]).save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model(tmp_path_factory.mktemp("tiny"), 512)
-
-
-def rollouts(n: int, prompt: int, completion: int, vocab: int, seed: int = 0) -> list[Rollout]:
-    """`n` single-turn rollouts in groups of 4, rewards 0/1, lengths varying a little."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for k in range(n):
-        c = completion - k % 3
-        ids = torch.randint(3, vocab, (prompt + c,), generator=g).tolist()
-        turn = Turn("solver", 0, ids[:prompt], ids[prompt:], [-1.0] * c, "stop",
-                    AdapterRef("r/p", 0), "")
-        out.append(Rollout(f"t{k}", "r", 0, "train", f"p{k // 4}", k % 4, [turn], "",
-                           float(k % 2)))
-    return out
-
-
-def run_step(  # type: ignore[no-untyped-def]
-    model: Path,
-    n: int,
-    grpo: dict[str, object],
-    chunk_bytes: int | None = None,
-    rollouts_: list[Rollout] | None = None,
-):
-    spec = parse_spec({"seed": 1, "lora": {"rank": 4, "alpha": 8},
-                       "optim": {"lr": 0.1, "warmup_steps": 0, "schedule": "constant"},
-                       "grpo": {"group_size": 4, "mini_batch_size": 2, **grpo}})
-    policy = MultiAdapterPolicy(str(model), ["shared"], spec.lora, spec.optim, total_steps=4)
-    if chunk_bytes is not None:
-        policy.logit_chunk_bytes = chunk_bytes
-    rs = rollouts_ or rollouts(n, 6, 10, 500)
-    result = grpo_step(policy, rs, [r.problem_id for r in rs], {"solver": "shared"}, spec)
-    return result, policy.state_dict("shared")
 
 
 def test_pack_respects_both_limits() -> None:
@@ -131,7 +82,7 @@ CHILD = textwrap.dedent(
     import torch
     torch.set_num_threads(1)
     from marl.runtime.heap import LEARNER_MMAP_THRESHOLD, keep_freed_heap_until_trimmed
-    from tests.unit.test_learner_memory import run_step
+    from tests.support.learner_step import run_step
     keep_freed_heap_until_trimmed(LEARNER_MMAP_THRESHOLD)  # as the learner's process does
     model, n, budget, chunk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     result, _ = run_step(model, n, {"max_tokens_per_micro_batch": budget}, chunk)

@@ -6,7 +6,7 @@ import asyncio
 import time
 from typing import Any
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.rollout import AdapterRef
 from marl.runtime import streams
 from marl.spec.run import parse_spec

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from marl.rewards import math as math_reward
-from marl.rewards.math import FORMAT_PENALTY, last_boxed, score, score_async, warm_up
+from marl.rewards import math_scoring as math_reward
+from marl.rewards.math_scoring import FORMAT_PENALTY, last_boxed, score, score_async, warm_up
 from marl.rewards.verifier_pool import GRACE_S, VerifierPool
 from tests.support.loop_ticks import loop_ticks
 
@@ -394,7 +394,7 @@ def test_scientific_notation_is_written_out_exactly(text: str, plain: str | None
 
 
 def test_the_builtin_reward_reads_the_problems_text_and_its_messages() -> None:
-    from marl.data.problem import Problem
+    from marl.problem import Problem
     from marl.rewards.builtin import math_reward as builtin_math
 
     class Task:

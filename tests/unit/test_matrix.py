@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 
 from marl.experiments import matrix
+from marl.experiments import matrix_tables as tables
 from marl.experiments.evaluate import checkpoint_dir, parse_routing
+from marl.experiments.matrix_report import write_report
 from marl.spec.run import SpecError
 
 MODEL = "/models/m"
@@ -86,19 +88,19 @@ def test_curve_peak_step_final_and_cliff() -> None:
         {"step": 3, "val/accuracy": 0.5, "alarms": []},
         {"step": 4, "val/accuracy": 0.25, "alarms": [], "guard": "rollback to step 2"},
     ]
-    c = matrix.curve(rows)
+    c = tables.curve(rows)
     assert c is not None
     assert c.steps == [0, 2, 3, 4]
     assert c.peak == 0.5 and c.peak_step == 2  # the first step at the peak
     assert c.final == 0.25 and c.cliff == -0.25
     assert c.alarms == ["step 1: sp_role_capture", "step 4: guard rollback to step 2"]
-    assert matrix.curve([{"step": 0}]) is None
+    assert tables.curve([{"step": 0}]) is None
 
 
 def test_curve_takes_the_last_value_of_a_step_logged_twice() -> None:
     rows = [{"step": 0, "val/accuracy": 0.25}, {"step": 1, "val/accuracy": 0.75},
             {"step": 1, "val/accuracy": 0.5}]
-    c = matrix.curve(rows)
+    c = tables.curve(rows)
     assert c is not None and c.peak == 0.5 and c.peak_step == 1 and c.cliff == 0.0
 
 
@@ -110,7 +112,7 @@ def test_table_residuals_and_cliffs_from_the_cells(tmp_path: Path) -> None:
     _write(tmp_path, cells["sa_rl"], [0.125, 0.375, 0.25])
     _write(tmp_path, cells["isolated"], [0.125, 0.5, 0.375, 0.5], alarms={2: ["ip_drift"]})
     _write(tmp_path, cells["shared"], [0.125, 0.25, 0.75, 0.0])
-    rows = matrix.table_rows(matrix.load_curves(tmp_path, m))
+    rows = tables.table_rows(matrix.load_curves(tmp_path, m))
     assert len(rows) == 1
     row = rows[0]
     assert row["workflow"] == "voting" and row["base"] == 0.125 and row["sa_rl"] == 0.375
@@ -121,7 +123,7 @@ def test_table_residuals_and_cliffs_from_the_cells(tmp_path: Path) -> None:
     assert row["sp_final"] == 0.0 and row["sp_cliff"] == -0.75 and row["sp_peak_step"] == 2
     assert row["sp_alarms"] == []
 
-    paths = matrix.write_report(tmp_path)
+    paths = write_report(tmp_path)
     with paths["csv"].open() as f:
         got = list(csv.DictReader(f))
     assert len(got) == 1
@@ -141,7 +143,7 @@ def test_missing_cells_leave_blanks_and_are_not_done(tmp_path: Path) -> None:
     _write(tmp_path, cells["isolated"], [0.25], done=False)  # killed mid-run
     assert matrix.cell_done(tmp_path, cells["shared"])
     assert not matrix.cell_done(tmp_path, cells["isolated"])
-    row = matrix.table_rows(matrix.load_curves(tmp_path, m))[0]
+    row = tables.table_rows(matrix.load_curves(tmp_path, m))[0]
     assert row["sp_peak"] == 0.5 and row["sp_residual"] is None and row["sa_rl"] is None
     assert row["ip_peak"] is None
     status = dict(line.split(None, 1) for line in matrix.status_lines(tmp_path, m))
@@ -205,8 +207,8 @@ def test_eval_against_an_unreachable_redis_is_a_user_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from marl.cli.main import main
-    from marl.local.redis_server import free_port
     from marl.models.demo import demo_model_dir
+    from marl.runtime.processes import free_port
     from marl.spec.run import dump_spec, parse_spec
 
     run = tmp_path / "run"

@@ -117,7 +117,7 @@ def test_the_embedded_cluster_trains_n_runs_at_once(
             pass
 
     monkeypatch.setattr(marl.local.launcher, "Cluster", Cluster)
-    monkeypatch.setattr(matrix, "_engine", lambda spec: "vllm")
+    monkeypatch.setattr(matrix, "resolve_engine", lambda name: "vllm")
     m = _matrix()
     assert matrix.run_matrix(m, tmp_path, out=io.StringIO(), parallel=3) == 0
     (kwargs,) = started

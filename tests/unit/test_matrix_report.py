@@ -12,6 +12,7 @@ import pytest
 
 from marl.experiments import matrix
 from marl.experiments import matrix_tables as tables
+from marl.experiments.matrix_report import write_report
 from marl.experiments.matrix_tables import CellRun
 from marl.spec.run import SpecError
 
@@ -393,7 +394,7 @@ def test_report_writes_every_table_figure_and_the_page(tmp_path: Path) -> None:
     path.write_text(json.dumps({"sa_rl_run_id": "r", "val/accuracy": 0.4, "sa_rl_final": 0.3,
                                 "checkpoint": "step_000003", "val/problems": 10,
                                 "val/episode_errors": 0}))  # fmt: skip
-    paths = matrix.write_report(tmp_path)
+    paths = write_report(tmp_path)
     out = tmp_path / "report"
     names = [f"table{i}.{x}" for i in range(1, 7) for x in ("csv", "md")]
     names += [f"fig{i}.png" for i in range(2, 7)] + ["index.html", "table1_paper.csv"]
@@ -428,7 +429,7 @@ def test_report_writes_every_table_figure_and_the_page(tmp_path: Path) -> None:
     # a transfer made with an SA-RL run that is no longer there is not read
     sa = next(c for c in m.cells if c.kind == "sa_rl")
     matrix._mark(tmp_path, sa, "SUCCEEDED", run_id="another")
-    matrix.write_report(tmp_path, tmp_path / "again", "update_chi2")
+    write_report(tmp_path, tmp_path / "again", "update_chi2")
     with (tmp_path / "again" / "table3.csv").open() as f:
         assert all(r["transfer"] == "" for r in csv.DictReader(f))
     status = matrix.status_lines(tmp_path, m)
@@ -437,8 +438,8 @@ def test_report_writes_every_table_figure_and_the_page(tmp_path: Path) -> None:
 
 def test_report_of_an_empty_matrix_directory_still_writes_every_file(tmp_path: Path) -> None:
     matrix.prepare(tmp_path, matrix.load_matrix(_raw()))
-    paths = matrix.write_report(tmp_path)
+    paths = write_report(tmp_path)
     assert "No Table 3 evaluation found" in paths["table3.md"].read_text()
     assert all(paths[f"fig{i}.png"].is_file() for i in range(2, 7))
     with pytest.raises(SpecError, match="--chi2"):
-        matrix.write_report(tmp_path, chi2="chi2")
+        write_report(tmp_path, chi2="chi2")

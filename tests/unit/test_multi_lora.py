@@ -6,29 +6,11 @@ import copy
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+from transformers import Qwen3ForCausalLM
 
 from services.inference.multi_lora import MultiLoRA, plan_for
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def tiny_model() -> Qwen3ForCausalLM:
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.2,
-    )
-    return Qwen3ForCausalLM(config).eval()
-
-
-def adapter(model: Qwen3ForCausalLM, rank: int, seed: int) -> dict[str, torch.Tensor]:
-    peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=rank, lora_alpha=16,
-                                                             target_modules=TARGETS))
-    gen = torch.Generator().manual_seed(seed)
-    return {k: torch.randn(v.shape, generator=gen) * 0.2
-            for k, v in get_peft_model_state_dict(peft).items()}
+from tests.support.lora_models import TARGETS, adapter, tiny_model
 
 
 def peft_logits(model: Qwen3ForCausalLM, adapters: dict[str, tuple[int, dict[str, torch.Tensor]]],

@@ -13,7 +13,7 @@ from services.learner.policy import MultiAdapterPolicy
 from services.learner.prompt_rows import Rows, layout, pack_rows, plan_rows
 from services.learner.sequences import Sequence
 from services.learner.update import completion_logprobs
-from tests.unit.test_learner_memory import rollouts, run_step, tiny_model
+from tests.support.learner_step import rollouts, run_step, tiny_model
 
 
 def seq(prompt: list[int], completion: list[int]) -> Sequence:

@@ -7,14 +7,13 @@ import math
 
 import pytest
 
-from marl.data.problem import Problem
+from marl.problem import Problem
 from marl.rewards import functions
-from marl.rewards.judge import judge_prompt, verdict_score
+from marl.rewards.llm_judge import judge_prompt, verdict_score
 from marl.spec.run import RunSpec, SpecError, parse_spec
 from marl.workflows import policy_of_role
 from services.workflow.worker import EpisodeRunner
-from tests.support.workflows_scripted import MATH, ScriptedEngine, make_task
-from tests.unit.test_workflows_runtime import runner_with
+from tests.support.workflows_scripted import MATH, ScriptedEngine, make_task, runner_with
 
 USER = "tests.integration.byo_user"
 VERL_PROBLEM = Problem(id="v1", prompt="What is 2 + 3?", answer="5", data_source="openai/gsm8k",

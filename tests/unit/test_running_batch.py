@@ -16,7 +16,7 @@ from services.inference.running_batch import (
     decode_all,
     make_row,
 )
-from tests.unit.test_multi_lora import TARGETS, adapter, tiny_model
+from tests.support.lora_models import TARGETS, adapter, tiny_model
 
 EOS: list[int] = []  # the random model may emit any token: decode to each row's budget
 

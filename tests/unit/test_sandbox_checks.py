@@ -1,6 +1,6 @@
-"""How a candidate's exception reaches an assert program (`services.reward_sandbox.checks`)."""
+"""How a candidate's exception reaches an assert program (reward_sandbox.assert_programs)."""
 
-from services.reward_sandbox.checks import _rebuild_exception
+from services.reward_sandbox.assert_programs import _rebuild_exception
 
 
 def test_a_candidate_exception_keeps_its_builtin_type_for_the_test() -> None:

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from services.reward_sandbox import wire
-from services.reward_sandbox.zygote import ZygoteClient
+from services.reward_sandbox.forkserver_client import ZygoteClient
 
 
 def _gone(proc: subprocess.Popen[bytes], timeout: float = 5.0) -> bool:

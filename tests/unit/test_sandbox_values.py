@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from services.reward_sandbox import judge, plain
+from services.reward_sandbox import plain, verdicts
 
 
 @pytest.mark.parametrize("value", [
@@ -63,7 +63,7 @@ def test_plain_decode_depth_is_bounded() -> None:
     ("", "\n", True),
 ])
 def test_stdout_judge_rules(actual: str, expected: str, same: bool) -> None:
-    assert judge.stdout_matches(actual, expected) is same
+    assert verdicts.stdout_matches(actual, expected) is same
 
 
 @pytest.mark.parametrize(("got", "expected", "same"), [
@@ -81,16 +81,16 @@ def test_stdout_judge_rules(actual: str, expected: str, same: bool) -> None:
     ({"a": 1}, {"a": 1, "b": 2}, False),
 ])
 def test_value_judge_rules(got: object, expected: object, same: bool) -> None:
-    assert judge.values_equal(got, expected) is same
+    assert verdicts.values_equal(got, expected) is same
 
 
 def test_verdict_maps_outcomes() -> None:
-    assert judge.verdict("stdio", "ok", stdout="1\n", expected_stdout="1") == "PASSED"
-    assert judge.verdict("call", "ok", value=2, expected=3) == "FAILED"
-    assert judge.verdict("assert", "ok") == "PASSED"
-    assert judge.verdict("assert", "timeout") == "TIMEOUT"
-    assert judge.verdict("call", "not_plain") == "FAILED"
-    assert judge.verdict("stdio", "something new") == "SANDBOX_ERROR"
+    assert verdicts.verdict("stdio", "ok", stdout="1\n", expected_stdout="1") == "PASSED"
+    assert verdicts.verdict("call", "ok", value=2, expected=3) == "FAILED"
+    assert verdicts.verdict("assert", "ok") == "PASSED"
+    assert verdicts.verdict("assert", "timeout") == "TIMEOUT"
+    assert verdicts.verdict("call", "not_plain") == "FAILED"
+    assert verdicts.verdict("stdio", "something new") == "SANDBOX_ERROR"
 
 
 @pytest.mark.parametrize(("got", "expected"), [
@@ -99,12 +99,12 @@ def test_verdict_maps_outcomes() -> None:
 ])
 def test_value_judge_gives_a_verdict_for_ints_past_float_range(got: object,
                                                                expected: object) -> None:
-    assert judge.values_equal(got, expected) is False
-    assert judge.verdict("call", "ok", value=got, expected=expected) == "FAILED"
+    assert verdicts.values_equal(got, expected) is False
+    assert verdicts.verdict("call", "ok", value=got, expected=expected) == "FAILED"
 
 
 def test_value_judge_fails_a_nesting_too_deep_to_compare() -> None:
     deep: list[object] = []
     for _ in range(100_000):
         deep = [deep]
-    assert judge.values_equal(deep, [[]]) is False
+    assert verdicts.values_equal(deep, [[]]) is False

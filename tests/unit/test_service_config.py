@@ -173,11 +173,11 @@ def test_trace_dir_from_the_config_file_or_the_environment_turns_tracing_on(
 ) -> None:
     """What the chart's `<service>.config.trace_dir` reaches: `marl serve` traces into it,
     as with `--trace-dir`."""
-    from marl.runtime import trace
+    from marl.runtime import tracing
     from services.learner import server as learner
 
     started: list[bool] = []
-    monkeypatch.setattr(learner, "run", lambda *a, **k: started.append(trace.tracer().on))
+    monkeypatch.setattr(learner, "run", lambda *a, **k: started.append(tracing.tracer().on))
     f = tmp_path / "learner.yaml"
     f.write_text(f"redis: redis://127.0.0.1:1\ntrace_dir: {tmp_path / 'from-file'}\n")
     try:
@@ -188,7 +188,7 @@ def test_trace_dir_from_the_config_file_or_the_environment_turns_tracing_on(
         assert list((tmp_path / "from-env").glob("learner-*.jsonl"))
         assert started == [True, True]
     finally:
-        trace.configure("test", None)
+        tracing.configure("test", None)
 
 
 def test_cli_serve_flags_beat_the_environment_and_the_file(

@@ -145,7 +145,7 @@ def test_a_child_started_by_die_with_parent_dies_with_it() -> None:
     without a preexec_fn (see `die_with_parent`)."""
     code = (
         "import subprocess, time\n"
-        "from marl.local.redis_server import die_with_parent\n"
+        "from marl.runtime.processes import die_with_parent\n"
         "child = subprocess.Popen(die_with_parent(['sleep', '60']))\n"
         "print(child.pid, flush=True)\n"
         "time.sleep(60)\n"

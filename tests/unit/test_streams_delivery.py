@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from marl.data.problem import Problem
 from marl.models.demo import demo_model_dir
+from marl.problem import Problem
 from marl.rollout import AdapterRef, Rollout, Task
 from marl.runtime import replicas, streams
 from marl.spec.run import RunSpec

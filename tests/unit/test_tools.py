@@ -15,8 +15,7 @@ from marl.rollout import Rollout
 from marl.workflows import resolve
 from marl.workflows.tools import CALCULATOR, calculate, execute, parse_tool_calls, tool
 from services.learner.sequences import build_sequences, collate
-from tests.support.workflows_scripted import ScriptedEngine, make_episode, make_task
-from tests.unit.test_workflows_runtime import runner_with
+from tests.support.workflows_scripted import ScriptedEngine, make_episode, make_task, runner_with
 
 TOOLS = "tests.integration.byo_user:TOOLS"
 

@@ -1,4 +1,4 @@
-"""marl.runtime.trace: a process's spans as Chrome trace events in its own file."""
+"""marl.runtime.tracing: a process's spans as Chrome trace events in its own file."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from marl.runtime import trace
-from marl.runtime.trace import LANE_TIDS, LANES_PER_GROUP, Tracer
+from marl.runtime import tracing
+from marl.runtime.tracing import LANE_TIDS, LANES_PER_GROUP, Tracer
 
 
 def events(path: Path) -> list[dict[str, Any]]:
@@ -67,16 +67,16 @@ def test_an_unconfigured_process_traces_nothing(tmp_path: Path) -> None:
 
 def test_configure_names_the_file_by_service_and_pid(tmp_path: Path) -> None:
     try:
-        trace.configure("inference", str(tmp_path))
-        with trace.span("decode", rows=8):
+        tracing.configure("inference", str(tmp_path))
+        with tracing.span("decode", rows=8):
             pass
-        trace.add("prefill", 0.0, 0.5, rows=8)
+        tracing.add("prefill", 0.0, 0.5, rows=8)
     finally:
-        trace.configure("inference", None)
+        tracing.configure("inference", None)
     (path,) = tmp_path.iterdir()
     assert path.name == f"inference-{os.getpid()}.jsonl"
     assert [e["name"] for e in events(path)] == ["process_name", "decode", "prefill"]
-    assert not trace.tracer().on
+    assert not tracing.tracer().on
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
@@ -97,13 +97,13 @@ def test_a_forked_child_writes_nothing_to_its_parents_file(tmp_path: Path) -> No
 def test_a_garbage_collection_is_a_span_of_the_process(tmp_path: Path) -> None:
     gc.disable()  # the explicit collections only
     try:
-        trace.configure("learner", str(tmp_path))
-        trace.configure("learner", str(tmp_path))  # once more: still one span a collection
+        tracing.configure("learner", str(tmp_path))
+        tracing.configure("learner", str(tmp_path))  # once more: still one span a collection
         gc.collect()
-        trace.configure("learner", None)
+        tracing.configure("learner", None)
         gc.collect()  # not traced any more
     finally:
-        trace.configure("learner", None)
+        tracing.configure("learner", None)
         gc.enable()
     path = tmp_path / f"learner-{os.getpid()}.jsonl"
     spans = [e for e in events(path) if e["name"] == "gc"]

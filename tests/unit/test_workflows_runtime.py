@@ -15,12 +15,11 @@ import pytest
 
 from marl.models.demo import demo_model_dir
 from marl.rollout import Task
-from marl.spec.code_refs import CodePolicy
 from marl.spec.run import WorkflowCaps
 from marl.workflows import prompts, resolve
-from services.workflow import episode as episode_module
+from services.workflow import episode_runtime as episode_module
 from services.workflow import worker
-from services.workflow.episode import PromptTooLong, Renders
+from services.workflow.episode_runtime import PromptTooLong, Renders
 from services.workflow.worker import EpisodeRunner
 from tests.support.loop_ticks import loop_ticks
 from tests.support.workflows_scripted import (
@@ -29,23 +28,8 @@ from tests.support.workflows_scripted import (
     ScriptedEngine,
     make_episode,
     make_task,
+    runner_with,
 )
-
-TEST_CODE = CodePolicy(("tests", "examples"))
-"""The test suite's own workflows and rewards, as a worker's `allowed_modules` would allow."""
-
-
-def runner_with(engine: Any, **options: Any) -> EpisodeRunner:
-    options.setdefault("code", TEST_CODE)
-    options.setdefault("judge_endpoints", ())
-    runner = EpisodeRunner(None, "w-test", replica_wait_s=0, **options)
-    runner._tokenizers[""] = CharTokenizer()
-
-    async def stubs(fresh: bool = False) -> list[Any]:
-        return [engine]
-
-    runner.stubs = stubs  # type: ignore[method-assign]
-    return runner
 
 
 async def test_a_prompt_over_its_cap_fails_the_episode_naming_the_cap() -> None:
@@ -121,7 +105,7 @@ async def test_no_live_replica_is_a_failed_episode() -> None:
     runner._tokenizers[""] = CharTokenizer()
 
     async def no_replicas(fresh: bool = False) -> list[Any]:
-        from services.workflow.episode import NoReplica
+        from services.workflow.episode_runtime import NoReplica
 
         raise NoReplica("no live inference replica is registered in Redis")
 

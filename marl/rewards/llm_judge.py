@@ -10,7 +10,7 @@ own inference replicas (`model: base`), a loaded adapter there (`run/policy@vers
 any OpenAI-compatible endpoint (`endpoint`, e.g. another marl replica's `/v1`). The
 judge's turn is recorded in the rollout (`judge_turns`) and not trained; when
 `policy_groups` names the judge role, its adapter serves it and it trains as any role
-(services/workflow/judge.py). A verdict with no number scores 0 and is counted as
+(services/workflow/judge_client.py). A verdict with no number scores 0 and is counted as
 `judge_parsed` 0; a judge that does not answer fails the rollout.
 """
 
@@ -19,8 +19,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from marl.data.problem import Problem
-from marl.rewards.math import last_boxed
+from marl.problem import Problem
+from marl.rewards.math_scoring import last_boxed
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 

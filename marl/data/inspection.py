@@ -16,8 +16,8 @@ from collections import Counter
 from typing import TextIO
 
 from marl.data import SplitData, load_split
-from marl.data.problem import Problem
 from marl.data.stats import answer_formats, count_tests, kinds_of_tests
+from marl.problem import Problem
 from marl.spec.run import RunSpec, SpecError, apply_overrides, parse_spec, task_of_dataset
 
 USAGE = "usage: marl data inspect SPEC.yaml [key=value ...]"

@@ -147,13 +147,13 @@ class Episode:
         self.role_rewards: dict[str, float] = {}
         """Rewards of single roles the workflow set (see `marl.workflows.Episode`)."""
         self.judge_turns: list[Turn] = []
-        """The judge's turns when its role is not trained (marl/rewards/judge.py)."""
+        """The judge's turns when its role is not trained (marl/rewards/llm_judge.py)."""
         self.tool_roles: set[str] = set()
         """Roles that offered tools this episode (their `role/<r>/tool_errors` is logged)."""
         self.sandbox_client: Callable[[], Any] | None = None
         """The worker's reward sandbox client (set by the worker)."""
         self.judge_client: Callable[[Task], Awaitable[Any]] | None = None
-        """The run's judge endpoint (set by the worker; services/workflow/judge.py)."""
+        """The run's judge endpoint (set by the worker; services/workflow/judge_client.py)."""
 
     @property
     def caps(self) -> Caps:
@@ -181,8 +181,8 @@ class Episode:
         return self.sandbox_client()
 
     async def judge(self, messages: list[dict[str, str]]) -> str:
-        """The run's judge answers `messages` (marl/rewards/judge.py)."""
-        from services.workflow.judge import ask
+        """The run's judge answers `messages` (marl/rewards/llm_judge.py)."""
+        from services.workflow.judge_client import ask
 
         return await ask(self, messages)
 

@@ -17,9 +17,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-VERDICTS = ("PASSED", "FAILED", "COMPILE_ERROR", "RUNTIME_ERROR", "TIMEOUT", "MEMORY_LIMIT",
-            "OUTPUT_LIMIT", "SANDBOX_ERROR")
-
 _OUTCOME_VERDICT = {
     "failed": "FAILED",
     "not_plain": "FAILED",

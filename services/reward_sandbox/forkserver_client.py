@@ -1,18 +1,18 @@
-"""The zygote: a single-threaded fork server that starts every job's jail.
+"""The server's side of the zygote: starts it and asks it for jails.
 
-The gRPC server is multi-threaded and must not fork, and a fresh interpreter
-per job would pay Python's start-up every time. So the server starts one zygote
-(`python -I -S -X utf8`, empty environment; its code is `forkserver`) that
-imports the jail code and the common standard-library modules once, detects
-the isolation tier, and then forks one jail per job. The zygote never sees job
-content: it only passes the job's descriptors on. It is a child subreaper, so
-anything a job leaves behind is re-parented to it and reaped, and it dies with
-the server.
+The zygote (`forkserver`) is a single-threaded fork server that starts every
+job's jail. The gRPC server is multi-threaded and must not fork, and a fresh
+interpreter per job would pay Python's start-up every time. So the server
+starts one zygote (`python -I -S -X utf8`, empty environment) that imports the
+jail code and the common standard-library modules once, detects the isolation
+tier, and then forks one jail per job. The zygote never sees job content: it
+only passes the job's descriptors on. It is a child subreaper, so anything a
+job leaves behind is re-parented to it and reaped, and it dies with the
+server.
 
 `ZygoteClient` is the server's asyncio side of the control socket; it lives
 here, apart from `forkserver`, so the zygote never imports asyncio.
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -26,9 +26,7 @@ import sys
 from typing import Any
 
 from . import wire
-from .forkserver import JAIL_UID_BASE, ROOT
-
-__all__ = ["JAIL_UID_BASE", "MARKER", "ZygoteClient", "ZygoteError", "single_threaded_probe"]
+from .forkserver import ROOT
 
 MARKER = "marl-sandbox-zygote"
 _BOOT = (
