@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -158,17 +159,25 @@ def test_wandb_offline_run_holds_the_runs_metrics(
          "alarms": ["accuracy_cliff[all]@2: validation accuracy 0.375"]},
     ])
     (log,) = (tmp_path / "run" / "wandb").glob("offline-run-*-wb-1/run-wb-1.wandb")
-    history, config = [], {}
-    for data in wandb_records(log):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(data)
-        if record.WhichOneof("record_type") == "history":
-            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
-                     for i in record.history.item}
-            history.append({k: v for k, v in items.items() if k not in ("_runtime", "_timestamp")})
-        if record.WhichOneof("record_type") == "run":
-            config = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
-                      for i in record.run.config.update}
+    # wandb's service process writes the file: on a loaded host its last records can land
+    # a moment after finish() returns
+    deadline = time.monotonic() + 30
+    while True:
+        history, config = [], {}
+        for data in wandb_records(log):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(data)
+            if record.WhichOneof("record_type") == "history":
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                         for i in record.history.item}
+                history.append({k: v for k, v in items.items()
+                                if k not in ("_runtime", "_timestamp")})
+            if record.WhichOneof("record_type") == "run":
+                config = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                          for i in record.run.config.update}
+        if len(history) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert history == [
         {"_step": 1, "train/reward_mean": 0.25, "role/generator/chi2_token": 0.5},
         {"_step": 2, "train/reward_mean": 0.5, "val/accuracy": 0.375,
