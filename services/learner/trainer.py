@@ -47,7 +47,7 @@ from services.learner.adapter_sync import AdapterSync, Published
 from services.learner.checkpoint import Checkpointer
 from services.learner.episodes import Episodes
 from services.learner.errors import RunCancelled, RunFailed, RunStopped
-from services.learner.guard import Action, GuardStopped, spare_adapters
+from services.learner.guard import Action, spare_adapters
 from services.learner.lease import Lease, LeaseLost
 from services.learner.outcome import step_failed
 from services.learner.records import step_record
