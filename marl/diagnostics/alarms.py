@@ -250,14 +250,16 @@ def _shift(
     sign: float,
     threshold: float,
     what: str,
+    relative: bool = False,
 ) -> Iterator[tuple[str, Alarm | None]]:
-    """A rate moving `threshold` away from its first value in the direction `sign`."""
+    """A rate moving `threshold` away from its first value in the direction `sign`;
+    `relative`: `threshold` is a fraction of the first value."""
     for role in roles(records):
         s = _current(records, f"sig/{role}/{key}")
         if s is None or len(s) < spec.min_points:
             continue
         first, now = s[0][1], s[-1][1]
-        fire = sign * (now - first) >= threshold - EPS
+        fire = sign * (now - first) >= (threshold * first if relative else threshold) - EPS
         evidence = f"{what} {first:.2f} -> {now:.2f}"
         yield (
             f"sp_role_capture/{role}/{key}",
@@ -342,7 +344,10 @@ def check(
         checks += [
             _frequency_capture(records, spec, parallel or ()),
             _length_capture(records, spec),
-            _shift(records, spec, "terse_rate", -1.0, spec.capture_terse_drop, "terse rate"),
+            _shift(
+                records, spec, "terse_rate", -1.0, spec.capture_terse_drop, "terse rate",
+                relative=True,
+            ),
             _shift(
                 records, spec, "python_code_fence", 1.0, spec.capture_fence_rise, "code-fence rate"
             ),

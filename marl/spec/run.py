@@ -559,7 +559,9 @@ class AlarmSpec(_Spec):
     """sp_role_capture: a role's median length over its first value reaches this while it
     closes the gap to a longer role."""
     capture_terse_drop: float = Field(0.3, gt=0, le=1)
-    """sp_role_capture: the aggregator's terse rate falls this far below its first value."""
+    """sp_role_capture: the aggregator's terse rate loses this fraction of its first value
+    (0.3: from 0.9 to 0.63 or below, from 0.3 to 0.21): a fraction, because how terse an
+    aggregator starts depends on the model and its prompt."""
     capture_fence_rise: float = Field(0.3, gt=0, le=1)
     """sp_role_capture: the evaluator's python-code-fence rate rises this far above its first value."""
     entropy_drop: float = Field(0.7, gt=0, lt=1)

@@ -10,7 +10,7 @@ from marl.diagnostics.alarms import Alarm, AlarmWatch, check, scan
 from marl.spec.run import AlarmSpec
 
 SPEC = AlarmSpec()  # windows of 3, amplification 3x and 2x the others, χ² floor 0.02,
-# length 2x, terse -0.3, entropy to 0.3x
+# length 2x, terse -30 % of its first value, entropy to 0.3x
 
 
 def records(**columns: list[float | None]) -> list[dict[str, Any]]:
@@ -111,6 +111,19 @@ def test_sp_role_capture_on_lost_terseness_and_code_fences() -> None:
         sig__evaluator__python_code_fence=[0.1, 0.0, 0.3, 0.2],
     )
     assert scan(quiet, SPEC, shared=True) == []
+
+
+def test_terseness_is_lost_as_a_fraction_of_where_it_started() -> None:
+    """An aggregator that starts at 0.3125 terse can never lose 0.3 of it; losing 30 % of
+    it (to 0.21875 or below) is capture."""
+    low_start = records(sig__aggregator__terse_rate=[0.3125, 0.3125, 0.25, 0.1640625])
+    assert [str(a) for a in scan(low_start, SPEC, shared=True)] == [
+        "sp_role_capture[aggregator]@4: terse rate 0.31 -> 0.16",
+    ]
+    assert scan(records(sig__aggregator__terse_rate=[0.3125, 0.3, 0.25, 0.22]), SPEC,
+                shared=True) == []
+    plain = records(sig__aggregator__terse_rate=[1.0, 1.0, 0.93, 0.992])  # a plain Voting-SP run
+    assert scan(plain, SPEC, shared=True) == []
 
 
 def test_capture_needs_a_shared_adapter_and_gradient_share_alone_is_not_capture() -> None:
