@@ -8,9 +8,9 @@ on the generator. Every service a process, the shipped demo model (it answers in
 Alarms are read twice: as the learner logged them in metrics.jsonl while the run went, and
 from the run directory the way `marl report` re-evaluates them (thresholds from the run's
 spec).
-Measured (09:20 UTC, 8 steps, a loaded machine): the planted run's aggregator terse rate fell
-0.47 -> 0.43 -> 0.33 -> 0.26 -> 0.17 -> 0.11 (capture at step 7) and its gradient-mass share
-0.34 -> 0.59 (capture at step 5) while validation accuracy went 0.16 -> 0.12 -> 0.24.
+Measured (2026-12-06, 10 steps, the demo model taught Voting's stamp): the planted run's
+aggregator terse rate went 0.31 -> 0.30 (step 4) -> 0.16 (step 5: capture, 30 % of its
+first value lost) -> 0.04 while validation accuracy went 0.14 -> 0.38 -> 0.42.
 Measured (12:50 UTC, 10 steps): the plain Voting-SP and Voting-IP demo runs fire nothing
 (validation 0 -> 0.72). Slow (`make test-drift`): three 10-step runs.
 
