@@ -66,7 +66,7 @@ test-slow-other: setup ## every slow test no suite above claims (SmolLM2 if its 
 test-fuzz: setup ## Hypothesis fuzzes every public RPC (>= 500 requests each) and the RunSpec against real services: only clear errors, no server dies, RSS flat (slow)
 	$(BIN)/python -m pytest -q -m "slow and fuzz" tests
 
-test-extended: setup ## the slow suites CI leaves out (.ci/extended: workflows, drift, fuzz, slow-other, chaos, images; ~40 min)
+test-extended: setup ## the slowest suites, which CI leaves out (.ci/extended: slow-other, chaos, images)
 	bash .ci/extended
 
 check: setup ## ruff, mypy and the import layers (lint-imports, pyproject's [tool.importlinter])
