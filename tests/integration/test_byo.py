@@ -87,6 +87,7 @@ def test_other_columns_and_a_datasets_folder_train(cluster: Cluster, tmp_path: P
     bad.write_text(json.dumps({"question_text": "x", "solution": "1"}) + "\n"
                    + json.dumps({"question_text": 5, "solution": "2"}) + "\n")
     spec["data"] = {**spec["data"], "train_path": str(bad), "on_bad_row": "refuse"}
+    spec["out_dir"] = str(tmp_path / "bad-run")  # the first run's directory stays its own
     assert "bad.jsonl row 2: `question_text` must be a string" in refused(cluster, spec)
 
 
