@@ -96,7 +96,8 @@ def test_sandbox_image_answers_execute(engine: Any, containers: Containers, tmp_
 def _demo_spec(steps: int) -> dict[str, Any]:
     """`marl demo`'s spec on the demo model shipped inside the images, cut to seconds a step."""
     spec = copy.deepcopy(DEMO_SPEC)
-    spec.update(name="containers", model={"path": IMAGE_DEMO_MODEL})
+    # by name: a learner with no model_roots takes the models it names, never a path
+    spec.update(name="containers", model={"path": "demo"})
     spec["grpo"]["group_size"] = 2
     spec["train"].update(
         steps=steps,
