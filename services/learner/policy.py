@@ -29,6 +29,7 @@ from marl.models.lora import with_lora
 from marl.runtime import heap
 from marl.spec.run import LoraSpec, OptimSpec
 from services.learner import base_models, fsdp
+from services.learner.chunked_logprobs import head_logprobs
 from services.learner.grpo import at_least_float32
 from services.learner.prompt_rows import Rows, layout
 from services.learner.sequences import Sequence
@@ -311,10 +312,18 @@ class MultiAdapterPolicy:
         entropy_grad: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log π(target) (and, if asked, the entropy, without gradient unless
-        `entropy_grad`) at N selected positions: `features` [N, D], `targets` [N]. Logits are made in fp32 a chunk of
-        positions at a time; under autograd each chunk is recomputed in the backward pass
-        (activation checkpointing), so no more than one chunk's vocabulary-wide tensors is
-        ever alive, whatever N is. The same math as log_softmax(logits / T) over all N."""
+        `entropy_grad`) at N selected positions: `features` [N, D], `targets` [N]. The
+        same math as log_softmax(logits / T) over all N, with no more than
+        `logit_chunk_bytes` of fp32 logits alive at once: blocked over positions and the
+        vocabulary with a backward of its own (chunked_logprobs.py) when the head is a
+        plain linear layer; else (features that are logits already, or a head an adapter
+        wraps) a chunk of positions at a time, recomputed in the backward pass."""
+        head = self._linear_head()
+        if head is not None:
+            return head_logprobs(
+                features, head, targets, temperature, entropy=entropy,
+                entropy_grad=entropy_grad, block_bytes=self.logit_chunk_bytes,
+            )
         t = temperature if temperature > 0 else 1.0
         targets = targets.to(features.device)
         step = self.chunk_tokens()
@@ -336,6 +345,14 @@ class MultiAdapterPolicy:
             empty = features.new_zeros(0, dtype=at_least_float32(features).dtype)
             return empty, (empty if entropy else None)
         return torch.cat(logps), (torch.cat(ents) if entropy else None)
+
+    def _linear_head(self) -> torch.nn.Linear | None:
+        """The output head when features are hidden states and it is a plain linear layer."""
+        if not self._split:
+            return None
+        causal: Any = self.model.get_base_model()
+        head = causal.get_output_embeddings()
+        return head if type(head) is torch.nn.Linear else None
 
     def set_activation_checkpointing(self, on: bool) -> None:
         """Recompute decoder layers in the backward pass (`grpo.activation_checkpointing`)."""
