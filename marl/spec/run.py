@@ -101,10 +101,13 @@ class ModelSpec(_Spec):
     must already be in the local Hugging Face cache: marl starts its services offline
     (`HF_HUB_OFFLINE=1`) and downloads nothing. On Kubernetes: a directory under /models
     (`models.existingClaim`)."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype of the frozen base model in learner and inference. bfloat16 is for
-    GPUs and CPUs with native bf16: on an AVX2-only CPU its matmuls run far slower
-    (docs/benchmarks.md)."""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """Parameter and compute dtype of the frozen base model in learner and inference
+    (LoRA weights and optimizer state stay float32). bfloat16 is for GPUs and CPUs with
+    native bf16: on an AVX2-only CPU its matmuls run far slower (docs/benchmarks.md).
+    `auto`: bfloat16 where each process's device computes it natively (a GPU with bf16,
+    a CPU with AVX-512 BF16 or AMX), float32 elsewhere. float32 by default: the same
+    numbers on every CPU, which the paper's comparisons and the tests rely on."""
     chat_template: bool = True
     """Render role prompts with the tokenizer's chat template (plain text if it has none)."""
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)

@@ -107,8 +107,8 @@ class InferenceConfig(_RedisConfig):
     """Local directory of the base model (weights + tokenizer); nothing is downloaded."""
     engine: EngineName = "auto"
     """Generation engine; `auto` takes vLLM when it is installed."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Dtype the engine loads the base model in."""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    """Dtype the engine loads the base model in (`auto`: as `model.dtype` says)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """transformers engine: where the model runs (`auto`: the first GPU when torch sees
     one). vLLM places itself."""

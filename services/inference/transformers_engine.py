@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from marl.models.devices import resolve_device
+from marl.models.devices import resolve_device, resolve_dtype
 from marl.models.identity import base_model_id
 from marl.runtime import tracing
 from marl.runtime.heap import release_free_heap
@@ -128,7 +128,8 @@ class TransformersEngine:
         self.pad_token_id = int(tok.pad_token_id if tok.pad_token_id is not None else eos or 0)
         self.device = torch.device(resolve_device(cfg.device, field="device"))
         self._thread = TorchThread("engine")
-        self.base = self._thread.call(self._load_base, model_path, _DTYPES[cfg.dtype])
+        dtype = _DTYPES[resolve_dtype(cfg.dtype, str(self.device))]
+        self.base = self._thread.call(self._load_base, model_path, dtype)
         self.lora = MultiLoRA(self.base)
         self._batch = RunningBatch(self.base, self.lora, self.pad_token_id)
         self._inbox: collections.deque[_Pending] = collections.deque()

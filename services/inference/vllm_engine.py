@@ -26,6 +26,7 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from marl.models.devices import resolve_dtype
 from marl.models.identity import base_model_id
 from marl.runtime import tracing
 from marl.runtime.heap import release_free_heap
@@ -248,7 +249,7 @@ class VLLMEngine:
         self.lora_slots: int | None = max_loras
         args = AsyncEngineArgs(
             model=model_path,
-            dtype=cfg.dtype,
+            dtype=resolve_dtype(cfg.dtype, "cpu" if current_platform.is_cpu() else "cuda"),
             seed=seed,
             enable_lora=True,
             max_loras=max_loras,

@@ -25,6 +25,7 @@ from transformers.optimization import (
     _get_cosine_schedule_with_warmup_lr_lambda,
 )
 
+from marl.models.devices import resolve_dtype
 from marl.models.lora import with_lora
 from marl.runtime import heap
 from marl.spec.run import LoraSpec, OptimSpec
@@ -117,7 +118,7 @@ class MultiAdapterPolicy:
         self.rank, self.world_size = fsdp.rank_and_size()
         self.shared_base: base_models.SharedBase | None = None
         """The process's base this policy's model shares (held so it stays loaded)."""
-        base = self._base(model_path, _DTYPES[dtype])
+        base = self._base(model_path, _DTYPES[resolve_dtype(dtype, str(self.device))])
         torch.manual_seed(seed)  # after the load: the LoRA init draws alike, loaded or shared
         self.model: PeftModel = with_lora(base, lora, self.policies[0])
         config = self.model.peft_config[self.policies[0]]

@@ -16,6 +16,11 @@ computed over all of a row, so a row is capped (`grpo.shared_prompt_row_tokens` 
 micro-batch budget): completions of hundreds of tokens, where the prompt is a small part
 of the work, share a row with few others or none. A sequence longer than the cap has a
 row to itself.
+
+Blocks (a prompt and the completions that share it) of different prompts are then packed
+side by side into rows no wider than the widest block (`pack_blocks`), each attending
+within itself, its positions counted from 0: the micro-batch is padded to its widest row
+either way, so a short block beside another fills what would be padding, in fewer rows.
 """
 
 from __future__ import annotations
@@ -78,38 +83,73 @@ def row_width(seqs: list[Sequence], row: list[int]) -> int:
     return first.n_prompt + sum(len(seqs[i].tokens) - seqs[i].n_prompt for i in row)
 
 
+def pack_blocks(seqs: list[Sequence], blocks: list[list[int]]) -> list[list[list[int]]]:
+    """`blocks` (plan_rows' rows: a prompt and the completions that share it) bin-packed
+    into rows no wider than the widest block, first fit in decreasing width: a
+    micro-batch is padded to its widest row, so short blocks fill what would be padding
+    beside each other, and the forward has as few rows as fit, never wider ones."""
+    widths = [row_width(seqs, b) for b in blocks]
+    capacity = max(widths, default=0)
+    rows: list[list[list[int]]] = []
+    free: list[int] = []
+    for b in sorted(range(len(blocks)), key=lambda b: -widths[b]):
+        for r, room in enumerate(free):
+            if widths[b] <= room:
+                rows[r].append(blocks[b])
+                free[r] -= widths[b]
+                break
+        else:
+            rows.append([blocks[b]])
+            free.append(capacity - widths[b])
+    return rows
+
+
 PROMPT, PADDING = -1, -2
 """Segment ids of a row's prompt positions and its padding; completions count from 0."""
 
 
 def layout(seqs: list[Sequence], pad_id: int, row_tokens: int, dtype: torch.dtype) -> Rows:
     """The decoder's input for `seqs` (see the module docstring); `dtype`: the model's, for
-    the additive mask. Built as flat lists and made tensors once: a micro-batch holds up to
-    `grpo.micro_batch_sequences` sequences, and a few small tensor operations per sequence
-    would cost more than the lists."""
-    plan = plan_rows(seqs, row_tokens)
-    width = max(row_width(seqs, row) for row in plan)
-    shared = any(len(row) > 1 for row in plan)
+    the additive mask. With `row_tokens` > 0, blocks of a prompt and its completions are
+    also packed side by side (pack_blocks), each attending within itself alone, its
+    positions counted from 0. Built as flat lists and made tensors once: a micro-batch
+    holds up to `grpo.micro_batch_sequences` sequences, and a few small tensor operations
+    per sequence would cost more than the lists."""
+    blocks = plan_rows(seqs, row_tokens)
+    plan = pack_blocks(seqs, blocks) if row_tokens > 0 else [[b] for b in blocks]
+    width = max(sum(row_width(seqs, b) for b in row) for row in plan)
+    shared = any(len(row) > 1 or len(row[0]) > 1 for row in plan)
     ids: list[list[int]] = []
     segments: list[list[int]] = []
+    block_of: list[list[int]] = []
     positions: list[list[int]] = []
     where: list[tuple[int, list[int]]] = [(0, [])] * len(seqs)
     for r, row in enumerate(plan):
-        p = seqs[row[0]].n_prompt
-        row_ids = list(seqs[row[0]].tokens[:p])
-        row_segments = [PROMPT] * p
-        row_positions = list(range(p))
-        for k, i in enumerate(row):
-            completion = seqs[i].tokens[p:]
-            n, at = len(completion), len(row_ids)
-            # its first token is predicted at the prompt's last position, token j at its j-1
-            where[i] = (r, [p - 1, *range(at, at + n - 1)])
-            row_ids += completion
-            row_segments += [k] * n
-            row_positions += range(p, p + n)
+        row_ids: list[int] = []
+        row_segments: list[int] = []
+        row_blocks: list[int] = []
+        row_positions: list[int] = []
+        k = 0
+        for b, block in enumerate(row):
+            p = seqs[block[0]].n_prompt
+            row_ids += seqs[block[0]].tokens[:p]
+            row_segments += [PROMPT] * p
+            row_positions += range(p)
+            prompt_end = len(row_ids)
+            for i in block:
+                completion = seqs[i].tokens[p:]
+                n, at = len(completion), len(row_ids)
+                # its first token is predicted at the prompt's last position, token j at its j-1
+                where[i] = (r, [prompt_end - 1, *range(at, at + n - 1)])
+                row_ids += completion
+                row_segments += [k] * n
+                row_positions += range(p, p + n)
+                k += 1
+            row_blocks += [b] * (len(row_ids) - len(row_blocks))
         pad = width - len(row_ids)
         ids.append(row_ids + [pad_id] * pad)
         segments.append(row_segments + [PADDING] * pad)
+        block_of.append(row_blocks + [PADDING] * pad)
         positions.append(row_positions + [0] * pad)
     input_ids = torch.tensor(ids, dtype=torch.long)
     seg = torch.tensor(segments, dtype=torch.long)
@@ -122,11 +162,13 @@ def layout(seqs: list[Sequence], pad_id: int, row_tokens: int, dtype: torch.dtyp
         return Rows(
             input_ids, padding, None, rows=rows, cols=cols, targets=targets, lengths=lengths
         )
-    # query q may attend to key k <= q of the prompt or of q's own completion; padding
-    # attends to itself alone, so that no row of the softmax is empty
+    # query q may attend to key k <= q of its own block's prompt or of q's own completion;
+    # padding attends to itself alone, so that no row of the softmax is empty
     query, key = seg[:, :, None], seg[:, None, :]
+    blk = torch.tensor(block_of, dtype=torch.long)
+    same_block = blk[:, :, None] == blk[:, None, :]
     causal = torch.ones((width, width), dtype=torch.bool).tril()
-    allowed = causal & ((key == PROMPT) | (key == query))
+    allowed = causal & same_block & ((key == PROMPT) | (key == query))
     allowed = torch.where(query == PADDING, torch.eye(width, dtype=torch.bool), allowed)
     mask = torch.zeros((len(plan), 1, width, width), dtype=dtype)
     mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)

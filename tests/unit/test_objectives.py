@@ -131,6 +131,22 @@ def test_golden_step_at_the_defaults(model_dir: Path, mode: str, dtype: str) -> 
         assert got[key] == pytest.approx(want, **GOLDEN_TOLERANCE), key
 
 
+BF16_TOLERANCE = {"rel": 5e-2, "abs": 3e-4}
+"""How closely a bf16 golden step (`model.dtype: bfloat16`: base weights and matmuls in
+bf16, LoRA weights, optimizer state and the log-softmax in float32) follows the float64
+one. bf16 keeps 8 significant bits, so each product the base model makes is off by up to
+2^-9 ≈ 2e-3 relative: mini-batch losses (~0.1) and gradient norms land within a few
+tenths of a percent, and a step's loss or χ² that is a difference of such terms (a
+policy loss of ~4e-4 from mini-batch losses of ~0.1) within ~1e-4 absolute."""
+
+
+@pytest.mark.parametrize("mode", ["shared", "isolated"])
+def test_bf16_step_follows_the_golden_step(model_dir: Path, mode: str) -> None:
+    got = golden_observation(model_dir, mode, "bfloat16")
+    for key, want in GOLDEN[mode].items():
+        assert got[key] == pytest.approx(want, **BF16_TOLERANCE), key
+
+
 # --- KL to the base model ----------------------------------------------------------------
 
 

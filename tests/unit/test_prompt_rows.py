@@ -10,7 +10,7 @@ import torch
 
 from marl.spec.run import parse_spec
 from services.learner.policy import MultiAdapterPolicy
-from services.learner.prompt_rows import Rows, layout, pack_rows, plan_rows
+from services.learner.prompt_rows import Rows, layout, pack_blocks, pack_rows, plan_rows
 from services.learner.sequences import Sequence
 from services.learner.update import completion_logprobs
 from tests.support.learner_step import rollouts, run_step, tiny_model
@@ -64,6 +64,32 @@ def test_layout_by_hand() -> None:
     assert rows.lengths == [2, 1, 1]
 
 
+def test_blocks_pack_first_fit_decreasing_within_the_widest() -> None:
+    seqs = [seq([1] * 3, [2] * 3), seq([3], [4]), seq([5], [6, 6]), seq([7], [8] * 3)]
+    # widths 6, 2, 3, 4: the rows hold 6 | 4 + 2 | 3, none wider than 6
+    assert pack_blocks(seqs, [[0], [1], [2], [3]]) == [[[0]], [[3], [1]], [[2]]]
+    assert pack_blocks(seqs, []) == []
+
+
+def test_packed_layout_by_hand() -> None:
+    """Two blocks of different prompts in one row: each sees only itself, positions from 0."""
+    seqs = [seq([5, 6], [7, 8]), seq([4], [9]), seq([3], [2])]
+    rows = layout(seqs, pad_id=0, row_tokens=100, dtype=torch.float32)
+    assert rows.input_ids.tolist() == [[5, 6, 7, 8], [4, 9, 3, 2]]
+    assert rows.position_ids is not None
+    assert rows.position_ids.tolist() == [[0, 1, 2, 3], [0, 1, 0, 1]]
+    allowed = (rows.attention_mask == 0).squeeze(1).int().tolist()
+    assert allowed[1] == [
+        [1, 0, 0, 0],
+        [1, 1, 0, 0],
+        [0, 0, 1, 0],  # the second block's prompt sees nothing of the first block
+        [0, 0, 1, 1],
+    ]
+    assert rows.rows.tolist() == [0, 0, 1, 1]
+    assert rows.cols.tolist() == [1, 2, 0, 2]
+    assert rows.targets.tolist() == [7, 8, 9, 2]
+
+
 def test_layout_without_shared_rows_is_the_padded_batch() -> None:
     seqs = [seq([5, 6], [7, 8]), seq([4], [9])]
     rows = layout(seqs, pad_id=0, row_tokens=100, dtype=torch.float32)
@@ -102,6 +128,35 @@ def test_shared_rows_give_the_numbers_of_one_sequence_per_row(small_vocab: Path)
         lp, ent, lengths = completion_logprobs(policy, seqs, 0.7, entropy=True,
                                                row_tokens=row_tokens)
         assert lengths == [2, 3, 4, 5, 6, 7] and ent is not None
+        (lp * torch.linspace(-1, 1, len(lp))).sum().backward()
+        return lp.detach(), ent, [p.grad.clone() for p in policy.parameters("shared")]  # type: ignore[union-attr]
+
+    want_lp, want_ent, want_grad = run(0)
+    got_lp, got_ent, got_grad = run(1024)
+    torch.testing.assert_close(got_lp, want_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_ent, want_ent, rtol=1e-5, atol=1e-5)
+    for got, want in zip(got_grad, want_grad, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_packed_rows_give_the_numbers_of_one_sequence_per_row(small_vocab: Path) -> None:
+    """Prompts of different lengths, none shared: packed side by side, the same log-probs,
+    entropies and gradients as padded rows of one sequence each."""
+    spec = parse_spec({"lora": {"rank": 4, "alpha": 8}})
+    policy = MultiAdapterPolicy(str(small_vocab), ["shared"], spec.lora, spec.optim, 4)
+    for p in policy.parameters("shared"):
+        torch.nn.init.normal_(p, std=0.2)
+    g = torch.Generator().manual_seed(1)
+    seqs = [seq(torch.randint(3, 512, (n,), generator=g).tolist(),
+                torch.randint(3, 512, (c,), generator=g).tolist())
+            for n, c in ((12, 9), (3, 2), (5, 4), (2, 3), (6, 1), (4, 4))]
+    blocks = plan_rows(seqs, 1024)
+    assert len(pack_blocks(seqs, blocks)) < len(blocks)  # packing happens
+
+    def run(row_tokens: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        policy.optimizers["shared"].zero_grad()
+        lp, ent, _ = completion_logprobs(policy, seqs, 0.7, entropy=True, row_tokens=row_tokens)
+        assert ent is not None
         (lp * torch.linspace(-1, 1, len(lp))).sum().backward()
         return lp.detach(), ent, [p.grad.clone() for p in policy.parameters("shared")]  # type: ignore[union-attr]
 
