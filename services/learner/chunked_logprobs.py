@@ -107,7 +107,7 @@ class _HeadLogprobs(torch.autograd.Function):
         n, vocab = h.shape[0], weight.shape[0]
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         want_b = bias is not None and ctx.needs_input_grad[2]
-        use_entropy = entropy_grad and grad_entropy is not None and entropy.numel() > 0
+        g_ent = grad_entropy if entropy_grad and entropy.numel() > 0 else None
         grad_h = torch.zeros_like(h) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
         grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if want_b else None
@@ -124,8 +124,8 @@ class _HeadLogprobs(torch.autograd.Function):
                                   inv_t, acc)
                 p = torch.exp(z - block_lse)
                 dz = p * -g[:, None]
-                if use_entropy:
-                    ge = grad_entropy[r0 : r0 + k].to(acc)
+                if g_ent is not None:
+                    ge = g_ent[r0 : r0 + k].to(acc)
                     shift = entropy[r0 : r0 + k] - block_lse[:, 0]
                     dz -= ge[:, None] * p * (z + shift[:, None])
                 here = (y >= c0) & (y < c0 + z.shape[1])
