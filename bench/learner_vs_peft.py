@@ -45,6 +45,7 @@ from host import describe, host
 from snapshot import add_save_option, emit
 
 from marl.data import arithmetic
+from marl.models.devices import resolve_dtype
 from marl.models.names import resolve
 from marl.rollout import AdapterRef, Rollout, Turn
 from marl.spec.run import RunSpec, parse_spec
@@ -294,6 +295,7 @@ def main() -> None:
 
     figures = {
         "bench": "learner_vs_peft", "model": "SmolLM2-135M-Instruct", "dtype": args.dtype,
+        "marl_dtype": resolve_dtype(args.dtype, "cpu"),
         "sequences": len(turns), "tokens": tokens, "lora_rank": args.rank,
         "plain_micro_batch": args.plain_micro_batch, "threads": args.threads,
         "marl_step_s": round(step_s(marl), 2), "plain_step_s": round(step_s(plain), 2),
@@ -308,7 +310,8 @@ def main() -> None:
             f"{(marl['first']['adapter'] - plain['first']['adapter']).abs().max():.3g}"),
     }
     print(describe(host()))
-    print(f"{len(turns)} sequences, {tokens} tokens a step; marl {args.dtype}, plain float32")
+    print(f"{len(turns)} sequences, {tokens} tokens a step; marl {figures['marl_dtype']}, "
+          "plain float32")
     for name, r in (("plain", plain), ("marl", marl)):
         print(f"{name:>6}: step {step_s(r):.2f} s (steps {', '.join(f'{t:.2f}' for t in r['times'])}), "
               f"peak RSS {r['peak_rss_gib']:.2f} GiB, first loss {r['losses'][0]:.6f}")

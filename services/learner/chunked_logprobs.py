@@ -20,6 +20,7 @@ Logits are computed in the head's dtype (bf16 where the model is) and accumulate
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,13 +55,22 @@ def _block_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return z.mul_(inv_t) if inv_t != 1.0 else z
 
 
+@dataclass(frozen=True)
+class _Blocks:
+    inv_t: float
+    rows: int
+    cols: int
+    entropy: bool
+    entropy_grad: bool
+
+
 class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-        targets: torch.Tensor, inv_t: float, rows: int, cols: int, want_entropy: bool,
-        entropy_grad: bool,
+        targets: torch.Tensor, blocks: _Blocks,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_t, rows, cols, want_entropy = blocks.inv_t, blocks.rows, blocks.cols, blocks.entropy
         acc = _accumulation_dtype(h.dtype)
         n, vocab = h.shape[0], weight.shape[0]
         logp = torch.empty(n, dtype=acc, device=h.device)
@@ -92,8 +102,8 @@ class _HeadLogprobs(torch.autograd.Function):
             if want_entropy:
                 entropy[r0 : r0 + k] = block_lse - weighted / total
         ctx.save_for_backward(h, weight, bias, targets, lse, entropy)
-        ctx.shape = (inv_t, rows, cols, entropy_grad)
-        if not entropy_grad:
+        ctx.blocks = blocks
+        if not blocks.entropy_grad:
             ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -102,12 +112,13 @@ class _HeadLogprobs(torch.autograd.Function):
         ctx: Any, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
         h, weight, bias, targets, lse, entropy = ctx.saved_tensors
-        inv_t, rows, cols, entropy_grad = ctx.shape
+        blocks: _Blocks = ctx.blocks
+        inv_t, rows, cols = blocks.inv_t, blocks.rows, blocks.cols
         acc = lse.dtype
         n, vocab = h.shape[0], weight.shape[0]
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         want_b = bias is not None and ctx.needs_input_grad[2]
-        g_ent = grad_entropy if entropy_grad and entropy.numel() > 0 else None
+        g_ent = grad_entropy if blocks.entropy_grad and entropy.numel() > 0 else None
         grad_h = torch.zeros_like(h) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
         grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if want_b else None
@@ -145,7 +156,7 @@ class _HeadLogprobs(torch.autograd.Function):
             grad_h,
             None if grad_w is None else grad_w.to(weight.dtype),
             None if grad_b is None else grad_b.to(bias.dtype),
-            None, None, None, None, None, None,
+            None, None,
         )
 
 
@@ -166,8 +177,6 @@ def head_logprobs(
     inv_t = 1.0 / (temperature if temperature > 0 else 1.0)
     rows, cols = block_shape(max(h.shape[0], 1), head.weight.shape[0], block_bytes,
                              torch.finfo(_accumulation_dtype(h.dtype)).bits // 8)
-    logp, ent = _HeadLogprobs.apply(
-        h, head.weight, head.bias, targets.to(h.device), inv_t, rows, cols, entropy,
-        entropy_grad,
-    )
+    blocks = _Blocks(inv_t, rows, cols, entropy, entropy_grad)
+    logp, ent = _HeadLogprobs.apply(h, head.weight, head.bias, targets.to(h.device), blocks)
     return logp, (ent if entropy else None)
