@@ -139,8 +139,15 @@ class RunExecutor:
         rollouts it is gathering, or finishes the one it is updating, checkpoints the steps
         done and raises RunStopped (`stop_here`)."""
         self.run_id = run_id
+        from services.learner.ranks import placed, policy_elsewhere
+
+        spec = placed(spec, learner.max_concurrent_runs)
+        if torch_thread is not None and policy_elsewhere(spec):
+            torch_thread = None
         self.torch = torch_thread or TorchThread("learner")
-        """Where the policy's torch work runs: the learner process's one torch thread."""
+        """Where the policy's torch work runs: the learner process's one torch thread; or,
+        for a policy in processes of its own, a thread of the run's own that waits on
+        them, so that the runs one learner trains at once update side by side."""
         self._own_torch_thread = torch_thread is None
         self.spec = spec
         self.out_dir = out_dir

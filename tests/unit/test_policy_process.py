@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.learner.ranks import PolicyArgs, RankedPolicy, RankFailed
+from marl.spec.run import parse_spec
+from services.learner.ranks import PolicyArgs, RankedPolicy, RankFailed, placed, policy_elsewhere
 from services.learner.threads import ThreadBurst
 from services.learner.update import grpo_step
 from tests.support.batches import ROLES, new_policy, spec, voting_batch
@@ -86,3 +87,24 @@ def test_a_killed_policy_process_fails_the_call_naming_it(model_dir: Path) -> No
         RankFailed, match=rf"learner policy process \(pid {pid}\) was killed by SIGKILL"
     ):
         apart.call(where)
+
+
+@pytest.mark.parametrize(
+    ("learner", "runs", "cores", "want"),
+    [
+        ({}, 4, 2, "own"),  # several runs, cores to run their updates side by side
+        ({}, 1, 16, "server"),  # one run: the server's process shares its base
+        ({}, 4, 1, "server"),  # one core: side by side would only take turns
+        ({"world_size": 2}, 4, 16, "server"),  # ranks are processes already
+        ({"policy_process": "server"}, 4, 16, "server"),  # the spec's word stands
+        ({"policy_process": "own"}, 1, 1, "own"),
+    ],
+)
+def test_auto_places_the_policy_by_runs_and_cores(
+    learner: dict[str, object], runs: int, cores: int, want: str
+) -> None:
+    s = parse_spec({"learner": {"device": "cpu", **learner}})
+    assert s.learner.policy_process == learner.get("policy_process", "auto")
+    got = placed(s, runs, cores)
+    assert got.learner.policy_process == want
+    assert policy_elsewhere(got) == (want == "own" or got.learner.world_size > 1)
