@@ -350,7 +350,7 @@ class LearnerSpec(_Spec):
     """Learner processes on this machine. Above 1, each holds an FSDP2 shard of the frozen
     decoder layers with their LoRA weights (gloo on CPU, NCCL on GPU, one GPU per
     process), and each step's sequences are split between them by tokens."""
-    policy_process: Literal["auto", "server", "own"] = "auto"
+    policy_process: Literal["server", "own"] = "server"
     """Where a one-process learner (`world_size` 1) keeps its policy: in the learner
     server's process, or in a process of its own that the server drives over a pipe. One
     step ahead, the server reads rollouts from Redis, queues tasks, pushes adapters and
@@ -360,9 +360,9 @@ class LearnerSpec(_Spec):
     where each operator is a short GPU kernel launch it may. In a process of its own, a
     run's update runs beside the other runs' that the learner trains at once
     (`learner.max_concurrent_runs`), where in the server's they take turns on its one
-    torch thread; but it loads a base model of its own rather than sharing the server's.
-    `auto`: `own` on a CPU learner that trains several runs at once with at least two
-    cores, `server` otherwise."""
+    torch thread; but each such run loads a base model of its own, and starts and feeds a
+    process: on the demo model that costs more than the overlap gives
+    (`bench/concurrent_runs.py --policy-process own`)."""
 
 
 class SamplingSpec(_Spec):

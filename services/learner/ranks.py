@@ -103,26 +103,12 @@ class PolicyArgs:
         )
 
 
-def placed(spec: RunSpec, concurrent_runs: int, cores: int | None = None) -> RunSpec:
-    """`spec` with `learner.policy_process: auto` decided for a learner process that trains
-    `concurrent_runs` runs at once on `cores` (default: the CPUs this process may use):
-    `own` on the CPU with several runs and cores, so the runs' updates run side by side;
-    `server` otherwise (one run, one core, or a GPU the updates would share anyway)."""
-    if spec.learner.policy_process != "auto":
-        return spec
-    cores = cores if cores is not None else len(os.sched_getaffinity(0))
-    on_cpu = resolve_device(spec.learner.device) == "cpu"
-    own = concurrent_runs > 1 and cores > 1 and on_cpu and spec.learner.world_size == 1
-    learner = spec.learner.model_copy(update={"policy_process": "own" if own else "server"})
-    return spec.model_copy(update={"learner": learner})
-
-
 def policy_elsewhere(spec: RunSpec) -> bool:
     """Whether `open_policy` puts the run's policy in processes of its own, which leaves
     the server's threads nothing but waiting on them."""
     from services.learner import group
 
-    in_server = spec.learner.world_size == 1 and spec.learner.policy_process != "own"
+    in_server = spec.learner.world_size == 1 and spec.learner.policy_process == "server"
     return group.joined() is None and not in_server
 
 
@@ -138,7 +124,7 @@ def open_policy(
     launched = group.joined()
     if launched is not None:
         return group.GroupPolicy.open(args, launched, burst.pace if burst else None)
-    if spec.learner.world_size == 1 and spec.learner.policy_process != "own":
+    if spec.learner.world_size == 1 and spec.learner.policy_process == "server":
         policy = args.build(resolve_device(args.device))
         if burst is not None:
             policy.pace = burst.pace

@@ -139,9 +139,8 @@ class RunExecutor:
         rollouts it is gathering, or finishes the one it is updating, checkpoints the steps
         done and raises RunStopped (`stop_here`)."""
         self.run_id = run_id
-        from services.learner.ranks import placed, policy_elsewhere
+        from services.learner.ranks import policy_elsewhere
 
-        spec = placed(spec, learner.max_concurrent_runs)
         if torch_thread is not None and policy_elsewhere(spec):
             torch_thread = None
         self.torch = torch_thread or TorchThread("learner")

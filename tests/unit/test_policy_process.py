@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from marl.spec.run import parse_spec
-from services.learner.ranks import PolicyArgs, RankedPolicy, RankFailed, placed, policy_elsewhere
+from services.learner.ranks import PolicyArgs, RankedPolicy, RankFailed, policy_elsewhere
 from services.learner.threads import ThreadBurst
 from services.learner.update import grpo_step
 from tests.support.batches import ROLES, new_policy, spec, voting_batch
@@ -89,22 +89,14 @@ def test_a_killed_policy_process_fails_the_call_naming_it(model_dir: Path) -> No
         apart.call(where)
 
 
+
 @pytest.mark.parametrize(
-    ("learner", "runs", "cores", "want"),
-    [
-        ({}, 4, 2, "own"),  # several runs, cores to run their updates side by side
-        ({}, 1, 16, "server"),  # one run: the server's process shares its base
-        ({}, 4, 1, "server"),  # one core: side by side would only take turns
-        ({"world_size": 2}, 4, 16, "server"),  # ranks are processes already
-        ({"policy_process": "server"}, 4, 16, "server"),  # the spec's word stands
-        ({"policy_process": "own"}, 1, 1, "own"),
-    ],
+    ("learner", "elsewhere"),
+    [({}, False), ({"policy_process": "own"}, True), ({"world_size": 2}, True)],
 )
-def test_auto_places_the_policy_by_runs_and_cores(
-    learner: dict[str, object], runs: int, cores: int, want: str
+def test_a_policy_elsewhere_is_one_the_server_only_waits_on(
+    learner: dict[str, object], elsewhere: bool
 ) -> None:
-    s = parse_spec({"learner": {"device": "cpu", **learner}})
-    assert s.learner.policy_process == learner.get("policy_process", "auto")
-    got = placed(s, runs, cores)
-    assert got.learner.policy_process == want
-    assert policy_elsewhere(got) == (want == "own" or got.learner.world_size > 1)
+    """Such a run's calls wait on a thread of the run's own (RunExecutor), so the runs one
+    learner trains at once update side by side rather than in turns."""
+    assert policy_elsewhere(parse_spec({"learner": learner})) is elsewhere
