@@ -131,13 +131,15 @@ def test_golden_step_at_the_defaults(model_dir: Path, mode: str, dtype: str) -> 
         assert got[key] == pytest.approx(want, **GOLDEN_TOLERANCE), key
 
 
-BF16_TOLERANCE = {"rel": 5e-2, "abs": 3e-4}
+BF16_TOLERANCE = {"rel": 1e-2, "abs": 2e-3}
 """How closely a bf16 golden step (`model.dtype: bfloat16`: base weights and matmuls in
 bf16, LoRA weights, optimizer state and the log-softmax in float32) follows the float64
-one. bf16 keeps 8 significant bits, so each product the base model makes is off by up to
-2^-9 ≈ 2e-3 relative: mini-batch losses (~0.1) and gradient norms land within a few
-tenths of a percent, and a step's loss or χ² that is a difference of such terms (a
-policy loss of ~4e-4 from mini-batch losses of ~0.1) within ~1e-4 absolute."""
+one, on every CPU kernel set. bf16 keeps 8 significant bits, so a product of O(1) values
+is off by up to 2^-9 ≈ 2e-3: mini-batch losses of O(0.1-1) land within ~1e-3 absolute,
+and a policy's loss, their mean of terms that cancel to ~1e-4, carries that as an
+absolute error (hence `abs`); sums such as a gradient norm or Σ|B| stay within ~1e-3
+relative. The emulated bf16 of the default kernel set (no AVX-512) rounds differently
+from AVX-512's, which moves these values by as much again."""
 
 
 @pytest.mark.parametrize("mode", ["shared", "isolated"])
