@@ -144,9 +144,8 @@ class RunExecutor:
         if torch_thread is not None and policy_elsewhere(spec):
             torch_thread = None
         self.torch = torch_thread or TorchThread("learner")
-        """Where the policy's torch work runs: the learner process's one torch thread; or,
-        for a policy in processes of its own, a thread of the run's own that waits on
-        them, so that the runs one learner trains at once update side by side."""
+        """Where the policy's torch work runs: the process's one torch thread, or one of the
+        run's own that waits on a policy in other processes (runs then update side by side)."""
         self._own_torch_thread = torch_thread is None
         self.spec = spec
         self.out_dir = out_dir
