@@ -192,9 +192,13 @@ def test_a_grpo_step_with_shared_prompts_is_the_step_without(
     # float32 rounding is ~1e-6 absolute, and which way it goes depends on the BLAS kernels
     # the host's CPU gets (MKL_CBWR=COMPATIBLE passes at 1e-6, an AVX-512 EPYC does not).
     # A completion that sees another's tokens moves it by orders of magnitude more.
-    for key in ("policy/shared/loss", "policy/shared/grad_norm", "role/solver/entropy",
-                "role/solver/training_ppl", "role/solver/update_chi2", "role/solver/kl_base"):
-        assert got.metrics[key] == pytest.approx(ref.metrics[key], rel=1e-4, abs=1e-5), key
+    # update_chi2 measures how far the step moved the policy, and so carries the AdamW
+    # rounding below: 1.1e-4 relative apart under the default kernel set (5e-5 before the
+    # blocked log-probs rounded differently), where a mask gone wrong moves it by far more.
+    for key, rel in (("policy/shared/loss", 1e-4), ("policy/shared/grad_norm", 1e-4),
+                     ("role/solver/entropy", 1e-4), ("role/solver/training_ppl", 1e-4),
+                     ("role/solver/update_chi2", 1e-3), ("role/solver/kl_base", 1e-4)):
+        assert got.metrics[key] == pytest.approx(ref.metrics[key], rel=rel, abs=1e-5), key
     # AdamW's first step at lr 0.1 moves an entry by ~lr * g / |g| whatever the gradient's
     # size, so an entry whose gradient is ~0 lands wherever the rounding puts it (one of
     # 8,192 by 1.2e-3 on one host). Masks or positions gone wrong move most entries by
