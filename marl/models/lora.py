@@ -5,6 +5,9 @@ layer adding its low-rank term inside one GEMM (`fuse_lora_adds`)."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -67,19 +70,67 @@ def fuse_lora_adds(model: Any) -> int:
     return fused
 
 
+_ROW_SCALE: ContextVar[torch.Tensor | None] = ContextVar("lora_row_scale", default=None)
+
+
+@contextmanager
+def lora_on_rows(scale: torch.Tensor) -> Iterator[None]:
+    """Within it, on this thread, every fused LoRA layer scales its low-rank term by
+    `scale[i]` on batch row i: a row of 0 sees the base model, a row of 1 the adapter. One
+    forward over a batch and its copy then gives both the adapter's and the base's outputs
+    (the KL reference) without PEFT's `disable_adapter`, which walks every module twice and
+    costs a small model as much as the forward. Use it only where `rows_maskable(model)`:
+    a layer left unfused cannot see the scales, and a fused one in a state it does not
+    cover (merged, disabled...) raises rather than add its term to every row."""
+    token = _ROW_SCALE.set(scale)
+    try:
+        yield
+    finally:
+        _ROW_SCALE.reset(token)
+
+
+def rows_maskable(model: Any) -> bool:
+    """Whether `lora_on_rows` reaches every LoRA layer of `model` as it is now: each one a
+    fused linear layer (`fuse_lora_adds`) that takes the fused path."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in model.modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        forward = module.__dict__.get("forward")
+        if not (isinstance(forward, partial) and forward.func is _fused_forward):
+            return False
+        if not _fusable(module):
+            return False
+    return True
+
+
+def _fusable(layer: Any) -> bool:
+    active = layer.active_adapters
+    return not (layer.disable_adapters or layer.merged or len(active) != 1
+                or active[0] not in layer.lora_A or active[0] in layer.lora_variant
+                or layer.lora_B[active[0]].bias is not None)
+
+
 def _fused_forward(layer: Any, peft_forward: Any, x: torch.Tensor, *args: Any,
                    **kwargs: Any) -> torch.Tensor:
-    active = layer.active_adapters
-    if (args or kwargs or layer.disable_adapters or layer.merged or len(active) != 1
-            or active[0] not in layer.lora_A or active[0] in layer.lora_variant
-            or layer.lora_B[active[0]].bias is not None):
+    rows = _ROW_SCALE.get()
+    if args or kwargs or not _fusable(layer):
+        if rows is not None:
+            raise RuntimeError("lora_on_rows reached a LoRA layer it does not cover; "
+                               "check rows_maskable(model) first")
         return peft_forward(x, *args, **kwargs)  # type: ignore[no-any-return]
-    name = active[0]
+    name = layer.active_adapters[0]
     a, b = layer.lora_A[name], layer.lora_B[name]
     result = layer.base_layer(x)
     low = torch.nn.functional.linear(
         layer.lora_dropout[name](layer._cast_input_dtype(x, a.weight.dtype)), a.weight
     )
+    if rows is not None:
+        if low.dim() < 2 or low.shape[0] != rows.shape[0]:
+            raise RuntimeError(f"lora_on_rows: {rows.shape[0]} row scales for a LoRA input "
+                               f"of shape {tuple(x.shape)}")
+        low = low * rows.to(low.device, low.dtype).view(-1, *[1] * (low.dim() - 1))
     total = torch.addmm(
         result.reshape(-1, result.shape[-1]).to(low.dtype),
         low.reshape(-1, low.shape[-1]),

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
+from marl.models.causal_lm import load_causal_lm
 from marl.models.devices import resolve_device, resolve_dtype
 from marl.models.identity import base_model_id
 from marl.runtime import tracing
@@ -142,7 +143,7 @@ class TransformersEngine:
         self._jobs_lock = threading.Lock()
 
     def _load_base(self, model_path: str, dtype: torch.dtype) -> Any:
-        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        base = load_causal_lm(model_path, dtype)
         torch.nn.Module.to(base, self.device)
         return base.eval()
 

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from marl.models.causal_lm import load_causal_lm
+
 
 class SharedBase:
     """A loaded base model (the template, never wrapped) and the key it was loaded for."""
@@ -61,13 +63,11 @@ def key_of(model_path: str, dtype: torch.dtype, device: torch.device) -> tuple[s
 def acquire(model_path: str, dtype: torch.dtype, device: torch.device) -> SharedBase:
     """The process's base model for this key, loaded (and moved to `device`) on first use.
     Hold the returned object as long as a model checked out of it is in use."""
-    from transformers import AutoModelForCausalLM
-
     key = key_of(model_path, dtype, device)
     with _lock:
         shared = _loaded.get(key)
         if shared is None:
-            model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+            model: torch.nn.Module = load_causal_lm(model_path, dtype)
             model.requires_grad_(False)
             model.to(device)
             shared = SharedBase(key, model)

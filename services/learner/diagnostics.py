@@ -235,8 +235,8 @@ def sampled_drift(
             sel = torch.cat(
                 [torch.tensor(picked[i], dtype=torch.long) + starts[k] for k, i in enumerate(chunk)]
             )
-            feats = policy.row_features(rows)[sel]
-            base = policy.row_features(rows, base=True)[sel]
+            feats, base = policy.row_features_with_base(rows)
+            feats, base = feats[sel], base[sel]
             logp_all = torch.log_softmax(at_least_float32(policy.head(feats)) / t, -1)
             logq_all = torch.log_softmax(at_least_float32(policy.head(base)) / t, -1)
             targets = rows.targets[sel].to(logp_all.device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any, TypeVar
 
@@ -19,14 +20,15 @@ from peft import (
     set_peft_model_state_dict,
 )
 from torch.utils.checkpoint import checkpoint
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 from transformers.optimization import (
     _get_constant_schedule_with_warmup_lr_lambda,
     _get_cosine_schedule_with_warmup_lr_lambda,
 )
 
+from marl.models.causal_lm import load_causal_lm
 from marl.models.devices import resolve_dtype
-from marl.models.lora import with_lora
+from marl.models.lora import lora_on_rows, rows_maskable, with_lora
 from marl.runtime import heap
 from marl.spec.run import LoraSpec, OptimSpec
 from services.learner import base_models, fsdp
@@ -161,7 +163,7 @@ class MultiAdapterPolicy:
         the model is to be sharded over a group, one of this policy's own (FSDP replaces
         its parameters with this run's shard)."""
         if self.world_size > 1:
-            base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+            base = load_causal_lm(model_path, dtype)
             base.requires_grad_(False)
             return base
         self.shared_base = base_models.acquire(model_path, dtype, self.device)
@@ -265,7 +267,7 @@ class MultiAdapterPolicy:
         with every adapter disabled (the KL reference). `attention_mask` is [B, L] padding
         or a [B, 1, L, L] additive mask with `position_ids` (prompt_rows.Rows)."""
         if base:
-            with self.model.disable_adapter():
+            with self._adapters_off(input_ids.shape[0]):
                 return self.features(input_ids, attention_mask, position_ids=position_ids)
         self.pace()
         kwargs: dict[str, Any] = {
@@ -284,6 +286,31 @@ class MultiAdapterPolicy:
         """[N, D] features at `rows`' predicting positions, in its sequence order."""
         feats = self.features(rows.input_ids, rows.attention_mask, base, rows.position_ids)
         return feats[rows.rows, rows.cols]
+
+    def row_features_with_base(self, rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """`row_features(rows)` and `row_features(rows, base=True)` from one forward of the
+        rows twice over, the copy's LoRA terms scaled by 0 (lora.lora_on_rows), where every
+        LoRA layer takes row scales; else from two forwards."""
+        if not rows_maskable(self.model):
+            return self.row_features(rows), self.row_features(rows, base=True)
+        n = rows.input_ids.shape[0]
+
+        def twice(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t, t])
+
+        positions = None if rows.position_ids is None else twice(rows.position_ids)
+        with lora_on_rows(torch.cat([torch.ones(n), torch.zeros(n)])):
+            feats = self.features(
+                twice(rows.input_ids), twice(rows.attention_mask), position_ids=positions
+            )
+        return feats[rows.rows, rows.cols], feats[rows.rows + n, rows.cols]
+
+    def _adapters_off(self, n_rows: int) -> AbstractContextManager[Any]:
+        """Every adapter off for a forward of `n_rows` rows: row scales of 0 where every
+        LoRA layer takes them (lora.lora_on_rows), else PEFT's `disable_adapter`."""
+        if rows_maskable(self.model):
+            return lora_on_rows(torch.zeros(n_rows))
+        return self.model.disable_adapter()  # type: ignore[no-any-return]
 
     def row_layout(self, seqs: list[Sequence], row_tokens: int) -> Rows:
         """prompt_rows.layout for this model; one sequence per row when its attention
@@ -377,7 +404,7 @@ class MultiAdapterPolicy:
 
     def base_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The frozen base model's logits (every adapter disabled): the KL reference."""
-        with self.model.disable_adapter():
+        with self._adapters_off(input_ids.shape[0]):
             return self.logits(input_ids, attention_mask)
 
     def lr(self, policy: str | None = None) -> float:

@@ -6,6 +6,7 @@ import math
 import random
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -33,6 +34,9 @@ class FixedPolicy:
     def row_features(self, rows: Rows, base: bool = False) -> torch.Tensor:
         n = len(rows.rows)
         return torch.tensor([0.0, 0.0] if base else [LN(3.0), 0.0]).expand(n, 2).clone()
+
+    def row_features_with_base(self, rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.row_features(rows), self.row_features(rows, base=True)
 
     def head(self, features: torch.Tensor) -> torch.Tensor:
         return features
@@ -203,7 +207,8 @@ def test_picked_sequences_are_cut_after_their_last_sampled_token() -> None:
 
 def test_drift_on_cut_sequences_matches_full_forwards(model_dir: Path) -> None:
     """On the real model, shared prompt rows and all: χ² and KL at the sampled tokens from
-    the cut sequences equal those of each whole sequence forwarded on its own."""
+    the cut sequences, adapter and base in one forward (lora.lora_on_rows), equal those of
+    each whole sequence forwarded on its own, the base through PEFT's disable_adapter."""
     from tests.support.batches import new_policy, spec
 
     policy = new_policy(model_dir, "shared", spec())
@@ -222,17 +227,24 @@ def test_drift_on_cut_sequences_matches_full_forwards(model_dir: Path) -> None:
     old = [-torch.rand(len(s.tokens) - s.n_prompt, generator=gen) for s in seqs]
     picked = {0: [1, 4], 1: [6], 2: [0], 3: [2, 3]}
     forwarded: list[int] = []
-    row_features = policy.row_features
+    rows_forwarded: list[int] = []
+    features, with_base = policy.features, policy.row_features_with_base
 
-    def counting(rows: Rows, base: bool = False) -> torch.Tensor:
+    def counting(input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        rows_forwarded.append(input_ids.shape[0])
+        return features(input_ids, *args, **kwargs)
+
+    def cut(rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
         forwarded.extend(rows.lengths)
-        return row_features(rows, base)
+        return with_base(rows)
 
-    policy.row_features = counting  # type: ignore[method-assign]
+    policy.features = counting  # type: ignore[method-assign]
+    policy.row_features_with_base = cut  # type: ignore[method-assign]
     sig = RoleSignals()
     sampled_drift(policy, seqs, old, picked, 1.0, 8, sig, 1024, 64)
     m = sig.metrics()
-    assert sorted(forwarded) == sorted(2 * [5, 7, 1, 4])  # adapter and base, cut
+    assert sorted(forwarded) == sorted([5, 7, 1, 4])  # cut after the last sampled token
+    assert rows_forwarded == [4]  # one forward: the two prompts' rows and their copy
 
     want: dict[str, list[float]] = {"generator": [0.0, 0.0, 0], "aggregator": [0.0, 0.0, 0]}
     with torch.no_grad():

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from marl.models.lora import fuse_lora_adds, with_lora
+from marl.models.lora import fuse_lora_adds, lora_on_rows, rows_maskable, with_lora
 from marl.spec.run import LoraSpec
 
 LORA = LoraSpec(rank=4, alpha=8.0)
@@ -120,3 +120,39 @@ def test_a_peft_without_what_the_fusion_reads_keeps_its_own_forward(
     assert fuse_lora_adds(model) == 0
     assert not any("forward" in m.__dict__ for m in model.modules())
     model(torch.tensor([[3, 4, 5, 6]]))
+
+
+def test_row_scales_give_the_adapter_and_the_base_in_one_forward(model_dir: Path) -> None:
+    """lora_on_rows: a batch and its copy, scales 1 then 0, give the adapter's logits and
+    the base's (PEFT's disable_adapter), row by row; a scale of 0.5 half the LoRA term."""
+    peft, fused = peft_and_fused(model_dir, torch.float32)
+    ids = torch.randint(3, 30, (3, 13), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = peft(ids).logits
+        with peft.disable_adapter():
+            want_base = peft(ids).logits
+        assert rows_maskable(fused)
+        with lora_on_rows(torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])):
+            both = fused(torch.cat([ids, ids])).logits
+        assert (want - want_base).abs().max() > 1e-2  # the adapter counts
+        torch.testing.assert_close(both[:3], want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(both[3:], want_base, rtol=1e-5, atol=1e-5)
+        with lora_on_rows(torch.tensor([0.5])):
+            half = fused(ids[:1]).logits
+        assert (half - want[:1]).abs().max() > 1e-3 and (half - want_base[:1]).abs().max() > 1e-3
+        torch.testing.assert_close(fused(ids).logits, want, rtol=1e-5, atol=1e-5)  # scope ends
+
+
+@pytest.mark.parametrize("state", ["merged", "unfused"])
+def test_row_scales_refuse_a_layer_they_cannot_reach(model_dir: Path, state: str) -> None:
+    """A merged adapter or a layer left unfused would add its LoRA term to every row:
+    rows_maskable says so; a fused layer that falls back to PEFT's forward raises."""
+    _, fused = peft_and_fused(model_dir, torch.float32)
+    if state == "merged":
+        fused.merge_adapter()
+    else:
+        next(m for m in fused.modules() if "forward" in m.__dict__).__dict__.pop("forward")
+    assert not rows_maskable(fused)
+    if state == "merged":
+        with lora_on_rows(torch.tensor([1.0, 0.0])), pytest.raises(RuntimeError, match="rows"):
+            fused(torch.tensor([[3, 4, 5], [3, 4, 5]]))
