@@ -203,6 +203,7 @@ def run_marl_single(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 def main() -> None:
     args = parse_args()
     with tempfile.TemporaryDirectory(prefix="marl-vs-trl-") as tmp:
+        tmp = os.environ.get("KEEP_ROOT", tmp)
         root = Path(tmp)
         trl = run_trl(args, root / "trl")
         marl = run_marl_single(args, root)

@@ -38,8 +38,9 @@ measure the engines' disagreement alone: ~0 between the transformers engine and 
 small for a lower-precision engine, and growing with every step when inference silently
 serves something else (a failed adapter sync). The `sampler_mismatch` alarm reads the gap.
 chi2_token, training_ppl and the gap come from π_old, which the update computes anyway: no
-extra forward. update_chi2 costs two forwards over at most SAMPLE_TOKENS_PER_ROLE
-sequences per role, each cut after its last sampled token.
+extra forward. update_chi2 and kl_base cost one forward over at most
+SAMPLE_TOKENS_PER_ROLE sequences per role, each cut after its last sampled token, and their
+copy with the adapter scaled to 0 (`MultiAdapterPolicy.row_features_with_base`).
 
 Off-policy steps (`train.max_staleness` >= 1) also record the importance weights π_old/μ
 (`train/importance_weight_mean`, `train/importance_truncated_fraction`).
