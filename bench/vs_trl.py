@@ -4,7 +4,8 @@ Both train the shipped demo model in float32 with a LoRA (rank `--rank`, alpha 2
 arithmetic problems, prompts (the generator's chat messages, through the tokenizer's
 chat template) and reward (`marl.rewards.math_scoring.score`, format penalty included): `--problems`
 problems a step, `--group` samples each, at most `--max-tokens` new tokens, temperature
-1.0, one optimizer step per training step (the whole group batch is one mini-batch),
+1.0, one optimizer step per training step (the whole group batch is one mini-batch, and
+one forward and backward: marl's micro-batch holds it all, as TRL's device batch does),
 AdamW at a constant learning rate, PPO clip 0.2/0.28, no KL, group-normalised advantages,
 sequence-mean token-mean loss, for `--steps` steps. marl runs on-policy as TRL does
 (`train.max_staleness` 0) unless `--max-staleness` says otherwise; the header says which.
@@ -22,6 +23,7 @@ marl's pins). Prints a table, then one JSON object as the very last line.
 
     python bench/vs_trl.py [--steps 12] [--problems 16] [--group 8] [--max-tokens 8]
                            [--max-staleness 0] [--learner-threads N] [--inference-threads N]
+                           [--keep DIR]
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ from marl.spec.run import DataSpec
 from marl.workflows import prompts
 
 LR = 2e-3
+PROMPT_TOKENS_BOUND = 64
+"""More than any arithmetic prompt takes in the demo tokenizer's chat template."""
 
 
 def parse_args() -> argparse.Namespace:
@@ -71,6 +75,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--inference-threads", type=int, default=None,
                    help="marl inference's threads (default: as `marl demo` sets them on 2 cores)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep", metavar="DIR", default=None,
+                   help="run in DIR and keep it: marl's traces (`marl trace DIR/trace`), its "
+                        "run directory and TRL's output")
     add_save_option(p)
     return p.parse_args()
 
@@ -164,9 +171,14 @@ def run_marl_single(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     spec.update(name="vs-trl", seed=args.seed, engine="transformers")
     del spec["train"]["rollouts_logged"]  # e2e logs every rollout to count tokens; not needed
     spec["optim"] = {"lr": LR, "warmup_steps": 0, "schedule": "constant"}
+    batch = args.problems * args.group
     spec["grpo"] = {
         "group_size": args.group,
         "mini_batch_size": args.problems,  # one optimizer step, as TRL's
+        # and one forward and backward over the whole batch, as TRL's
+        # per_device_train_batch_size
+        "micro_batch_sequences": batch,
+        "max_tokens_per_micro_batch": batch * (PROMPT_TOKENS_BOUND + args.max_tokens),
         "loss_agg": "seq_mean_token_mean",
     }
     threads = service_threads(DEFAULT_CORES, overlapped=args.max_staleness > 0)
@@ -203,8 +215,7 @@ def run_marl_single(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 def main() -> None:
     args = parse_args()
     with tempfile.TemporaryDirectory(prefix="marl-vs-trl-") as tmp:
-        tmp = os.environ.get("KEEP_ROOT", tmp)
-        root = Path(tmp)
+        root = Path(args.keep) if args.keep else Path(tmp)
         trl = run_trl(args, root / "trl")
         marl = run_marl_single(args, root)
     w = args.warmup

@@ -386,6 +386,11 @@ def tool_facts(episode: Episode) -> dict[str, float]:
 
 
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
+
+TASKS_PER_READ = 512
+"""The most tasks one stream read takes (within `concurrency`). A step's tasks are queued
+at once; read together, their first turns reach an inference replica as one GenerateMany
+burst and prefill as one batch, where reads of 64 split a demo step into two waves."""
 """Errors of a Redis that is unreachable (restarting): retried with backoff."""
 
 
@@ -612,7 +617,7 @@ async def work_loop(  # noqa: C901, PLR0915 (older than the limit; split it when
         log.info("%s reading tasks from %s (up to %d at once)", worker_id, streams.TASKS, concurrency)
         while not stopping():
             raise_if_cancelled()  # a cancel that redis-py lost mid-command (see aio_tasks)
-            free = min(concurrency - len(running), 64)
+            free = min(concurrency - len(running), TASKS_PER_READ)
             if free <= 0:
                 await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 continue
