@@ -39,7 +39,8 @@ def with_lora(base: Any, lora: LoraSpec, adapter_name: str = "default") -> PeftM
 
 
 LAYER_ATTRIBUTES = ("active_adapters", "disable_adapters", "merged", "lora_A", "lora_B",
-                    "lora_variant", "lora_dropout", "scaling", "base_layer", "_cast_input_dtype")
+                    "lora_variant", "lora_dropout", "scaling", "base_layer")
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 """What `_fused_forward` reads of a PEFT LoRA layer (some of it PEFT's private API)."""
 
 
@@ -50,7 +51,11 @@ def fuse_lora_adds(model: Any) -> int:
     Same arithmetic, but the scaling and the sum no longer make two element-wise passes
     over the layer's whole output forward and one backward; on the demo model those
     passes (outputs of up to 512 features, a LoRA of rank 16) cost about a tenth of a
-    GRPO step. A layer falls back to PEFT's own forward whenever it is in a state this
+    GRPO step. On a bf16 (or fp16) base with fp32 adapter weights, the term is computed in
+    the base's precision from the weights cast per forward, as autocast does: PEFT casts
+    the layer's input and output activations to fp32 and back instead, three passes over
+    activations per layer (tests/unit/test_peft_lora.py holds both to the same precision).
+    A layer falls back to PEFT's own forward whenever it is in a state this
     does not cover: adapters disabled or merged, more than one active adapter, a LoRA
     variant (DoRA...), a bias on B, or extra forward arguments. A PEFT whose layers lack
     the attributes this reads (`LAYER_ATTRIBUTES`, checked against 0.21) keeps its own
@@ -121,11 +126,11 @@ def _fused_forward(layer: Any, peft_forward: Any, x: torch.Tensor, *args: Any,
                                "check rows_maskable(model) first")
         return peft_forward(x, *args, **kwargs)  # type: ignore[no-any-return]
     name = layer.active_adapters[0]
-    a, b = layer.lora_A[name], layer.lora_B[name]
+    a, b = layer.lora_A[name].weight, layer.lora_B[name].weight
     result = layer.base_layer(x)
-    low = torch.nn.functional.linear(
-        layer.lora_dropout[name](layer._cast_input_dtype(x, a.weight.dtype)), a.weight
-    )
+    if result.dtype in LOW_PRECISION and a.dtype not in LOW_PRECISION:
+        a, b = a.to(result.dtype), b.to(result.dtype)  # the term in the base's precision
+    low = torch.nn.functional.linear(layer.lora_dropout[name](x.to(a.dtype)), a)
     if rows is not None:
         if low.dim() < 2 or low.shape[0] != rows.shape[0]:
             raise RuntimeError(f"lora_on_rows: {rows.shape[0]} row scales for a LoRA input "
@@ -134,7 +139,7 @@ def _fused_forward(layer: Any, peft_forward: Any, x: torch.Tensor, *args: Any,
     total = torch.addmm(
         result.reshape(-1, result.shape[-1]).to(low.dtype),
         low.reshape(-1, low.shape[-1]),
-        b.weight.t(),
+        b.t(),
         alpha=layer.scaling[name],
     )
     return total.view(result.shape).to(result.dtype)
