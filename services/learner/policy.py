@@ -133,6 +133,7 @@ class MultiAdapterPolicy:
         if self.world_size > 1:
             fsdp.shard(self.model)
         self._params: dict[str, list[torch.nn.Parameter]] = {}
+        self._state_names: dict[str, dict[str, torch.Tensor]] = {}
         self.optim = optim
         self.total_steps = total_steps
         self.optimizers = {
@@ -200,9 +201,22 @@ class MultiAdapterPolicy:
     def state_dict(self, policy: str) -> dict[str, torch.Tensor]:
         """The adapter's whole weights on the CPU (gathered from every rank's shard)."""
         return {
-            k: fsdp.full(v.detach()).cpu().clone()
-            for k, v in get_peft_model_state_dict(self.model, adapter_name=policy).items()
+            k: fsdp.full(v.detach()).cpu().clone() for k, v in self._adapter_state(policy).items()
         }
+
+    def _adapter_state(self, policy: str) -> dict[str, torch.Tensor]:
+        """PEFT's state-dict names of the adapter's weights -> its live parameters, matched
+        once: PEFT builds the whole model's state dict to pick them out, every push. Under
+        FSDP (sharded parameters), PEFT's every time."""
+        if self.world_size > 1:
+            return get_peft_model_state_dict(self.model, adapter_name=policy)  # type: ignore[no-any-return]
+        if policy not in self._state_names:
+            params = {p.data_ptr(): p for p in self.parameters(policy)}
+            found = get_peft_model_state_dict(self.model, adapter_name=policy)
+            if any(v.data_ptr() not in params for v in found.values()):
+                return found  # type: ignore[no-any-return]  # not only its parameters
+            self._state_names[policy] = {k: params[v.data_ptr()] for k, v in found.items()}
+        return self._state_names[policy]
 
     def load_state_dict(self, policy: str, state: dict[str, torch.Tensor]) -> None:
         current = get_peft_model_state_dict(self.model, adapter_name=policy)
