@@ -127,10 +127,14 @@ async def call(
 ) -> Scored:
     """Score one episode with the function `name`; RewardError when it fails."""
     fn = resolve(name)
-    if is_verl(fn):
+    try:
+        verl, takes_extra_info = _convention(fn)
+    except TypeError:  # an unhashable callable: read every time
+        verl, takes_extra_info = _convention.__wrapped__(fn)
+    if verl:
         kwargs: dict[str, Any] = dict(data_source=problem.data_source, solution_str=answer,
                                       ground_truth=problem.answer, extra_info=problem.extra_info)
-        if "extra_info" not in inspect.signature(fn).parameters and not _takes_kwargs(fn):
+        if not takes_extra_info:
             del kwargs["extra_info"]
         bound = functools.partial(fn, **kwargs, **args)
     else:
@@ -148,6 +152,15 @@ async def call(
         # its failure fails this rollout only, never the worker
         raise RewardError(f"reward function {name} raised {type(err).__name__}: {err}") from err
     return parse(result, name)
+
+
+@functools.lru_cache(maxsize=256)
+def _convention(fn: Callable[..., Any]) -> tuple[bool, bool]:
+    """Whether `fn` has verl's signature, and takes `extra_info`; read once per function:
+    `inspect.signature` costs a worker more than a math reward's scoring, every episode."""
+    if not is_verl(fn):
+        return False, False
+    return True, "extra_info" in inspect.signature(fn).parameters or _takes_kwargs(fn)
 
 
 def _takes_kwargs(fn: Callable[..., Any]) -> bool:
