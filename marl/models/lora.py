@@ -7,7 +7,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -68,30 +67,39 @@ def fuse_lora_adds(model: Any) -> int:
             hasattr(module, name) for name in LAYER_ATTRIBUTES
         ):
             continue
-        forward = module.__dict__.get("forward")
-        if not (isinstance(forward, partial) and forward.func is _fused_forward):
+        if not _is_fused(module):
             module.forward = partial(_fused_forward, module, module.forward)  # type: ignore[method-assign]
         fused += 1
     return fused
 
 
-_ROW_SCALE: ContextVar[torch.Tensor | None] = ContextVar("lora_row_scale", default=None)
+ROW_SCALE = "marl_row_scale"
+"""The attribute `lora_on_rows` sets on each fused layer: a module's own attribute, which
+torch.compile traces, where a context variable would break its graph at every layer."""
 
 
 @contextmanager
-def lora_on_rows(scale: torch.Tensor) -> Iterator[None]:
-    """Within it, on this thread, every fused LoRA layer scales its low-rank term by
+def lora_on_rows(model: Any, scale: torch.Tensor) -> Iterator[None]:
+    """Within it, every fused LoRA layer of `model` scales its low-rank term by
     `scale[i]` on batch row i: a row of 0 sees the base model, a row of 1 the adapter. One
     forward over a batch and its copy then gives both the adapter's and the base's outputs
     (the KL reference) without PEFT's `disable_adapter`, which walks every module twice and
     costs a small model as much as the forward. Use it only where `rows_maskable(model)`:
     a layer left unfused cannot see the scales, and a fused one in a state it does not
     cover (merged, disabled...) raises rather than add its term to every row."""
-    token = _ROW_SCALE.set(scale)
+    layers = [m for m in model.modules() if _is_fused(m)]
+    for layer in layers:
+        setattr(layer, ROW_SCALE, scale)
     try:
         yield
     finally:
-        _ROW_SCALE.reset(token)
+        for layer in layers:
+            setattr(layer, ROW_SCALE, None)
+
+
+def _is_fused(module: Any) -> bool:
+    forward = module.__dict__.get("forward")
+    return isinstance(forward, partial) and forward.func is _fused_forward
 
 
 def rows_maskable(model: Any) -> bool:
@@ -102,10 +110,7 @@ def rows_maskable(model: Any) -> bool:
     for module in model.modules():
         if not isinstance(module, BaseTunerLayer):
             continue
-        forward = module.__dict__.get("forward")
-        if not (isinstance(forward, partial) and forward.func is _fused_forward):
-            return False
-        if not _fusable(module):
+        if not _is_fused(module) or not _fusable(module):
             return False
     return True
 
@@ -119,7 +124,7 @@ def _fusable(layer: Any) -> bool:
 
 def _fused_forward(layer: Any, peft_forward: Any, x: torch.Tensor, *args: Any,
                    **kwargs: Any) -> torch.Tensor:
-    rows = _ROW_SCALE.get()
+    rows = getattr(layer, ROW_SCALE, None)
     if args or kwargs or not _fusable(layer):
         if rows is not None:
             raise RuntimeError("lora_on_rows reached a LoRA layer it does not cover; "

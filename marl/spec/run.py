@@ -185,6 +185,14 @@ class GRPOSpec(_Spec):
     """Recompute each decoder layer's activations in the backward pass instead of keeping
     them: far less memory per token of the budget for a little recompute
     (`bench/learner.py --activation-checkpointing` measures both)."""
+    torch_compile: bool = False
+    """Run the decoder (forward and backward) through torch.compile: inductor, shapes
+    dynamic. Each kind of forward a step makes (training, no-grad, the drift sample's)
+    compiles once, tens of seconds on a CPU before the first step, and after that a step
+    is faster (`bench/compile.py` measures both, eager and compiled in turns). It pays on a
+    long run, not on a short one: off by default. Inductor builds C++ on a CPU: the
+    learner's machine needs a C++ compiler. One learner process only
+    (`learner.world_size` 1). No effect on the math beyond float rounding."""
     normalize_std: bool = True
     """Divide group-relative advantages by the group's std (GRPO); False = Dr. GRPO."""
     importance_cap: float = Field(2.0, ge=1)

@@ -54,6 +54,11 @@ def spec_problems(spec: RunSpec, roles: dict[str, str]) -> None:
             f"field `grpo.overlong`: the band ({g.overlong} tokens) must be shorter than the "
             f"response cap ({response_cap(spec)}: sampling.max_tokens or the task's)"
         )
+    if g.torch_compile and spec.learner.world_size > 1:
+        raise SpecError(
+            "field `grpo.torch_compile`: compiling is for one learner process, and "
+            f"learner.world_size is {spec.learner.world_size}; set it to false"
+        )
     if spec.train.val_pass_at and spec.sampling.validation_temperature == 0:
         raise SpecError(
             "field `train.val_pass_at`: pass@k needs different samples of each problem, and "

@@ -43,6 +43,9 @@ LOGIT_CHUNK_BYTES = 128 * 2**20
 CUSTOM_MASK_ATTENTION = ("sdpa", "eager")
 """Attention implementations that take a [B, 1, L, L] additive mask as given."""
 
+COMPILED_GRAPHS = 64
+"""Graphs dynamo may keep per compiled function (`set_compiled`)."""
+
 R = TypeVar("R")
 _DTYPES = {
     "float32": torch.float32,
@@ -154,6 +157,7 @@ class MultiAdapterPolicy:
         self.updates = 0
         self.logit_chunk_bytes = LOGIT_CHUNK_BYTES
         self._checkpointing = False
+        self._compiled = False
         self._split = self._split_check()
         self._custom_masks = base.config._attn_implementation in CUSTOM_MASK_ATTENTION
         self.pace: Callable[[], None] = _keep_threads
@@ -313,7 +317,7 @@ class MultiAdapterPolicy:
             return torch.cat([t, t])
 
         positions = None if rows.position_ids is None else twice(rows.position_ids)
-        with lora_on_rows(torch.cat([torch.ones(n), torch.zeros(n)])):
+        with lora_on_rows(self.model, torch.cat([torch.ones(n), torch.zeros(n)])):
             feats = self.features(
                 twice(rows.input_ids), twice(rows.attention_mask), position_ids=positions
             )
@@ -323,7 +327,7 @@ class MultiAdapterPolicy:
         """Every adapter off for a forward of `n_rows` rows: row scales of 0 where every
         LoRA layer takes them (lora.lora_on_rows), else PEFT's `disable_adapter`."""
         if rows_maskable(self.model):
-            return lora_on_rows(torch.zeros(n_rows))
+            return lora_on_rows(self.model, torch.zeros(n_rows))
         return self.model.disable_adapter()  # type: ignore[no-any-return]
 
     def row_layout(self, seqs: list[Sequence], row_tokens: int) -> Rows:
@@ -395,6 +399,23 @@ class MultiAdapterPolicy:
         causal: Any = self.model.get_base_model()
         head = causal.get_output_embeddings()
         return head if type(head) is torch.nn.Linear else None
+
+    def set_compiled(self, on: bool) -> None:
+        """The decoder's forward through torch.compile, or back to eager
+        (`grpo.torch_compile`). A step's forwards differ in what dynamo guards on (with and
+        without gradients, position ids, one row or several), each a graph of its own:
+        more than dynamo's default of 8 per function, hence COMPILED_GRAPHS."""
+        if on == self._compiled:
+            return
+        causal: Any = self.model.get_base_model()
+        decoder = causal.get_decoder()
+        if on:
+            dynamo: Any = torch._dynamo
+            dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, COMPILED_GRAPHS)
+            decoder.forward = torch.compile(decoder.forward, dynamic=True)
+        else:
+            del decoder.forward  # the class's again
+        self._compiled = on
 
     def set_activation_checkpointing(self, on: bool) -> None:
         """Recompute decoder layers in the backward pass (`grpo.activation_checkpointing`)."""

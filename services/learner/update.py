@@ -146,6 +146,7 @@ def grpo_step(
     )
     mini_batches = []
     policy.set_activation_checkpointing(g.activation_checkpointing)
+    policy.set_compiled(g.torch_compile)
     policy.model.train()
     for p, mbs in plan.items():
         policy.activate(p)

@@ -144,12 +144,12 @@ def test_row_scales_give_the_adapter_and_the_base_in_one_forward(model_dir: Path
         with peft.disable_adapter():
             want_base = peft(ids).logits
         assert rows_maskable(fused)
-        with lora_on_rows(torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])):
+        with lora_on_rows(fused, torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])):
             both = fused(torch.cat([ids, ids])).logits
         assert (want - want_base).abs().max() > 1e-2  # the adapter counts
         torch.testing.assert_close(both[:3], want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(both[3:], want_base, rtol=1e-5, atol=1e-5)
-        with lora_on_rows(torch.tensor([0.5])):
+        with lora_on_rows(fused, torch.tensor([0.5])):
             half = fused(ids[:1]).logits
         assert (half - want[:1]).abs().max() > 1e-3 and (half - want_base[:1]).abs().max() > 1e-3
         torch.testing.assert_close(fused(ids).logits, want, rtol=1e-5, atol=1e-5)  # scope ends
@@ -166,5 +166,5 @@ def test_row_scales_refuse_a_layer_they_cannot_reach(model_dir: Path, state: str
         next(m for m in fused.modules() if "forward" in m.__dict__).__dict__.pop("forward")
     assert not rows_maskable(fused)
     if state == "merged":
-        with lora_on_rows(torch.tensor([1.0, 0.0])), pytest.raises(RuntimeError, match="rows"):
+        with lora_on_rows(fused, torch.tensor([1.0, 0.0])), pytest.raises(RuntimeError, match="rows"):
             fused(torch.tensor([[3, 4, 5], [3, 4, 5]]))
