@@ -39,8 +39,10 @@ def with_lora(base: Any, lora: LoraSpec, adapter_name: str = "default") -> PeftM
 
 LAYER_ATTRIBUTES = ("active_adapters", "disable_adapters", "merged", "lora_A", "lora_B",
                     "lora_variant", "lora_dropout", "scaling", "base_layer")
-LOW_PRECISION = (torch.bfloat16, torch.float16)
 """What `_fused_forward` reads of a PEFT LoRA layer (some of it PEFT's private API)."""
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+"""Base dtypes in which the fused layer computes the low-rank term too."""
 
 
 def fuse_lora_adds(model: Any) -> int:
