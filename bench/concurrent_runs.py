@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -123,6 +124,9 @@ def main() -> None:
                     help="each run's learner.policy_process: in the learner's process, "
                     "the runs' torch work takes turns on its one torch thread; `own`, each "
                     "run's policy in a process of its own")
+    ap.add_argument("--warm-policy-processes", type=int, default=None,
+                    help="the learner's learner.warm_policy_processes (default: one per "
+                    "cell with --policy-process own, else 0)")
     ap.add_argument("--learners", type=int, default=1,
                     help="learner processes taking runs from the one queue, each training "
                     "up to 4/learners runs at once on a torch thread of its own")
@@ -131,6 +135,10 @@ def main() -> None:
     facts = host()
     print(describe(facts), flush=True)
     threads = service_threads(args.cores, overlapped=args.split == "overlapped")
+    if args.warm_policy_processes is None:
+        args.warm_policy_processes = len(CELLS) if args.policy_process == "own" else 0
+    # the learner reads its settings from the environment (marl.spec.services.from_env)
+    os.environ["MARL_LEARNER_WARM_POLICY_PROCESSES"] = str(args.warm_policy_processes)
     results: dict[str, list[dict[str, Any]]] = {way: [] for way, _ in WAYS}
     diffs: list[float] = []
     with tempfile.TemporaryDirectory(prefix="marl-concurrent-runs-") as tmp:
@@ -169,7 +177,8 @@ def main() -> None:
     print(f"\nconcurrent_runs bench: {len(CELLS)} demo cells "
           f"({', '.join(f'{w}/{p}' for w, p in CELLS)}), {args.steps} steps of "
           f"{args.problems} problems x {args.group} each, {args.cores} cores, {args.split} "
-          f"split, policy_process {args.policy_process}, {args.learners} learner(s); means "
+          f"split, policy_process {args.policy_process} "
+          f"({args.warm_policy_processes} warm), {args.learners} learner(s); means "
           f"over {args.rounds} round(s)")
     kinds = list(seq["cpu_s"])
     print(f"{'way':<18} {'wall s':>8} {'steps/s':>8} {'cores busy':>11}  "
@@ -184,6 +193,7 @@ def main() -> None:
         "steps": args.steps, "problems": args.problems, "group": args.group,
         "rounds": args.rounds, "cores": args.cores, "split": args.split,
         "policy_process": args.policy_process, "learners": args.learners,
+        "warm_policy_processes": args.warm_policy_processes,
         "sequential_steps_per_s": round(seq["steps_per_s"], 4),
         "concurrent_steps_per_s": round(conc["steps_per_s"], 4),
         "ratio": round(ratio, 3), "max_loss_diff": max(diffs),

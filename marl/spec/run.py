@@ -368,9 +368,10 @@ class LearnerSpec(_Spec):
     where each operator is a short GPU kernel launch it may. In a process of its own, a
     run's update runs beside the other runs' that the learner trains at once
     (`learner.max_concurrent_runs`), where in the server's they take turns on its one
-    torch thread; but each such run loads a base model of its own, and starts and feeds a
-    process: on the demo model that costs more than the overlap gives
-    (`bench/concurrent_runs.py --policy-process own`)."""
+    torch thread; but each such run loads a base model of its own and feeds a process,
+    and starts one unless the learner keeps some started (`warm_policy_processes`, which
+    outlive their runs). `bench/concurrent_runs.py --policy-process own` measures both
+    ways."""
 
 
 class SamplingSpec(_Spec):

@@ -15,6 +15,7 @@ the other ranks are stopped (they may be waiting for it in a collective).
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -23,7 +24,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
@@ -33,6 +34,9 @@ from marl.runtime.processes import free_port, how_it_ended
 from marl.spec.run import LoraSpec, OptimSpec, RunSpec
 from services.learner.errors import RunFailed
 from services.learner.threads import ThreadBurst
+
+if TYPE_CHECKING:
+    from services.learner.policy_pool import PolicyPool
 
 log = logging.getLogger(__name__)
 
@@ -113,11 +117,13 @@ def policy_elsewhere(spec: RunSpec) -> bool:
 
 
 def open_policy(
-    spec: RunSpec, policies: list[str], burst: ThreadBurst | None = None
+    spec: RunSpec, policies: list[str], burst: ThreadBurst | None = None,
+    pool: PolicyPool | None = None,
 ) -> PolicyHandle:
     """The run's policy: on every rank of the group a launcher started this learner in
-    (group.py), else in this process, in one of its own, or in `learner.world_size` ranks
-    it spawns. `burst` paces a one-process policy's forwards (threads.ThreadBurst)."""
+    (group.py), else in this process, in one of its own (from `pool` when it has one), or
+    in `learner.world_size` ranks it spawns. `burst` paces a one-process policy's forwards
+    (threads.ThreadBurst)."""
     from services.learner import group
 
     args = PolicyArgs.of(spec, policies)
@@ -129,7 +135,7 @@ def open_policy(
         if burst is not None:
             policy.pace = burst.pace
         return policy  # type: ignore[no-any-return]
-    return RankedPolicy.start(args, spec.learner.world_size, burst)
+    return RankedPolicy.start(args, spec.learner.world_size, burst, pool)
 
 
 def close_policy(policy: PolicyHandle) -> None:
@@ -206,21 +212,53 @@ def _rank_main(
         dist.destroy_process_group()
 
 
+def warm_main(conn: Connection) -> None:
+    """A pooled policy process (policy_pool.py): the imports that cost a process its first
+    seconds, then run after run the policy each message describes, served until the run
+    closes it; None: the process ends."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import services.learner.policy  # noqa: F401 - what the pool starts the process for
+
+    while True:
+        try:
+            args = conn.recv()
+        except EOFError:
+            return
+        if args is None:
+            return
+        _rank_main(0, 1, 0, args, conn)
+        gc.collect()  # the run's policy and optimizer state, before the next run's
+        heap.release_free_heap()
+
+
 class RankedPolicy:
-    def __init__(self, policies: list[str], procs: list[Any], conns: list[Connection]):
+    def __init__(self, policies: list[str], procs: list[Any], conns: list[Connection],
+                 pool: PolicyPool | None = None):
         self.policies = policies
         self.procs = procs
         self.conns = conns
+        self.pool = pool
+        """Where its one process goes back once the policy is closed (policy_pool.py)."""
         self._targets: dict[str, list[str]] = {}
 
     @classmethod
-    def start(cls, args: PolicyArgs, size: int, burst: ThreadBurst | None = None) -> RankedPolicy:
+    def start(
+        cls, args: PolicyArgs, size: int, burst: ThreadBurst | None = None,
+        pool: PolicyPool | None = None,
+    ) -> RankedPolicy:
         """`size` processes; with one, a policy apart from the server's process, paced by
-        `burst` (which it must inherit: its shared state cannot travel down a pipe)."""
+        `burst` (which it must inherit: its shared state cannot travel down a pipe), or
+        else, with a `pool`, in a process it started before."""
         ctx = mp.get_context("spawn")
         port = free_port()
         procs, conns = [], []
-        for rank in range(size):
+        pooled = pool if size == 1 and burst is None else None
+        if pooled is not None:
+            proc, conn = pooled.take()
+            conn.send(args)
+            procs.append(proc)
+            conns.append(conn)
+        for rank in range(len(procs), size):
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(
                 target=_rank_main,
@@ -232,7 +270,7 @@ class RankedPolicy:
             theirs.close()
             procs.append(proc)
             conns.append(ours)
-        ranks = cls(list(args.policies), procs, conns)
+        ranks = cls(list(args.policies), procs, conns, pooled)
         try:
             ranks._collect(START_TIMEOUT_S)
         except BaseException:
@@ -318,6 +356,9 @@ class RankedPolicy:
                 conn.send(None)
             except (OSError, ValueError):
                 pass
+        if self.pool is not None and not kill:
+            self.pool.give_back((self.procs[0], self.conns[0]))
+            return
         for proc in self.procs:
             proc.join(0 if kill else 10)
             if proc.is_alive():

@@ -42,6 +42,7 @@ from marl.workflows import policy_of_role
 from services.learner import intake
 from services.learner.errors import RunCancelled, RunFailed, RunStopped
 from services.learner.lease import Lease, LeaseLost
+from services.learner.policy_pool import PolicyPool
 from services.learner.runs import TERMINAL, Position, RunStore, new_run_id, owner_of
 from services.learner.trainer import RunExecutor
 
@@ -385,6 +386,7 @@ async def run_loop(
     # several runs one run's rollouts being in says nothing of the others' generation
     burst_threads = cfg.burst_threads if cfg.max_concurrent_runs == 1 else 0
     running: set[asyncio.Task[None]] = set()
+    pool = PolicyPool(cfg.warm_policy_processes) if cfg.warm_policy_processes else None
     try:
         while not stop.is_set():
             raise_if_cancelled()  # a cancel that redis-py lost in `_next_run` (see aio_tasks)
@@ -402,7 +404,7 @@ async def run_loop(
                     train_run(
                         r, store, lease, cfg,
                         takeover=takeover, torch_thread=lane, burst_threads=burst_threads,
-                        stop=stop,
+                        stop=stop, policy_pool=pool,
                     ),
                     name=f"run {run_id}",
                 )
@@ -413,6 +415,8 @@ async def run_loop(
             _reap(running)
     finally:
         await cancel_until_done(running)
+        if pool is not None:
+            await asyncio.to_thread(pool.close)
 
 
 def _reap(running: set[asyncio.Task[None]]) -> None:
@@ -431,6 +435,7 @@ async def train_run(
     torch_thread: TorchThread,
     burst_threads: int,
     stop: asyncio.Event | None = None,
+    policy_pool: PolicyPool | None = None,
 ) -> None:
     """Train one run, whose lease this learner holds, to its end and record how it ended:
     SUCCEEDED, CANCELLED, or FAILED with its error (a bad spec, a failed run, a crash in its
@@ -461,6 +466,7 @@ async def train_run(
             owner=owner_of(record),
             lease=lease,
             stop=stop,
+            policy_pool=policy_pool,
         )
         await _until_lost(executor.execute(), lease)
     except LeaseLost as err:

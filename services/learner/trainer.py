@@ -63,6 +63,7 @@ from services.learner.validator import Validator
 if TYPE_CHECKING:
     from marl.problem import Problem
     from marl.rollout import Rollout
+    from services.learner.policy_pool import PolicyPool
     from services.learner.ranks import PolicyHandle
     from services.learner.threads import ThreadBurst
 
@@ -128,21 +129,20 @@ class RunExecutor:
         owner: str = "",
         lease: Lease | None = None,
         stop: asyncio.Event | None = None,
+        policy_pool: PolicyPool | None = None,
     ):
         """`learner`: the learner process's settings this run reads, its bound on queued
         tasks and `burst_threads`, the torch threads the update may take once every rollout
         queued ahead is in (`threads.ThreadBurst`; 0, or a synchronous run: its own share).
         `owner`: the user who submitted the run, the one user its adapters are served to.
         `lease`: the run's lease, checked before every push and checkpoint, whose fencing
-        token they carry (None: a run no other learner can take, as in tests).
-        `stop`: set when the learner is stopping (SIGTERM): the run abandons the step whose
-        rollouts it is gathering, or finishes the one it is updating, checkpoints the steps
-        done and raises RunStopped (`stop_here`)."""
+        token they carry (None: a run no other learner can take, as in tests). `stop`: set
+        when the learner stops (SIGTERM; `stop_here`). `policy_pool`: the learner's policy
+        processes (policy_pool.py)."""
         self.run_id = run_id
         from services.learner.ranks import policy_elsewhere
 
-        if torch_thread is not None and policy_elsewhere(spec):
-            torch_thread = None
+        torch_thread = None if policy_elsewhere(spec) else torch_thread
         self.torch = torch_thread or TorchThread("learner")
         """Where the policy's torch work runs: the process's one torch thread, or one of the
         run's own that waits on a policy in other processes (runs then update side by side)."""
@@ -182,6 +182,7 @@ class RunExecutor:
         """The data position a checkpoint of the step just trained resumes from."""
         self.burst_threads = learner.burst_threads
         self.burst: ThreadBurst | None = None
+        self.policy_pool = policy_pool
 
     async def execute(self) -> None:
         """The run: its policy opened, then the step loop (`train.steps` steps, each its
@@ -267,7 +268,7 @@ class RunExecutor:
             self.burst = ThreadBurst.of_this_process(self.burst_threads)
         # the spares after the routed adapters: those initialise as in a run without them
         adapters = sorted(set(self.roles.values())) + sorted(set(self.spares.values()))
-        policy = await self.torch.run(open_policy, spec, adapters, self.burst)
+        policy = await self.torch.run(open_policy, spec, adapters, self.burst, self.policy_pool)
         try:
             return policy, await self.resume(policy, train, val)
         except BaseException:
