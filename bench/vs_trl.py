@@ -20,14 +20,15 @@ weighs on both sides.
 
 Printed: the median step time of each after `--warmup` steps (wall-clock, from one step's
 end to the next's for TRL, from one step's start to the next's for marl, read from its
-services' traces: each includes what happens between two steps, a record written), their
+learner's trace: each includes what happens between two steps, a record written; only the
+learner traces, as tracing is off in a run of marl's own, unless `--trace-all`), their
 ratio marl/TRL (goal <= 0.6; the project's 0.5), and both reward curves, so that
 neither wins by learning less. Needs TRL (`pip install trl==1.16.0`; it installs beside
 marl's pins). Prints a table, then one JSON object as the very last line.
 
     python bench/vs_trl.py [--steps 12] [--problems 16] [--group 8] [--max-tokens 8]
                            [--max-staleness 0] [--learner-threads N] [--inference-threads N]
-                           [--keep DIR]
+                           [--keep DIR] [--trace-all]
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--learner-threads", type=int, default=None,
                    help="marl learner's threads (default: as `marl demo` sets them on 2 cores)")
+    p.add_argument("--trace-all", action="store_true",
+                   help="every marl service traces, not the learner alone (with --keep: "
+                   "where each step's time went, `marl trace DIR/trace`)")
     p.add_argument("--inference-threads", type=int, default=None,
                    help="marl inference's threads (default: as `marl demo` sets them on 2 cores)")
     p.add_argument("--seed", type=int, default=0)
@@ -197,6 +201,9 @@ def run_marl_single(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         max_lora_rank=args.rank,
         threads=threads,
         trace_dir=root / "trace",
+        # the learner's spans time its steps; the other services' cost them (a worker
+        # writes two an episode) and only explain them
+        traced=None if args.trace_all else ("learner",),
     )
     with cluster:
         run_marl(cluster, spec)

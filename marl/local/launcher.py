@@ -162,7 +162,10 @@ class Cluster:
     """The private Redis (when `redis_url` is not given) logs every write to an append-only
     file (fsync every second): a Redis killed and restarted keeps what it acknowledged."""
     trace_dir: Path | None = None
-    """Where every service writes its trace spans (`marl serve --trace-dir`, marl.runtime.tracing)."""
+    """Where the services write their trace spans (`marl serve --trace-dir`, marl.runtime.tracing)."""
+    traced: tuple[str, ...] | None = None
+    """The service kinds that trace into `trace_dir` (None: every one). Each span costs its
+    service a line written; a worker writes two an episode."""
     sandbox_token_file: Path | None = None
     """The sandbox's token this cluster made (authentication on, no `$MARL_SANDBOX_TOKEN`
     given); set by `start`."""
@@ -232,7 +235,7 @@ class Cluster:
             env[SANDBOX_TOKEN_FILE_ENV] = str(self.sandbox_token_file)
         if kind == "learner" and "learner_burst" in self.threads:
             env["MARL_LEARNER_BURST_THREADS"] = str(self.threads["learner_burst"])
-        if self.trace_dir is not None:
+        if self.trace_dir is not None and (self.traced is None or kind in self.traced):
             extra = [*extra, "--trace-dir", str(self.trace_dir)]
         extra = [*extra, *self._trust_args(kind)]
         cmd = [sys.executable, "-m", "marl.cli", "serve", kind, "--port", str(port), *extra]
