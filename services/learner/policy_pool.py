@@ -63,6 +63,8 @@ class PolicyPool:
         """A process whose run closed its policy: kept for the next run, or ended when
         the pool is closed or has `idle` waiting already."""
         with self._lock:
+            if any(proc is worker[0] for proc, _ in self._idle):
+                return  # given back already (a policy closed twice)
             if not self._closed and len(self._idle) < self.idle and worker[0].is_alive():
                 self._idle.append(worker)
                 return

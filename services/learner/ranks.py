@@ -239,6 +239,7 @@ class RankedPolicy:
         self.conns = conns
         self.pool = pool
         """Where its one process goes back once the policy is closed (policy_pool.py)."""
+        self._closed = False
         self._targets: dict[str, list[str]] = {}
 
     @classmethod
@@ -253,11 +254,19 @@ class RankedPolicy:
         port = free_port()
         procs, conns = [], []
         pooled = pool if size == 1 and burst is None else None
-        if pooled is not None:
+        for _ in range(2 if pooled is not None else 0):
+            assert pooled is not None
             proc, conn = pooled.take()
-            conn.send(args)
+            try:
+                conn.send(args)
+            except OSError:  # it ended since the pool looked: the next one
+                conn.close()
+                continue
             procs.append(proc)
             conns.append(conn)
+            break
+        else:
+            pooled = None  # one of its own, as without a pool
         for rank in range(len(procs), size):
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(
@@ -350,7 +359,10 @@ class RankedPolicy:
 
     def close(self, kill: bool = False) -> None:
         """Stop every rank: asked to when `kill` is False, else at once (after a failure,
-        when the others may be blocked in a collective that will never complete)."""
+        when the others may be blocked in a collective that will never complete). Once."""
+        if self._closed:
+            return
+        self._closed = True
         for conn in self.conns:
             try:
                 conn.send(None)

@@ -74,9 +74,17 @@ def test_the_pool_keeps_at_most_its_idle_count_and_ends_them_on_close(
         procs = [a.procs[0], b.procs[0]]
         assert procs[0].pid != procs[1].pid
         a.close()
+        a.close()  # closed twice, given back once
         b.close()  # one idle already: this one ends
         procs[1].join(10)
         assert not procs[1].is_alive() and procs[0].is_alive()
+        c = RankedPolicy.start(args(model_dir), 1, pool=pool)
+        d = RankedPolicy.start(args(model_dir), 1, pool=pool)
+        try:
+            assert c.procs[0] is procs[0] and d.procs[0].pid != procs[0].pid
+        finally:
+            c.close()
+            d.close()
     finally:
         pool.close()
     procs[0].join(10)
