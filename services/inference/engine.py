@@ -30,6 +30,9 @@ class GenerationRequest:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     """Generation ends after emitting one of these (the tokenizer's EOS is always included)."""
+    client: str = ""
+    """The peer of the GenerateMany call it came in ("" for any other request): an idle
+    transformers engine waits for the bursts of the clients it has heard from lately."""
 
 
 @dataclass

@@ -157,9 +157,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                                 f"requests: at most {MAX_GENERATE_MANY} per call, got {n}")
         done: asyncio.Queue[inference_pb2.GenerateOutcome] = asyncio.Queue()
 
+        client = context.peer() or ""
+
         async def one(index: int, req: inference_pb2.GenerateRequest) -> None:
             try:
-                response = await self._generate(req)
+                response = await self._generate(req, client)
             except Refused as err:
                 outcome = inference_pb2.GenerateOutcome(
                     index=index, code=err.code.value[0], error=bounded(err.message) or "")
@@ -193,9 +195,10 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             await cancel_until_done(tasks)  # a caller that went away: its rows are dropped
 
     async def _generate(
-        self, request: inference_pb2.GenerateRequest
+        self, request: inference_pb2.GenerateRequest, client: str = ""
     ) -> inference_pb2.GenerateResponse:
-        """One generation; a request the caller got wrong raises Refused."""
+        """One generation; a request the caller got wrong raises Refused. `client`: the
+        peer of the GenerateMany call it came in."""
         if not request.adapter.name:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "adapter.name is required")
         if len(request.request_id) > MAX_REQUEST_ID:
@@ -210,6 +213,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             top_p=sp.top_p,
             seed=sp.seed or None,
             stop_token_ids=list(sp.stop_token_ids),
+            client=client,
         )
         try:  # before the request can join a batch: a bad one fails alone
             check_request(generation, self.limits)

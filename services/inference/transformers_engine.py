@@ -6,7 +6,8 @@ its rows only), temperature, top-p, seed and token budget. The batch batches
 continuously: a request that arrives while it decodes joins at the next decode step,
 and a row's result goes back as soon as it finishes. When the engine is idle, the first
 request waits for the rest of its burst (a workflow stage's requests arrive together)
-so that they share one prefill. Model work, the base model's load included, runs on
+so that they share one prefill: for the bursts of the other workers heard from lately,
+not at all when its worker's is the only one. Model work, the base model's load included, runs on
 one dedicated thread (marl/runtime/torch_thread.py): the decode loop runs there and hands the
 thread to adapter loads between steps, the event loop stays free for gRPC, and one
 OpenMP team serves every operator.
@@ -99,6 +100,21 @@ def burst_wait_s(
     return max(0.0, min(newest + pause_s, first + max_wait_s) - now)
 
 
+CLIENT_HEARD_S = 10.0
+"""How long after its last GenerateMany a client still counts among those whose burst an
+idle engine waits for (`every_client_in`)."""
+
+
+def every_client_in(heard: dict[str, float], waiting: set[str], now: float) -> bool:
+    """Whether each client heard from within CLIENT_HEARD_S (`heard`: client -> the
+    time.monotonic() of its last request) has requests `waiting`: then no burst is still
+    to come, and an idle engine prefills at once instead of pausing for more (one worker's
+    GenerateMany is the whole of its burst). Clients not heard from since are forgotten."""
+    for client in [c for c, t in heard.items() if now - t >= CLIENT_HEARD_S]:
+        del heard[client]
+    return bool(heard) and heard.keys() <= waiting
+
+
 class TransformersEngine:
     name = "transformers"
     lora_slots: int | None = None  # a batch groups its rows by adapter, however many
@@ -136,6 +152,8 @@ class TransformersEngine:
         self._inbox: collections.deque[_Pending] = collections.deque()
         """Requests not yet in the batch: appended on the event loop, taken on the engine
         thread (deque appends and pops are atomic)."""
+        self._heard: dict[str, float] = {}
+        """GenerateMany client -> when its last request arrived (`every_client_in`)."""
         self._driver: asyncio.Task[None] | None = None
         self._waiting_jobs = 0
         """Adapter loads and unloads queued for the engine thread: the decode loop hands
@@ -189,7 +207,10 @@ class TransformersEngine:
             raise KeyError(f"adapter {request.adapter_key} is not loaded")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[GenerationResult] = loop.create_future()
-        self._inbox.append(_Pending(request, fut, loop))
+        pending = _Pending(request, fut, loop)
+        self._inbox.append(pending)
+        if request.client:
+            self._heard[request.client] = pending.arrived
         if self._driver is None:
             self._driver = asyncio.create_task(self._drive())
         return await fut
@@ -211,9 +232,12 @@ class TransformersEngine:
 
     async def _gather_burst(self) -> None:
         """Requests of one workflow stage arrive as a burst (one GenerateMany call a worker):
-        wait until it pauses (`burst_wait_s`)."""
+        wait until every client heard from lately has sent its part (`every_client_in`),
+        or else until the burst pauses (`burst_wait_s`)."""
         inbox = self._inbox
-        while inbox and (left := burst_wait_s(
+        while inbox and not every_client_in(
+            self._heard, {p.request.client for p in inbox}, time.monotonic()
+        ) and (left := burst_wait_s(
             inbox[0].arrived, inbox[-1].arrived, time.monotonic(), len(inbox),
             self.max_batch, self.batch_wait_s, self.max_batch_wait_s,
         )) > 0:
