@@ -231,10 +231,11 @@ class LearnerConfig(_RunsCodeConfig):
     generation then leaves idle). 0: the learner's own threads (OMP_NUM_THREADS) throughout;
     leave it so where the learner has cores of its own (a pod with a CPU limit)."""
     warm_policy_processes: int = Field(default=0, ge=0, le=64)
-    """Policy processes kept started ahead, torch and the model code imported, for runs
-    with `learner.policy_process: own` (one-process learners): such a run takes one instead
-    of starting its own, and another starts in its place. Each idle one holds the memory of
-    those imports. 0: every such run starts its own."""
+    """Policy processes started with the learner, torch and the model code imported, for
+    runs with `learner.policy_process: own` (one-process learners): such a run takes an
+    idle one (or starts one), and once it ends the process drops its policy and waits for
+    the next run's; at most this many wait. Each idle one holds the memory of those
+    imports. 0: every such run starts a process of its own, which ends with it."""
     max_concurrent_runs: int = Field(default=1, ge=1, le=64)
     """Runs this learner process trains at once, each with its own adapters, optimizers and
     step loop, their torch work taking turns on the process's one torch thread. Inference
