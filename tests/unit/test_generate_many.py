@@ -30,6 +30,9 @@ class Context:
     async def abort(self, code: Any, details: str) -> None:
         raise AssertionError(f"aborted: {code} {details}")
 
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:50000"
+
 
 async def replies(n: int, max_tokens: int, first: int = 1, version: int = 1, joined: bool = True
                   ) -> list[inference_pb2.GenerateManyResponse]:
