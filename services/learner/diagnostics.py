@@ -365,3 +365,11 @@ class StepDiagnostics:
                 self.importance.tokens += part.tokens
                 self.importance.total += part.total
                 self.importance.truncated += part.truncated
+
+    def metrics(self) -> dict[str, float]:
+        """The per-role signals, the time spent here (`time/diagnostics_s`) and, off-policy,
+        the importance weights; once `step_ends` has run."""
+        m = {**self.signals.metrics(), "time/diagnostics_s": self.seconds}
+        if self.importance is not None:
+            m.update(self.importance.metrics())
+        return m

@@ -50,6 +50,11 @@ class Action:
     why: str
 
 
+def acts(spec: RunSpec) -> bool:
+    """Whether some alarm makes the guard do more than warn."""
+    return any(action != "warn" for action in spec.guard.on_alarm.values())
+
+
 def spare_adapters(spec: RunSpec, roles: dict[str, str]) -> dict[str, str]:
     """Role -> the adapter it gets if it is split off: with `guard.on_alarm.sp_role_capture:
     split`, one for every role on an adapter that serves several (named after the role, or

@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from functools import partial
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from peft import (
@@ -36,6 +36,9 @@ from services.learner.chunked_logprobs import head_logprobs
 from services.learner.grpo import at_least_float32
 from services.learner.prompt_rows import Rows, layout
 from services.learner.sequences import Sequence
+
+if TYPE_CHECKING:
+    from services.learner.update import PendingDrift
 
 LOGIT_CHUNK_BYTES = 128 * 2**20
 """fp32 logits per log-prob chunk (about 220 positions at Qwen3's 152k vocabulary)."""
@@ -155,6 +158,8 @@ class MultiAdapterPolicy:
             p: torch.optim.lr_scheduler.LambdaLR(opt, factor) for p, opt in self.optimizers.items()
         }
         self.updates = 0
+        self.pending_drift: PendingDrift | None = None
+        """The last step's signals, left to be measured after its push (update.py)."""
         self.logit_chunk_bytes = LOGIT_CHUNK_BYTES
         self._checkpointing = False
         self._compiled = False

@@ -91,18 +91,16 @@ def update_metrics(
     sequences: int,
     groups_dropped: int,
     penalties: list[float] | None,
-    signals: RoleSignals,
+    diagnostics: dict[str, float],
     mini_batches: Sequence[MiniBatchStats],
     kl: bool,
     balance_scales: dict[str, list[float]],
-    diagnostics_s: float,
-    importance: ImportanceStats | None,
 ) -> dict[str, float]:
     """A GRPO step's metrics: the learning rates (`lr`: the first adapter's, `lrs` those of
     the routed adapters), its sequences and dropped groups, the mean overlong penalty (with
-    `grpo.overlong`), the per-role signals, each adapter's mini-batches (with its KL to the
-    base model when `kl`), the role balance's scales, the diagnostics' time and the
-    importance weights (off-policy steps)."""
+    `grpo.overlong`), the diagnostics' own (`StepDiagnostics.metrics`; none yet when they
+    are measured after the push), each adapter's mini-batches (with its KL to the base
+    model when `kl`) and the role balance's scales."""
     m: dict[str, float] = {
         "train/lr": lr,
         **{f"policy/{p}/lr": v for p, v in lrs.items()},
@@ -111,13 +109,10 @@ def update_metrics(
     }
     if penalties is not None:
         m["train/overlong_penalty_mean"] = sum(penalties) / max(len(penalties), 1)
-    m.update(signal_metrics(signals))
+    m.update(diagnostics)
     m.update(mini_batch_metrics(mini_batches, kl))
     for role, scales in balance_scales.items():
         m[f"role/{role}/balance_scale"] = sum(scales) / len(scales)
-    m["time/diagnostics_s"] = diagnostics_s
-    if importance is not None:
-        m.update(importance_metrics(importance))
     return m
 
 

@@ -12,6 +12,8 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
+from services.learner.guard import acts
+
 if TYPE_CHECKING:
     from marl.rollout import Rollout
     from services.learner.episodes import Pending
@@ -81,14 +83,22 @@ class Synchronous:
     async def updated(self) -> None:
         pass
 
+    def drift_later(self, done: int) -> bool:
+        """Whether step `done`'s per-role signals wait until the next step's tasks are out
+        (`update.measure_drift`), their forward then running beside that step's generation:
+        when those tasks are queued ahead and no alarm makes the guard act (every
+        `guard.on_alarm` warns), so nothing they wait for reads the signals."""
+        return self.next_step_ahead(done) and not acts(self.run.spec)
+
     async def publish(self, trained: Trained) -> None:
         judged = None
         pushed = None
         if self.next_step_ahead(trained.step):
             # the next step's tasks follow this push to the workers, and are generated
             # while this step is checkpointed and logged
-            judged = self.run.records.judge(trained.step, trained.record)
-            if judged[1] is None:  # no guard action: nothing before it to wait for
+            if not trained.drift_later:  # else the guard cannot act: judged with the record
+                judged = self.run.records.judge(trained.step, trained.record)
+            if judged is None or judged[1] is None:  # nothing before it to wait for
                 pushed = asyncio.Event()
                 self.ahead.submit(trained.step, pushed)
         position = self.ahead.position(trained.step)
@@ -137,6 +147,10 @@ class RolloutsAhead:
             if s not in self.ahead.steps:
                 self.ahead.submit(s, self.pushed)
         return await self.ahead.gather(step, clock)
+
+    def drift_later(self, done: int) -> bool:
+        """Never: the next update starts while this step is pushed."""
+        return False
 
     async def updated(self) -> None:
         if self.finishing is not None:

@@ -100,6 +100,16 @@ class Trained:
     record: dict[str, Any]
     rollouts: list[Rollout]
     clock: StepClock
+    drift_later: bool = False
+    """Its per-role signals are measured after its push (`update.measure_drift`)."""
+
+
+def measuring_drift(torch: TorchThread, policy: PolicyHandle) -> asyncio.Future[dict[str, float]]:
+    """The step's per-role signals (`update.measure_drift`), measured on the torch thread
+    while its push goes out and the next step's tasks leave behind it."""
+    from services.learner.update import measure_drift
+
+    return asyncio.ensure_future(torch.run(policy.call, measure_drift))
 
 
 def trim_heap(policy: PolicyHandle) -> None:
@@ -215,10 +225,11 @@ class RunExecutor:
                     ahead = reading_ahead(
                         self.burst, self.episodes, schedule.ahead.task_ids(), self.run_id
                     )
+                    drift_later = schedule.drift_later(step + 1)
                     async with ahead as burst_s:
                         result = await self.torch.run(
-                            policy.call, grpo_step, trained, [r.problem_id for r in trained],
-                            self.roles, spec,
+                            policy.call, partial(grpo_step, drift_later=drift_later), trained,
+                            [r.problem_id for r in trained], self.roles, spec,
                         )
                     clock.updated = time.monotonic()
                     await schedule.updated()
@@ -230,7 +241,9 @@ class RunExecutor:
                         clock=clock,
                         burst_s=None if self.burst is None else burst_s[0],
                     )
-                    await schedule.publish(Trained(step + 1, record, rollouts, clock))
+                    await schedule.publish(
+                        Trained(step + 1, record, rollouts, clock, drift_later)
+                    )
                 await schedule.drain()
                 failure = self.records.record.outcome.verdict(spec.train)
                 if failure is not None:
@@ -387,11 +400,17 @@ class RunExecutor:
         (resuming at data `position`) run when due, and the record goes through the
         alarms and the guard to every sink."""
         done, record, clock, policy = trained.step, trained.record, trained.clock, loop.policy
-        await self.adapters.push(policy)
-        clock.pushed = time.monotonic()
-        if pushed is not None:
-            pushed.set()
-            await self.episodes.add_tasks()
+        snapshot = await self.adapters.snapshot(policy)
+        drift = measuring_drift(self.torch, policy) if trained.drift_later else None
+        try:
+            await self.adapters.send(snapshot)
+            clock.pushed = time.monotonic()
+            if pushed is not None:
+                pushed.set()
+                await self.episodes.add_tasks()
+        finally:
+            if drift is not None:
+                record.update(await drift)
         with tracing.span("rollout log", run=self.run_id, step=done):
             self.records.rollouts.write(done, trained.rollouts)
         if loop.validator.due(done):

@@ -37,7 +37,7 @@ import torch
 from marl.diagnostics.signatures import parallel_roles
 from marl.rollout import Rollout
 from marl.runtime import tracing
-from marl.spec.run import RunSpec
+from marl.spec.run import GRPOSpec, RunSpec
 from services.learner import fsdp
 from services.learner.advantages import step_advantages
 from services.learner.batching import (
@@ -114,15 +114,40 @@ class Step:
         self.ref = [None] * len(self.seqs)
 
 
+@dataclass
+class PendingDrift:
+    """What a step leaves for its per-role signals (π_old's and the sampled drift,
+    diagnostics.py) when they are measured after its push (`grpo_step`'s `drift_later`)."""
+
+    seqs: list[Sequence]
+    old: list[torch.Tensor | None]
+    rng: random.Random
+    """The step's generator, where the update left it: the same tokens are sampled as in
+    a step that measures at once."""
+    temperature: float
+    grpo: GRPOSpec
+    watch: StepDiagnostics
+
+    def measure(self, policy: MultiAdapterPolicy) -> dict[str, float]:
+        self.watch.step_ends(
+            policy, self.seqs, self.old, self.rng, self.temperature, self.grpo
+        )
+        return self.watch.metrics()
+
+
 def grpo_step(
     policy: MultiAdapterPolicy,
     rollouts: list[Rollout],
     groups: list[str],
     policy_of_role: dict[str, str],
     spec: RunSpec,
+    drift_later: bool = False,
 ) -> StepResult:
     """Train every adapter on the step's `rollouts` (`groups`: each one's problem) and
-    advance their schedules; `policy_of_role`: role -> adapter."""
+    advance their schedules; `policy_of_role`: role -> adapter. `drift_later`: the per-role
+    signals are left for `measure_drift`, which the learner calls once the next step's
+    tasks are out, so that their forward runs beside that step's generation; the policy
+    must not change in between."""
     started = time.monotonic()  # the "grpo step" span, on the thread that runs it
     g = spec.grpo
     adv = step_advantages(rollouts, groups, spec)
@@ -155,7 +180,8 @@ def grpo_step(
         for k, mb in enumerate(mbs):
             mini_batches.append(train_mini_batch(policy, step, p, k, mb, k < per_epoch))
     policy.model.eval()
-    step.watch.step_ends(policy, seqs, step.old, rng, spec.sampling.temperature, g)
+    drift = PendingDrift(seqs, step.old, rng, spec.sampling.temperature, g, step.watch)
+    policy.pending_drift = drift if drift_later else None
     routed = set(policy_of_role.values())
     metrics = update_metrics(
         lr=policy.lr(),
@@ -165,16 +191,28 @@ def grpo_step(
         penalties=(
             [a - r.reward for a, r in zip(rewards, rollouts, strict=True)] if g.overlong else None
         ),
-        signals=step.watch.signals,
+        diagnostics={} if drift_later else drift.measure(policy),
         mini_batches=mini_batches,
         kl=g.kl_coef > 0,
         balance_scales=step.balance.scales,
-        diagnostics_s=step.watch.seconds,
-        importance=step.watch.importance,
     )
     policy.end_step()
     tracing.add("grpo step", started, time.monotonic())
     return StepResult(metrics, mini_batches)
+
+
+def measure_drift(policy: MultiAdapterPolicy) -> dict[str, float]:
+    """The per-role signals of the step `grpo_step` trained last with `drift_later` ({}
+    when it measured them itself); collective, as the update is."""
+    pending, policy.pending_drift = policy.pending_drift, None
+    if pending is None:
+        return {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads // 2))
+    try:
+        return pending.measure(policy)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def train_mini_batch(

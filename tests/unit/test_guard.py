@@ -11,7 +11,7 @@ import torch
 from marl.diagnostics.alarms import Alarm
 from marl.spec.run import RunSpec, parse_spec
 from services.learner.checkpoint import Checkpointer
-from services.learner.guard import Guard
+from services.learner.guard import Guard, acts
 from tests.support.batches import new_policy, spec, step, voting_batch
 
 CLIFF = Alarm("accuracy_cliff", "all", 5, "validation accuracy 0.3, down 0.2")
@@ -23,6 +23,15 @@ def guarded(**guard: object) -> RunSpec:
     base["optim"]["policy_lr"] = {"generator": 0.2}
     base["guard"] = guard
     return parse_spec(base)
+
+
+def test_a_guard_that_only_warns_does_not_act() -> None:
+    """A synchronous step's signals wait until after its push only when nothing acts on
+    them (schedules.Synchronous.drift_later)."""
+    assert not acts(guarded())
+    assert not acts(guarded(on_alarm={"entropy_collapse": "warn"}))
+    assert acts(guarded(on_alarm={"entropy_collapse": "warn", "accuracy_cliff": "rollback"}))
+    assert acts(guarded(on_alarm={"sp_role_capture": "split"}))
 
 
 def test_decide_stop_wins_and_the_limit_turns_rollback_into_stop() -> None:

@@ -197,6 +197,30 @@ def test_every_role_signal_is_logged_under_ip_and_sp(model_dir: Path, mode: str)
     assert diagnostics.SAMPLE_TOKENS_PER_ROLE > 0
 
 
+@pytest.mark.parametrize("mode", ["shared", "isolated"])
+def test_signals_measured_after_the_push_are_the_steps_own(model_dir: Path, mode: str) -> None:
+    """`drift_later` leaves the signals to `measure_drift`: the same tokens are sampled and
+    every metric is the one the step would have logged itself; none is logged before."""
+    from services.learner.update import grpo_step, measure_drift
+    from tests.support.batches import ROLES, new_policy, spec, voting_batch
+
+    s = spec(mini_batch_size=4)
+    at_once, later = new_policy(model_dir, mode, s), new_policy(model_dir, mode, s)
+    batch = voting_batch()
+    groups = [r.problem_id for r in batch]
+    expected = grpo_step(at_once, batch, groups, ROLES[mode], s).metrics
+    first = grpo_step(later, batch, groups, ROLES[mode], s, drift_later=True).metrics
+    assert not [k for k in first if "kl_base" in k or "chi2" in k or k == "time/diagnostics_s"]
+    signals = measure_drift(later)
+    assert measure_drift(later) == {}  # measured once
+    got = {**first, **signals}
+    assert got.keys() == expected.keys()
+    for k, v in expected.items():
+        if k != "time/diagnostics_s":
+            assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+    assert signals["role/generator/kl_base"] > 0 and signals["time/diagnostics_s"] > 0
+
+
 def test_picked_sequences_are_cut_after_their_last_sampled_token() -> None:
     seqs = [seq("generator", [5, 6, 7, 8]), seq("generator", [5, 6]), seq("aggregator", [9, 9])]
     short = diagnostics.upto_last_picked(seqs, {0: [2, 0], 2: [1]})

@@ -3,7 +3,7 @@ frames of marl code from `run_loop` to `grpo_loss`.
 
 The step crosses a thread: the event loop's side is `run_loop` -> `train_run` (the run's
 task) -> `RunExecutor.execute`, which hands the update to the torch thread with
-`self.torch.run(policy.call, grpo_step, ...)` (`TorchThread.run` and `RunLane.run` return
+`self.torch.run(policy.call, partial(grpo_step, ...), ...)` (`TorchThread.run` and `RunLane.run` return
 a future, so no frame of theirs sits between; `_until_lost` only watches the lease beside
 `execute`'s task). The torch thread's side is counted from a real step on the tiny model
 run through that very hand-off (a `RunLane` on a `TorchThread`, `MultiAdapterPolicy.call`),
@@ -35,7 +35,7 @@ def marl_frames(stack: traceback.StackSummary) -> list[str]:
 
 def test_execute_hands_the_step_straight_to_the_torch_thread() -> None:
     source = inspect.getsource(trainer.RunExecutor.execute)
-    assert "self.torch.run(\n" in source and "policy.call, grpo_step," in source
+    assert "self.torch.run(\n" in source and "policy.call, partial(grpo_step," in source
 
 
 def test_the_step_path_is_at_most_eight_frames(
