@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -177,6 +178,11 @@ class Rollout:
 _ATOMS = (str, int, float, bool, type(None))
 
 
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
+
+
 def _plain(value: Any) -> Any:
     """`dataclasses.asdict` for this module's JSON data, without its deep copy of every
     leaf: a step's tasks and rollouts are serialised several times over (tasks by the
@@ -185,7 +191,7 @@ def _plain(value: Any) -> Any:
     if isinstance(value, _ATOMS):
         return value
     if is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+        return {name: _plain(getattr(value, name)) for name in _field_names(type(value))}
     if isinstance(value, list | tuple):
         return type(value)(v if isinstance(v, _ATOMS) else _plain(v) for v in value)
     if isinstance(value, dict):

@@ -39,6 +39,7 @@ from marl.runtime import auth, replicas
 from marl.runtime.aio_tasks import cancel_until_done, raise_if_cancelled
 from marl.runtime.torch_thread import TorchThread
 from marl.spec.run import RunSpec
+from marl.spec.services import auth_token
 from services.learner.errors import ReplicaUnreachable, RunFailed
 from services.learner.lease import Lease
 from services.learner.runs import acks_key
@@ -46,6 +47,8 @@ from services.learner.runs import acks_key
 log = logging.getLogger(__name__)
 
 PUSH_DEADLINE_S = 300.0
+CHANNEL_OPTIONS = [("grpc.max_reconnect_backoff_ms", 1000)]
+"""A replica back at its address is reached within a second, as the workers' channels do."""
 REPLICA_WAIT_S = 300.0
 """How long a push waits for an inference replica to take it, when none is live or every
 live one is unreachable (the only one restarting; workers wait `replica_wait_s` for one
@@ -119,6 +122,10 @@ class AdapterSync:
         self._sync: asyncio.Task[None] | None = None
         self._short_of_slots: set[str] = set()
         """Replicas already warned of (`check_lora_slots`)."""
+        self._channels: dict[tuple[str, str | None], grpc.aio.Channel] = {}
+        """(replica address, auth token) -> the channel every push to it takes: a channel
+        of its own per push put a connection's setup on every step's critical path. A new
+        token (a rotated Secret) opens a new channel."""
 
     @property
     def current(self) -> dict[str, Published]:
@@ -154,6 +161,7 @@ class AdapterSync:
         """Stop pushing; `release`: the run is over, so its adapters are unloaded from the
         replicas and no longer current (False: another learner holds the run now)."""
         await cancel_until_done([*([self._sync] if self._sync else []), *self._pushes.values()])
+        await self.close_channels(set())
         if not release:
             return
         await replicas.retire_current(self.r, [self.adapter_name(p) for p in self.current])
@@ -209,6 +217,7 @@ class AdapterSync:
             live = await replicas.live(self.r, "inference", include_joining=True)
             targets = {k: v for k, v in live.items() if v.get("base_model") == self.base_model}
             self.check_lora_slots(targets)
+            await self.close_channels({v["address"] for v in live.values()})
             unreachable = await self._push_round(targets, current)
             untaken = [
                 f"{self.adapter_name(p)}@{pub.version}"
@@ -285,31 +294,45 @@ class AdapterSync:
             task.add_done_callback(done)
         return task
 
+    def channel(self, address: str) -> grpc.aio.Channel:
+        key = (address, auth_token())
+        if key not in self._channels:
+            self._channels[key] = auth.aio_channel(address, CHANNEL_OPTIONS)
+        return self._channels[key]
+
+    async def close_channels(self, keep: set[str]) -> None:
+        """Close the channels to every address but `keep`'s (replicas gone, or a token
+        rotated away from)."""
+        token = auth_token()
+        for key in [k for k in self._channels if k[0] not in keep or k[1] != token]:
+            await self._channels.pop(key).close()
+
     async def _push_one(self, rid: str, address: str, p: str, pub: Published) -> None:
-        async with auth.aio_channel(address) as channel:
-            stub = inference_pb2_grpc.InferenceStub(channel)
-            try:
-                await stub.PushAdapter(
-                    adapter_io.chunks(pub.manifest, pub.payload), timeout=PUSH_DEADLINE_S
-                )
-            except grpc.aio.AioRpcError as err:
-                ref = f"{self.adapter_name(p)}@{pub.version}"
-                if err.code() in NO_ANSWER:  # the replica went away, it did not refuse
-                    raise ReplicaUnreachable(
-                        f"inference replica {rid} ({address}) unreachable for {ref}: "
-                        f"{err.details()}"
-                    ) from None
-                if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy: try it again
-                    raise ReplicaUnreachable(
-                        f"inference replica {rid} ({address}) busy for {ref}: {err.details()}"
-                    ) from None
-                if self.lease is not None and err.code() == grpc.StatusCode.ABORTED:
-                    raise self.lease.lost_to(
-                        f"inference replica {rid} refused {ref}: {err.details()}"
-                    ) from None
-                raise RunFailed(
-                    f"inference replica {rid} ({address}) refused adapter {ref}: {err.details()}"
+        stub = inference_pb2_grpc.InferenceStub(self.channel(address))
+        try:
+            await stub.PushAdapter(
+                adapter_io.chunks(pub.manifest, pub.payload), timeout=PUSH_DEADLINE_S
+            )
+        except grpc.aio.AioRpcError as err:
+            ref = f"{self.adapter_name(p)}@{pub.version}"
+            if err.code() in NO_ANSWER:  # the replica went away, it did not refuse
+                # the next try connects afresh, not after the channel's reconnect backoff
+                await self.close_channels({a for a, _ in self._channels} - {address})
+                raise ReplicaUnreachable(
+                    f"inference replica {rid} ({address}) unreachable for {ref}: "
+                    f"{err.details()}"
                 ) from None
+            if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy: try it again
+                raise ReplicaUnreachable(
+                    f"inference replica {rid} ({address}) busy for {ref}: {err.details()}"
+                ) from None
+            if self.lease is not None and err.code() == grpc.StatusCode.ABORTED:
+                raise self.lease.lost_to(
+                    f"inference replica {rid} refused {ref}: {err.details()}"
+                ) from None
+            raise RunFailed(
+                f"inference replica {rid} ({address}) refused adapter {ref}: {err.details()}"
+            ) from None
         self._acked.add((rid, p, pub.version))
         await self.r.hset(acks_key(self.run_id), f"{rid}/{p}@{pub.version}", time.time())
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import os
 import random
@@ -78,6 +79,7 @@ JUDGE_ENDPOINTS = f"the workers' judge_endpoints ({env_name('workflow', 'judge_e
 
 
 REPLICA_CHANNEL_OPTIONS = [("grpc.max_reconnect_backoff_ms", 1000)]
+MAX_CACHED_CAPS = 64
 """A channel to a replica that went away tries to reconnect at least once a second, so a
 replica that restarts on its address takes turns within a second of coming back, not
 after gRPC's default backoff (growing to 120 s while it was down)."""
@@ -121,6 +123,9 @@ class EpisodeRunner:
         self._replicas_at = 0.0
         self._refreshing: asyncio.Task[None] | None = None
         self._sandbox: Any = None
+        self._caps: dict[str, WorkflowCaps] = {}
+        """A task's `caps` (canonical JSON) -> them validated: a step's tasks carry their
+        run's, and a validation per episode was a share of the step's critical path."""
 
     async def tokenizer(self, model_path: str) -> Any:
         """The model's tokenizer, loaded once per model directory in a thread. A real
@@ -222,7 +227,7 @@ class EpisodeRunner:
         self.preload(str(info["model_path"]) for info in live.values() if info.get("model_path"))
 
     async def episode(self, task: Task, workflow: Workflow) -> Episode:
-        caps = workflow.caps_for(WorkflowCaps(**task.caps), task.problem.task)
+        caps = workflow.caps_for(self.workflow_caps(task.caps), task.problem.task)
         args = workflow.parse_args(task.workflow_args)
 
         async def oracle(answer: str) -> bool:  # facts only: never asks (and records) a judge
@@ -240,6 +245,18 @@ class EpisodeRunner:
         episode.sandbox_client = self.sandbox
         episode.judge_client = self.judge_client
         return episode
+
+    def workflow_caps(self, caps: dict[str, Any]) -> WorkflowCaps:
+        """`caps` validated (a ValidationError as before), once per distinct value while
+        at most MAX_CACHED_CAPS are held."""
+        key = json.dumps(caps, sort_keys=True)
+        valid = self._caps.get(key)
+        if valid is None:
+            valid = WorkflowCaps(**caps)
+            if len(self._caps) >= MAX_CACHED_CAPS:
+                self._caps.clear()
+            self._caps[key] = valid
+        return valid
 
     def check_names(self, task: Task) -> None:
         """The task's workflow, reward function and judge endpoint are ones this worker's
