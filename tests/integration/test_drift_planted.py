@@ -22,8 +22,11 @@ round differently samples other tokens. Seed 1 at a constant 1e-2 went 0.09 -> 1
 an Intel AVX-512 host: no alarm, CI failed); on that host a constant 3e-2 fired on 1 of
 seeds 0-3 (the generator's entropy collapsed on 2). With the ramp to 2e-2, seeds 0-3 there
 all fired, at 74.8x, 18.5x, 8.7x and 4.4x the generator's first χ² (the threshold 3x),
-the aggregator's at 1.0x: its χ² stays under the 0.02 noise floor at 1e-3. The alarm's
-arithmetic is tested on its own in tests/unit/test_alarms.py.
+the aggregator's at 1.0x: its χ² stays under the 0.02 noise floor at 1e-3. On an AMD Zen 4
+host (2026-12-07) seed 0 did not fire: one sampled token put the generator's step-2 χ² at
+1.05, and the first window's mean (0.38) hid the rise to 0.48. Seeds 1-3 fired there
+(update_chi2 6.2x, 3.9x, 3.5x), so the run takes seed 1, the one with most room on both
+hosts. The alarm's arithmetic is tested on its own in tests/unit/test_alarms.py.
 """
 
 from __future__ import annotations
