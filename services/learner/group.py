@@ -250,9 +250,24 @@ def follow(group: Group) -> None:
             outcome = answer(policies[key], fn, fargs, keep=False)
         rngs[key] = _get_rng()
         _outcomes(group, outcome)
+    _leave()
 
 
 def stop(group: Group) -> None:
     """Rank 0 is stopping: the followers exit (the launcher then ends the group)."""
     if group.rank == 0:
         _broadcast(group, ("stop", 0))
+    _leave()
+
+
+def _leave() -> None:
+    """Tear down this rank's process groups while the interpreter is whole. A process
+    that exits with gloo's worker threads still alive can abort in its finalization
+    (SIGABRT, "terminate called without an active exception"), which the launcher takes
+    for a failed rank."""
+    global _joined
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _joined = None
