@@ -181,6 +181,23 @@ def _rank_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when ranks stop
     heap.keep_freed_heap_until_trimmed(heap.LEARNER_MMAP_THRESHOLD)  # as the server does
     try:
+        _serve_rank(rank, size, port, args, conn, burst)
+    finally:
+        if dist.is_initialized():  # gloo's threads end before the interpreter's teardown
+            dist.destroy_process_group()
+
+
+def _serve_rank(
+    rank: int,
+    size: int,
+    port: int,
+    args: PolicyArgs,
+    conn: Connection,
+    burst: ThreadBurst | None,
+) -> None:
+    import torch.distributed as dist
+
+    try:
         device = resolve_device(args.device, rank)
         if device.startswith("cuda"):
             torch.cuda.set_device(device)
@@ -208,8 +225,6 @@ def _rank_main(
             break
         fn, fargs = message
         conn.send(answer(policy, fn, fargs, keep=rank == 0))
-    if size > 1:
-        dist.destroy_process_group()
 
 
 def warm_main(conn: Connection) -> None:
