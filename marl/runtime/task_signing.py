@@ -23,15 +23,18 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from marl.rollout import Task, json_fields
+
 PAYLOAD_FIELD = "json"
 SIGNATURE_FIELD = "sig"
 DOMAIN = b"marl.v1.task\n"
 """Keeps a task's MAC from being any other MAC the token makes."""
 
 
-def canonical(payload: Mapping[str, Any]) -> str:
-    """The bytes a task is stored and signed as (ASCII JSON, sorted keys, no spaces)."""
-    return json.dumps(payload, sort_keys=True, separators=(",", ":"))
+def canonical(payload: Mapping[str, Any] | Task) -> str:
+    """The bytes a task is stored and signed as (ASCII JSON, sorted keys, no spaces): a
+    Task's the same as its `to_dict()`'s."""
+    return json.dumps(payload, sort_keys=True, separators=(",", ":"), default=json_fields)
 
 
 class TaskSigner:
@@ -50,7 +53,7 @@ class TaskSigner:
         message = DOMAIN + stream.encode("utf-8") + b"\n" + body.encode("utf-8")
         return hmac.new(self._key, message, hashlib.sha256).hexdigest()
 
-    def fields(self, stream: str, payload: Mapping[str, Any]) -> dict[str, str]:
+    def fields(self, stream: str, payload: Mapping[str, Any] | Task) -> dict[str, str]:
         """The fields of a stream entry holding `payload`, signed when a token is set."""
         body = canonical(payload)
         if self._key is None:

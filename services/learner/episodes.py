@@ -206,7 +206,7 @@ class Episodes:
         with tracing.span("queue tasks", "tasks", tasks=len(batch)):
             async with self.r.pipeline(transaction=True) as pipe:
                 for t, _ in batch:
-                    entry: dict[Any, Any] = self.signer.fields(streams.TASKS, t.to_dict())
+                    entry: dict[Any, Any] = self.signer.fields(streams.TASKS, t)
                     pipe.xadd(streams.TASKS, entry)
                 added = await pipe.execute()
         for (_, pending), entry_id in zip(batch, added, strict=True):

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 
-from marl.rollout import Rollout
+from marl.rollout import Rollout, to_json
 from marl.runtime import streams
 from services.learner.outcome import Outcome
 from services.learner.runs import RunStore
@@ -141,4 +141,4 @@ class RolloutLog:
             picked[-1] = failed
         with open(self.folder / f"step_{step:06d}.jsonl", "w") as f:
             for r in picked:
-                f.write(json.dumps(r.to_dict()) + "\n")
+                f.write(to_json(r) + "\n")

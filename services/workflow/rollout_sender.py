@@ -20,14 +20,13 @@ ended does not recreate the stream the learner deleted.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import ResponseError
 
-from marl.rollout import Rollout
+from marl.rollout import Rollout, to_json
 from marl.runtime import streams, tracing
 
 log = logging.getLogger(__name__)
@@ -80,7 +79,7 @@ class RolloutSender:
         was not sent and the entry only acknowledged. Raises what failed."""
         out = _Outgoing(
             streams.rollouts_stream(rollout.run_id),
-            json.dumps(rollout.to_dict()),
+            to_json(rollout),
             entry_id,
             asyncio.get_running_loop().create_future(),
         )
