@@ -321,10 +321,10 @@ class StepDiagnostics:
             return
         with self._timed():
             after = full_grads(policy, p)
-            sq = sum(
-                float(((a - z) ** 2).sum()) for a, z in zip(after, self._before, strict=True)
-            )
-            self.signals.add_grad(role, sq**0.5, p)
+            # a 0-d `before` stands for a gradient not there yet: the role's part is all of it
+            part = [a if z.ndim == 0 else a - z for a, z in zip(after, self._before, strict=True)]
+            norm = float(torch.nn.utils.get_total_norm(part, foreach=True))
+            self.signals.add_grad(role, norm, p)
             self._before = None
 
     def weighted(self, weights: torch.Tensor, cap: float) -> None:
