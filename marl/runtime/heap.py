@@ -14,8 +14,9 @@ thousands of times, and every page of each fresh mapping faults on first touch (
 of the demo's Voting update takes a great many such faults, each dear on a VM;
 `bench/heap_trim.py` counts them). `keep_freed_heap_until_trimmed` makes glibc keep what a step frees
 for the step's own next allocations (in the learner only blocks under 1 MiB, for its
-peak's sake: LEARNER_MMAP_THRESHOLD); the services' explicit `release_free_heap` after a
-step or a batch still returns it, so resident memory between steps is as before. A trim
+peak's sake: LEARNER_MMAP_THRESHOLD); the services' explicit `release_free_heap` still
+returns it: the inference replica's after a batch, the learner's when a run ends and, while
+other runs share the learner, after each step (a run alone reuses the pages next step). A trim
 belongs on the thread that runs the torch work, between steps: in the middle of one it
 hands back the pages the step is freeing and reallocating, and they fault in again.
 """

@@ -35,7 +35,7 @@ import redis.asyncio as aioredis
 
 from marl.data import load_problems
 from marl.models.identity import base_model_id
-from marl.runtime import tracing
+from marl.runtime import heap, tracing
 from marl.runtime.aio_tasks import cancel_until_done
 from marl.runtime.fences import StaleFence
 from marl.runtime.task_signing import TaskSigner
@@ -112,14 +112,18 @@ def measuring_drift(torch: TorchThread, policy: PolicyHandle) -> asyncio.Future[
     return asyncio.ensure_future(torch.run(policy.call, measure_drift))
 
 
-def trim_heap(policy: PolicyHandle) -> None:
-    """The heap trim (`marl.runtime.heap`) of the processes that hold the policy and of the server,
-    run on the torch thread so that it never overlaps an update: one step ahead, a step's
-    record is written while the next update runs, and a trim then handed back the pages of
-    the activations that update was freeing and reallocating, each to be faulted in again
-    (`bench/heap_trim.py` counts the faults and times both)."""
-    with tracing.span("heap trim"):
-        policy.release_free_heap()
+def trim_heap(policy: PolicyHandle | None, run_id: str) -> None:
+    """The heap trim (`marl.runtime.heap`) of the processes that hold the policy and of the server
+    (None: a closed policy, the server's alone), run on the torch thread so that it never
+    overlaps an update: one step ahead, a step's record is written while the next update
+    runs, and a trim then handed back the pages of the activations that update was freeing
+    and reallocating, each to be faulted in again (`bench/heap_trim.py` counts the faults
+    and times both)."""
+    with tracing.span("heap trim", run=run_id):
+        if policy is None:
+            heap.release_free_heap()
+        else:
+            policy.release_free_heap()
 
 
 class RunExecutor:
@@ -191,6 +195,10 @@ class RunExecutor:
         self.data_position = 0
         """The data position a checkpoint of the step just trained resumes from."""
         self.burst_threads = learner.burst_threads
+        self.trim_each_step = learner.max_concurrent_runs > 1
+        """Whether each step hands its freed heap back (`trim_heap`): only where other runs may
+        use the pages. A run alone on its learner reuses them in its next step, which would
+        otherwise fault each back in; its heap is trimmed once, when it ends."""
         self.burst: ThreadBurst | None = None
         self.policy_pool = policy_pool
 
@@ -254,6 +262,7 @@ class RunExecutor:
             finally:
                 await schedule.close()
                 await self.torch.run(close_policy, policy)
+                await self.torch.run(trim_heap, None, self.run_id)
         finally:
             await self.close()
 
@@ -423,7 +432,8 @@ class RunExecutor:
         clock.trace(self.run_id, done, clock.start + record["time/step_s"])
         with tracing.span("record", run=self.run_id, step=done):
             await self.record_step(done, record, policy, loop.checkpointer, judged)
-        await self.torch.run(trim_heap, policy)
+        if self.trim_each_step:
+            await self.torch.run(trim_heap, policy, self.run_id)
 
     async def save(
         self, checkpointer: Checkpointer, step: int, policy: PolicyHandle, accuracy: float | None
@@ -473,7 +483,8 @@ class RunExecutor:
             self.records.rollouts.write(step, rollouts)
         with tracing.span("record", run=self.run_id, step=step):
             await self.records.write(step, full, None)
-        await self.torch.run(trim_heap, policy)
+        if self.trim_each_step:
+            await self.torch.run(trim_heap, policy, self.run_id)
 
     async def check_cancel(self) -> None:
         if await self.store.cancel_requested(self.run_id):

@@ -22,11 +22,13 @@ import pytest
 
 from marl.local.launcher import Cluster
 from marl.protocol.v1 import learner_pb2
+from tests.support.cluster import learner_spans
 from tests.support.runs import rows, stub, submit, wait_end
 from tests.support.specs import small_spec
 
 pytestmark = [
-    pytest.mark.timeout(600), pytest.mark.cluster(sandbox_replicas=0, max_concurrent_runs=2),
+    pytest.mark.timeout(600),
+    pytest.mark.cluster(sandbox_replicas=0, max_concurrent_runs=2, traced=True),
 ]
 
 GROUP = 4
@@ -100,6 +102,9 @@ def test_two_runs_at_once_train_as_each_alone(cluster: Cluster, tmp_path: Path) 
         assert together[-1].keys() == alone[name][-1].keys()
         for a, b in zip(alone[name], together, strict=True):
             assert b == pytest.approx(a, rel=0, abs=1e-6), name
+        # the pages a step frees go back for the run beside it: a trim after every step
+        # and one as the run ends (`RunExecutor.trim_each_step`)
+        assert len(learner_spans(cluster, "heap trim", run=run_id)) == STEPS + 1, name
     # the runs' groups carried a signal: equal losses are not zeros on both sides
     assert any(v != 0 for r in alone["sp"] for k, v in r.items() if k.endswith("/loss"))
 

@@ -109,3 +109,19 @@ def cluster(request: pytest.FixtureRequest, module_clusters: ClusterFactory) -> 
 def endpoints(cluster: Cluster) -> dict[str, Any]:
     """The module's cluster's addresses (`Cluster.endpoints`)."""
     return cluster.endpoints()
+
+
+def learner_spans(cluster: Cluster, name: str, run: str | None = None) -> list[tuple[float, float]]:
+    """(start, end) in µs of each span `name` the traced cluster's learner wrote so far (of
+    run `run` alone, if given)."""
+    from marl.monitor import trace_summary
+
+    assert cluster.trace_dir is not None, "a cluster started with traced=True"
+    events = trace_summary.load(cluster.trace_dir)
+    learner = {e["pid"] for e in events if e.get("args", {}).get("name") == "learner"}
+    return [
+        (e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if e["pid"] in learner and e.get("ph") == "X" and e["name"] == name
+        and (run is None or e.get("args", {}).get("run") == run)
+    ]
