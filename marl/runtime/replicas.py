@@ -94,12 +94,14 @@ async def live(
 
 
 async def publish_current(
-    r: aioredis.Redis, base_model: str, run_id: str, versions: dict[str, int]
+    r: aioredis.Redis, base_model: str, run_id: str, versions: dict[str, int], owner: str = ""
 ) -> None:
-    """Record (or refresh) adapter name -> version as what every replica must hold."""
+    """Record (or refresh) adapter name -> version as what every replica must hold;
+    `owner`: the user whose run pushes them."""
     now = time.time()
     mapping: Any = {
-        name: json.dumps({"version": v, "base_model": base_model, "run_id": run_id, "ts": now})
+        name: json.dumps({"version": v, "base_model": base_model, "run_id": run_id,
+                          "owner": owner, "ts": now})
         for name, v in versions.items()
     }
     if mapping:
@@ -109,6 +111,23 @@ async def publish_current(
 async def retire_current(r: aioredis.Redis, names: list[str]) -> None:
     if names:
         await r.hdel(CURRENT_ADAPTERS, *names)
+
+
+async def published(
+    r: aioredis.Redis, name: str, base_model: str, owner: str | None, max_age_s: float = MAX_AGE_S
+) -> int | None:
+    """The version of adapter `name` its run's learner published last for replicas of
+    `base_model` (None: none, an entry too old, or, for a request made for user `owner`,
+    another user's)."""
+    raw = await r.hget(CURRENT_ADAPTERS, name)
+    if raw is None:
+        return None
+    info = json.loads(raw)
+    if info["base_model"] != base_model or time.time() - float(info["ts"]) > max_age_s:
+        return None
+    if owner is not None and info.get("owner", "") != owner:
+        return None
+    return int(info["version"])
 
 
 async def current(

@@ -54,6 +54,8 @@ class AdapterRegistry:
         self._versions: dict[str, LoadedVersion] = {}
         self._next_int_id = 1
         self._lock = asyncio.Lock()
+        self._added = asyncio.Event()
+        """Set (and replaced) each time a version is added: what `wait_for` waits on."""
 
     def next_int_id(self) -> int:
         n = self._next_int_id
@@ -90,6 +92,21 @@ class AdapterRegistry:
             for old in same[: -max(self.retention, keep)]:
                 old.retired = True
             await self._collect()
+        self._added.set()
+        self._added = asyncio.Event()
+
+    async def wait_for(self, name: str, version: int, timeout_s: float) -> bool:
+        """Wait until `name@version` has been added, at most `timeout_s`; whether it was."""
+        deadline = time.monotonic() + timeout_s
+        while self.get(name, version) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._added.wait(), left)
+            except TimeoutError:
+                return False
+        return True
 
     def acquire(self, name: str, version: int, newest: bool = False,
                 user: str | None = None) -> LoadedVersion:

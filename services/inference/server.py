@@ -69,6 +69,10 @@ DEFAULT_MAX_PUSHES = 16
 MAX_REQUEST_ID = 4096
 """request_id carries the task id (run, step, problem id, role): long problem ids must fit."""
 JOIN_CHECK_S = 0.5
+PUBLISHED_WAIT_S = 30.0
+"""How long a request waits for an adapter version its run's learner has published and is
+pushing (`InferenceService._acquire`); after it, FAILED_PRECONDITION sends the turn on to
+another replica."""
 MAX_GENERATE_MANY = 4096
 """Requests in one GenerateMany call (a worker sends what its episodes asked for at once)."""
 GENERATE_MANY_MESSAGE_BYTES = 4 << 20
@@ -194,6 +198,46 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             tracing.add("GenerateMany", started, time.monotonic(), "GenerateMany", requests=n)
             await cancel_until_done(tasks)  # a caller that went away: its rows are dropped
 
+    async def _acquire(self, request: inference_pb2.GenerateRequest) -> LoadedVersion:
+        """The request's adapter version, held (`AdapterRegistry.acquire`). A version its
+        run's learner has published but whose push has not landed here yet is waited for,
+        up to PUBLISHED_WAIT_S: the learner sends a step's tasks out with its push, not
+        after every replica's ack."""
+        ref, user = request.adapter, auth.owner_filter()
+        try:
+            return self.registry.acquire(
+                ref.name, ref.version, newest=request.newest_adapter, user=user
+            )
+        except AdapterNotLoaded as err:
+            if not self.joined:
+                raise Refused(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"{err}; this replica is joining and serves once the learner has "
+                    "pushed it every current adapter",
+                ) from None
+            if not await self._on_its_way(ref, user):
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(err)) from None
+        await self.registry.wait_for(ref.name, ref.version, PUBLISHED_WAIT_S)
+        try:
+            return self.registry.acquire(
+                ref.name, ref.version, newest=request.newest_adapter, user=user
+            )
+        except AdapterNotLoaded as err:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(err)) from None
+
+    async def _on_its_way(self, ref: common_pb2.AdapterRef, user: str | None) -> bool:
+        """Whether `ref` is its run's newest published version and this replica has not
+        had it yet (an older version, or one retired here, is not coming)."""
+        if self.redis is None or self.registry.get(ref.name, ref.version) is not None:
+            return False
+        try:
+            newest = await replicas.published(
+                self.redis, ref.name, self.engine.base_model, user
+            )
+        except RedisError:
+            return False
+        return newest == ref.version
+
     async def _generate(
         self, request: inference_pb2.GenerateRequest, client: str = ""
     ) -> inference_pb2.GenerateResponse:
@@ -223,19 +267,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             generation.top_p = 1.0
         # bounded by the context: a longer budget ends there (finish_reason "length")
         generation.max_tokens = min(generation.max_tokens, room(generation, self.limits))
-        try:
-            version = self.registry.acquire(
-                request.adapter.name, request.adapter.version, newest=request.newest_adapter,
-                user=auth.owner_filter(),
-            )
-        except AdapterNotLoaded as err:
-            if not self.joined:
-                raise Refused(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"{err}; this replica is joining and serves once the learner has "
-                    "pushed it every current adapter",
-                ) from None
-            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(err)) from None
+        version = await self._acquire(request)
         generation.adapter_key = version.key
         try:
             result = await self.engine.generate(generation)

@@ -196,13 +196,20 @@ class AdapterSync:
             current[p] = Published(self.versions[p], manifest, payload)
         return current
 
-    async def send(self, current: dict[str, Published]) -> None:
+    async def send(
+        self, current: dict[str, Published], beside: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
         """Publish a snapshot, push it to every live replica and wait for all acks.
         Publishing first means a replica that joins meanwhile either is one of these
         targets or waits for this version before it serves. While no replica took a
         version (none is live, or every live one is gone: the only one restarting), push
         again to what is live each second, for up to REPLICA_WAIT_S. Nothing is published
-        or pushed once the run's lease is lost (LeaseLost)."""
+        or pushed once the run's lease is lost (LeaseLost).
+
+        `beside` (the tasks the new versions serve) runs once they are published, while
+        they are pushed, when every replica to push to serves already: each holds a request
+        for a published version until its push lands (`InferenceService._acquire`), so the
+        workers start their episodes meanwhile. Otherwise it runs after the acks."""
         if self.lease is not None:
             await self.lease.check()
         for p, pub in current.items():
@@ -211,6 +218,26 @@ class AdapterSync:
                 recent.append(pub)
             del recent[: -self.spec.train.versions_per_adapter]
         await self.publish()
+        if beside is None:
+            await self._push_until_taken(current)
+        elif not await self._every_target_serves():
+            await self._push_until_taken(current)
+            await beside()
+        else:
+            pushing = asyncio.create_task(self._push_until_taken(current))
+            try:
+                await beside()
+            except BaseException:
+                await cancel_until_done({pushing})
+                raise
+            await pushing
+
+    async def _every_target_serves(self) -> bool:
+        live = await replicas.live(self.r, "inference", include_joining=True)
+        targets = [v for v in live.values() if v.get("base_model") == self.base_model]
+        return bool(targets) and all(v.get("serving", True) for v in targets)
+
+    async def _push_until_taken(self, current: dict[str, Published]) -> None:
         deadline = time.monotonic() + REPLICA_WAIT_S
         waiting = False
         while True:
@@ -274,7 +301,9 @@ class AdapterSync:
         taken before a new version was published cannot land after it."""
         async with self._publish_lock:
             versions = {self.adapter_name(p): pub.version for p, pub in self.current.items()}
-            await replicas.publish_current(self.r, self.base_model, self.run_id, versions)
+            await replicas.publish_current(
+                self.r, self.base_model, self.run_id, versions, owner=self.owner
+            )
 
     def _push_to(self, rid: str, address: str, p: str, pub: Published) -> asyncio.Task[None]:
         """The push of one version of p to one replica; a push already under way (from a

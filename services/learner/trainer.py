@@ -404,19 +404,22 @@ class RunExecutor:
         pushed: asyncio.Event | None,
         position: int,
     ) -> None:
-        """A step's push and record, in line: the adapters go out (then the tasks queued
-        behind them, `pushed`), its rollouts are logged, validation and the checkpoint
+        """A step's push and record, in line: the adapters go out, and the tasks queued
+        behind them (`pushed`) with them (`AdapterSync.send`), its rollouts are logged, validation and the checkpoint
         (resuming at data `position`) run when due, and the record goes through the
         alarms and the guard to every sink."""
         done, record, clock, policy = trained.step, trained.record, trained.clock, loop.policy
+
+        async def release() -> None:  # the tasks `pushed` holds back, beside the push
+            assert pushed is not None
+            pushed.set()
+            await self.episodes.add_tasks()
+
         snapshot = await self.adapters.snapshot(policy)
         drift = measuring_drift(self.torch, policy) if trained.drift_later else None
         try:
-            await self.adapters.send(snapshot)
+            await self.adapters.send(snapshot, None if pushed is None else release)
             clock.pushed = time.monotonic()
-            if pushed is not None:
-                pushed.set()
-                await self.episodes.add_tasks()
         finally:
             if drift is not None:
                 record.update(await drift)
