@@ -23,28 +23,22 @@ from services.inference.adapters import AdapterRegistry, LoadedVersion
 from services.inference.engine import GenerationRequest, GenerationResult
 from services.learner.adapter_sync import AdapterSync
 from tests.support.loopback_grpc import serving
-from tests.unit.test_adapter_sync_join import published
+from tests.unit.test_adapter_sync_join import Recording, published
 
 
-class GatedReplica(inference_pb2_grpc.InferenceServicer):
+class GatedReplica(Recording):
     """Takes a push only once `gate` is set."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.gate = asyncio.Event()
-        self.acked: list[int] = []
 
     async def PushAdapter(  # noqa: N802
         self, request_iterator: AsyncIterator[common_pb2.AdapterChunk],
         context: grpc.aio.ServicerContext,
     ) -> inference_pb2.PushAdapterResponse:
-        manifest = None
-        async for chunk in request_iterator:
-            if chunk.HasField("manifest"):
-                manifest = chunk.manifest
-        assert manifest is not None
         await self.gate.wait()
-        self.acked.append(int(manifest.ref.version))
-        return inference_pb2.PushAdapterResponse(ref=manifest.ref, loaded=True)
+        return await super().PushAdapter(request_iterator, context)
 
 
 @pytest.mark.parametrize("serves", [True, False])
@@ -60,7 +54,7 @@ async def test_the_tasks_go_out_beside_a_push_only_to_serving_replicas(
     released: list[list[int]] = []
 
     async def beside() -> None:
-        released.append(list(replica.acked))
+        released.append(list(replica.pushed))
 
     async with serving(replica, inference_pb2_grpc.add_InferenceServicer_to_server) as a:
         await replicas.announce(r, "inference", "inference-a",
@@ -75,7 +69,7 @@ async def test_the_tasks_go_out_beside_a_push_only_to_serving_replicas(
         replica.gate.set()
         await asyncio.wait_for(send, timeout=10)
     assert released == [[]] if serves else [[1]]
-    assert replica.acked == [1]
+    assert replica.pushed == [1]
     await r.aclose()
 
 
