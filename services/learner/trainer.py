@@ -118,7 +118,9 @@ def trim_heap(policy: PolicyHandle | None, run_id: str) -> None:
     overlaps an update: one step ahead, a step's record is written while the next update
     runs, and a trim then handed back the pages of the activations that update was freeing
     and reallocating, each to be faulted in again (`bench/heap_trim.py` counts the faults
-    and times both)."""
+    and times both). After each step only where other runs may use the pages
+    (`RunExecutor.trim_each_step`: `learner.max_concurrent_runs` > 1); a run alone on its
+    learner reuses them in its next step, and its heap is trimmed once, when it ends."""
     with tracing.span("heap trim", run=run_id):
         if policy is None:
             heap.release_free_heap()
@@ -179,10 +181,8 @@ class RunExecutor:
             check_cancel=self.check_cancel, owner=owner, lease=lease,
         )
         self.episodes = Episodes(
-            run_id, spec, r, learner_id,
-            adapters=self.adapters.refs,
-            check_cancel=self.check_cancel,
-            max_queued_tasks=learner.max_queued_tasks,
+            run_id, spec, r, learner_id, adapters=self.adapters.refs,
+            check_cancel=self.check_cancel, max_queued_tasks=learner.max_queued_tasks,
             signer=TaskSigner(auth_token()),
         )
         self.spares = spare_adapters(spec, self.roles)
@@ -195,10 +195,7 @@ class RunExecutor:
         self.data_position = 0
         """The data position a checkpoint of the step just trained resumes from."""
         self.burst_threads = learner.burst_threads
-        self.trim_each_step = learner.max_concurrent_runs > 1
-        """Whether each step hands its freed heap back (`trim_heap`): only where other runs may
-        use the pages. A run alone on its learner reuses them in its next step, which would
-        otherwise fault each back in; its heap is trimmed once, when it ends."""
+        self.trim_each_step = learner.max_concurrent_runs > 1  # see `trim_heap`
         self.burst: ThreadBurst | None = None
         self.policy_pool = policy_pool
 

@@ -4,8 +4,9 @@ the small run spec (`specs`), the Runs API helpers (`runs`), the planted-drift r
 task and its answer (`tasks`), the sandbox server (`sandbox`), the Helm chart and the
 container images (`chart`, `containers`), a recorded Kubernetes API (`fake_kube`), the
 bring-your-own-task runs (`byo`), an RPC called by name alone (`raw_grpc`), the tiny
-models of the LoRA and learner-step tests (`lora_models`, `learner_step`), and the
-loopback gRPC, worker-loop, loop-tick and scripted-workflow helpers.
+models of the LoRA and learner-step tests (`lora_models`, `learner_step`), replicas that
+take pushes (`push_replicas`), and the loopback gRPC, worker-loop, loop-tick and
+scripted-workflow helpers.
 
 Importable as `tests.support` from the repository root (pytest's `pythonpath`, and the
 editable install's path entry for the benches, the service processes and torchrun's

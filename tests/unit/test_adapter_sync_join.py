@@ -7,43 +7,16 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import AsyncIterator
 
-import grpc
 import pytest
 
-from marl.protocol import adapter_io
-from marl.protocol.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from marl.protocol.v1 import inference_pb2_grpc
 from marl.runtime import replicas, streams
 from marl.spec.run import RunSpec
-from services.learner.adapter_sync import AdapterSync, Published
+from services.learner.adapter_sync import AdapterSync
 from services.learner.errors import RunCancelled
 from tests.support.loopback_grpc import serving
-
-
-class Recording(inference_pb2_grpc.InferenceServicer):
-    def __init__(self) -> None:
-        self.pushed: list[int] = []
-        """The version of each push, in the order they came."""
-
-    async def PushAdapter(  # noqa: N802
-        self, request_iterator: AsyncIterator[common_pb2.AdapterChunk],
-        context: grpc.aio.ServicerContext,
-    ) -> inference_pb2.PushAdapterResponse:
-        manifest = None
-        async for chunk in request_iterator:
-            if chunk.HasField("manifest"):
-                manifest = chunk.manifest
-        assert manifest is not None
-        self.pushed.append(int(manifest.ref.version))
-        return inference_pb2.PushAdapterResponse(ref=manifest.ref, loaded=True)
-
-
-def published(version: int) -> Published:
-    payload = bytes([version]) * 64
-    manifest = adapter_io.make_manifest(
-        "run-1/shared", version, "base", 4, 8.0, ["q_proj"], payload)
-    return Published(version, manifest, payload)
+from tests.support.push_replicas import Recording, published
 
 
 def unused_loopback_address() -> str:

@@ -23,7 +23,7 @@ from services.inference.adapters import AdapterRegistry, LoadedVersion
 from services.inference.engine import GenerationRequest, GenerationResult
 from services.learner.adapter_sync import AdapterSync
 from tests.support.loopback_grpc import serving
-from tests.unit.test_adapter_sync_join import Recording, published
+from tests.support.push_replicas import Recording, published
 
 
 class GatedReplica(Recording):
