@@ -193,6 +193,13 @@ class GRPOSpec(_Spec):
     long run, not on a short one: off by default. Inductor builds C++ on a CPU: the
     learner's machine needs a C++ compiler. One learner process only
     (`learner.world_size` 1). No effect on the math beyond float rounding."""
+    varlen_attention: bool = True
+    """Where the learner trains on a GPU in bfloat16 or float16, on a Llama, Mistral or
+    Qwen2/3 model with no sliding window: each micro-batch's sequences one after another
+    in a single row with no padding, attention per sequence by FlashAttention's
+    variable-length kernel (services/learner/varlen.py); `max_tokens_per_micro_batch` then
+    counts those positions. Elsewhere, or False: padded rows with block masks
+    (prompt_rows.py). No effect on the math beyond float rounding."""
     normalize_std: bool = True
     """Divide group-relative advantages by the group's std (GRPO); False = Dr. GRPO."""
     importance_cap: float = Field(2.0, ge=1)

@@ -85,18 +85,25 @@ def pooled_units(seqs: list[Sequence], owners: list[int], parallel: tuple[str, .
 
 
 def micro_batches(
-    seqs: list[Sequence], idx: list[int], size: int, max_tokens: int, row_tokens: int
+    seqs: list[Sequence],
+    idx: list[int],
+    size: int,
+    max_tokens: int,
+    row_tokens: int,
+    *,
+    varlen: bool = False,
 ) -> list[list[int]]:
     """Role-pure micro-batches, at most `size` sequences and `max_tokens` padded positions
     each, sequences with the same prompt together (they share forward rows up to
     `row_tokens` positions, prompt_rows.py), then by length: little padding, bounded
-    memory, and each role's part of the gradient can be read apart."""
+    memory, and each role's part of the gradient can be read apart. `varlen`: positions
+    as one varlen row counts them (prompt_rows.pack_rows)."""
     by_role: dict[str, list[int]] = defaultdict(list)
     for i in idx:
         by_role[seqs[i].role].append(i)
     out = []
     for role in sorted(by_role):
-        out += pack_rows(seqs, by_role[role], size, max_tokens, row_tokens)
+        out += pack_rows(seqs, by_role[role], size, max_tokens, row_tokens, varlen=varlen)
     return out
 
 
@@ -120,12 +127,19 @@ def rank_chunks(seqs: list[Sequence], chunks: list[list[int]], rank: int, size: 
 
 
 def forward_chunks(
-    seqs: list[Sequence], idx: list[int], g: GRPOSpec, rank: int, size: int
+    seqs: list[Sequence],
+    idx: list[int],
+    g: GRPOSpec,
+    rank: int,
+    size: int,
+    *,
+    varlen: bool = False,
 ) -> list[Chunk]:
     """`idx` as this rank's micro-batches under `g`'s bounds (`micro_batch_sequences`,
-    `max_tokens_per_micro_batch`, the shared-prompt row cap)."""
+    `max_tokens_per_micro_batch`, the shared-prompt row cap); `varlen`: for varlen rows."""
     chunks = micro_batches(
-        seqs, idx, g.micro_batch_sequences, g.max_tokens_per_micro_batch, g.row_tokens
+        seqs, idx, g.micro_batch_sequences, g.max_tokens_per_micro_batch, g.row_tokens,
+        varlen=varlen,
     )
     return rank_chunks(seqs, chunks, rank, size)
 

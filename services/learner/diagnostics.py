@@ -230,7 +230,8 @@ def sampled_drift(
     t = temperature if temperature > 0 else 1.0
     for p, idx in by_policy.items():
         policy.activate(p)
-        for chunk in pack_rows(short, idx, micro, max_tokens or 2**62, row_tokens):
+        budget = max_tokens or 2**62
+        for chunk in pack_rows(short, idx, micro, budget, row_tokens, varlen=policy.varlen):
             rows = policy.row_layout([short[i] for i in chunk], row_tokens)
             starts = [0, *itertools.accumulate(rows.lengths)]
             sel = torch.cat(

@@ -36,6 +36,14 @@ from services.learner.chunked_logprobs import head_logprobs
 from services.learner.grpo import at_least_float32
 from services.learner.prompt_rows import Rows, layout
 from services.learner.sequences import Sequence
+from services.learner.varlen import (
+    VARLEN,
+    Kernel,
+    VarlenLayout,
+    flash_kernel,
+    varlen_rows,
+    varlen_supported,
+)
 
 if TYPE_CHECKING:
     from services.learner.update import PendingDrift
@@ -173,6 +181,8 @@ class MultiAdapterPolicy:
         self._compiled = False
         self._split = self._split_check()
         self._custom_masks = base.config._attn_implementation in CUSTOM_MASK_ATTENTION
+        self.varlen_kernel: Kernel | None = None
+        self.set_varlen(True)
         self.pace: Callable[[], None] = _keep_threads
         """Called before every forward, on the thread that runs it (threads.ThreadBurst.pace)."""
 
@@ -285,28 +295,56 @@ class MultiAdapterPolicy:
             h = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
             return bool(torch.allclose(head(h), want, rtol=1e-4, atol=1e-5))
 
+    @property
+    def varlen(self) -> bool:
+        """Whether micro-batches are laid out as varlen rows (`use_varlen`)."""
+        return self.varlen_kernel is not None
+
+    def set_varlen(self, on: bool) -> None:
+        """`grpo.varlen_attention`: off, dense rows; on, the kernel in use, or
+        FlashAttention's where `varlen_supported`."""
+        if not on:
+            self.use_varlen(None)
+        elif self.varlen_kernel is None and varlen_supported(
+            self.model.get_base_model(), self.device
+        ):
+            self.use_varlen(flash_kernel)
+
+    def use_varlen(self, kernel: Kernel | None) -> None:
+        """Lay micro-batches out as varlen rows, attention by `kernel` (varlen.py); None:
+        dense rows (prompt_rows.layout). Chosen at construction: FlashAttention's kernel
+        where `varlen_supported`, else dense."""
+        if (kernel is None) != (self.varlen_kernel is None):
+            causal: Any = self.model.get_base_model()
+            causal.set_attn_implementation(VARLEN if kernel is not None else "sdpa")
+        self.varlen_kernel = kernel
+
     def features(
         self,
         input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor | None,
         base: bool = False,
         position_ids: torch.Tensor | None = None,
+        varlen: VarlenLayout | None = None,
     ) -> torch.Tensor:
         """[B, L, D] per-position features that `head` turns into next-token logits: the
         decoder's last hidden state (D = hidden size), or, for a model whose logits are not
         its head applied to that state, the logits themselves (D = vocabulary). `base`:
         with every adapter disabled (the KL reference). `attention_mask` is [B, L] padding
-        or a [B, 1, L, L] additive mask with `position_ids` (prompt_rows.Rows)."""
+        or a [B, 1, L, L] additive mask with `position_ids`, or None with `varlen`'s
+        segments and `position_ids` (prompt_rows.Rows)."""
         if base:
             with self._adapters_off(input_ids.shape[0]):
-                return self.features(input_ids, attention_mask, position_ids=position_ids)
+                return self.features(input_ids, attention_mask, False, position_ids, varlen)
         self.pace()
-        kwargs: dict[str, Any] = {
-            "input_ids": input_ids.to(self.device),
-            "attention_mask": attention_mask.to(self.device),
-        }
+        kwargs: dict[str, Any] = {"input_ids": input_ids.to(self.device)}
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask.to(self.device)
         if position_ids is not None:
             kwargs["position_ids"] = position_ids.to(self.device)
+        if varlen is not None:
+            kwargs["varlen_layout"] = varlen
+            kwargs["varlen_kernel"] = self.varlen_kernel
         if not self._split:
             return self.model(**kwargs).logits
         causal: Any = self.model.get_base_model()
@@ -315,7 +353,9 @@ class MultiAdapterPolicy:
 
     def row_features(self, rows: Rows, base: bool = False) -> torch.Tensor:
         """[N, D] features at `rows`' predicting positions, in its sequence order."""
-        feats = self.features(rows.input_ids, rows.attention_mask, base, rows.position_ids)
+        feats = self.features(
+            rows.input_ids, rows.attention_mask, base, rows.position_ids, rows.varlen
+        )
         return feats[rows.rows, rows.cols]
 
     def row_features_with_base(self, rows: Rows) -> tuple[torch.Tensor, torch.Tensor]:
@@ -330,10 +370,9 @@ class MultiAdapterPolicy:
             return torch.cat([t, t])
 
         positions = None if rows.position_ids is None else twice(rows.position_ids)
+        mask = None if rows.attention_mask is None else twice(rows.attention_mask)
         with lora_on_rows(self.model, torch.cat([torch.ones(n), torch.zeros(n)])):
-            feats = self.features(
-                twice(rows.input_ids), twice(rows.attention_mask), position_ids=positions
-            )
+            feats = self.features(twice(rows.input_ids), mask, False, positions, rows.varlen)
         return feats[rows.rows, rows.cols], feats[rows.rows + n, rows.cols]
 
     def _adapters_off(self, n_rows: int) -> AbstractContextManager[Any]:
@@ -344,8 +383,11 @@ class MultiAdapterPolicy:
         return self.model.disable_adapter()  # type: ignore[no-any-return]
 
     def row_layout(self, seqs: list[Sequence], row_tokens: int) -> Rows:
-        """prompt_rows.layout for this model; one sequence per row when its attention
+        """prompt_rows.layout for this model, or one varlen row (varlen.py) where the
+        policy uses varlen attention; one sequence per row when its attention
         implementation takes no custom 4D mask (flash-attention)."""
+        if self.varlen_kernel is not None:
+            return varlen_rows(seqs, row_tokens)
         causal: Any = self.model.get_base_model()
         return layout(seqs, self.pad_id, row_tokens if self._custom_masks else 0, causal.dtype)
 

@@ -26,20 +26,24 @@ either way, so a short block beside another fills what would be padding, in fewe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from services.learner.sequences import Sequence
+
+if TYPE_CHECKING:
+    from services.learner.varlen import VarlenLayout
 
 
 @dataclass
 class Rows:
     input_ids: torch.Tensor
     """[R, L] right-padded."""
-    attention_mask: torch.Tensor
+    attention_mask: torch.Tensor | None
     """[R, L] padding mask when every row holds one sequence (the decoder builds the causal
     mask itself); else [R, 1, L, L] additive: 0 where a position may attend, the dtype's
-    minimum where not."""
+    minimum where not; None in a varlen row (`varlen`)."""
     position_ids: torch.Tensor | None
     """[R, L] where rows are shared; None otherwise (positions 0..L-1)."""
     rows: torch.Tensor
@@ -51,6 +55,8 @@ class Rows:
     """[N]: the completion token predicted there."""
     lengths: list[int]
     """Completion tokens per sequence, in the order given."""
+    varlen: VarlenLayout | None = None
+    """The segments of a single varlen row (varlen.varlen_rows); None for dense rows."""
 
 
 def plan_rows(seqs: list[Sequence], row_tokens: int) -> list[list[int]]:
@@ -179,30 +185,40 @@ def layout(seqs: list[Sequence], pad_id: int, row_tokens: int, dtype: torch.dtyp
 
 
 def pack_rows(
-    seqs: list[Sequence], idx: list[int], max_seqs: int, max_tokens: int, row_tokens: int
+    seqs: list[Sequence],
+    idx: list[int],
+    max_seqs: int,
+    max_tokens: int,
+    row_tokens: int,
+    *,
+    varlen: bool = False,
 ) -> list[list[int]]:
     """`idx` cut into micro-batches of at most `max_seqs` sequences whose rows (as
-    plan_rows lays them out) take at most `max_tokens` padded positions (rows x widest); a
-    sequence over the budget gets a micro-batch of its own. Sequences with equal prompts
-    are taken together, so they share rows; within a prompt, shortest first."""
+    plan_rows lays them out) take at most `max_tokens` padded positions (rows x widest;
+    with `varlen`, one row of them all with no padding: their positions summed,
+    varlen.py); a sequence over the budget gets a micro-batch of its own. Sequences with
+    equal prompts are taken together, so they share rows; within a prompt, shortest
+    first."""
     prompt = {i: tuple(seqs[i].tokens[: seqs[i].n_prompt]) for i in idx}
     order = sorted(idx, key=lambda i: (len(prompt[i]), prompt[i], len(seqs[i].tokens)))
     out: list[list[int]] = []
     cur: list[int] = []
-    rows = widest = last = 0  # the current micro-batch's rows, its widest, its last one's width
+    # the current micro-batch's rows, its widest, its last one's width, its positions
+    rows = widest = last = total = 0
     for i in order:
         s = seqs[i]
         grown = last + len(s.tokens) - s.n_prompt
         extends = bool(cur) and row_tokens > 0 and prompt[cur[-1]] == prompt[i]
         if extends and grown <= row_tokens:
-            n_rows, width = rows, grown
+            n_rows, width, n_total = rows, grown, total + grown - last
         else:
-            n_rows, width = rows + 1, len(s.tokens)
-        if cur and (len(cur) >= max_seqs or n_rows * max(widest, width) > max_tokens):
+            n_rows, width, n_total = rows + 1, len(s.tokens), total + len(s.tokens)
+        cost = n_total if varlen else n_rows * max(widest, width)
+        if cur and (len(cur) >= max_seqs or cost > max_tokens):
             out.append(cur)
-            cur, n_rows, widest, width = [], 1, 0, len(s.tokens)
+            cur, n_rows, widest, width, n_total = [], 1, 0, len(s.tokens), len(s.tokens)
         cur.append(i)
-        rows, widest, last = n_rows, max(widest, width), width
+        rows, widest, last, total = n_rows, max(widest, width), width, n_total
     if cur:
         out.append(cur)
     return out

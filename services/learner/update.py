@@ -172,6 +172,7 @@ def grpo_step(
     mini_batches = []
     policy.set_activation_checkpointing(g.activation_checkpointing)
     policy.set_compiled(g.torch_compile)
+    policy.set_varlen(g.varlen_attention)
     policy.model.train()
     for p, mbs in plan.items():
         policy.activate(p)
@@ -228,7 +229,10 @@ def train_mini_batch(
     step.balance.mini_batch({seqs[i].role for i in mb})
     step.watch.mini_batch_starts(p)
     updates: list[tuple[str, LossStats, float | None, float]] = []
-    for role, chunks in by_role(seqs, forward_chunks(seqs, mb, g, policy.rank, policy.world_size)):
+    chunks_of_mb = forward_chunks(
+        seqs, mb, g, policy.rank, policy.world_size, varlen=policy.varlen
+    )
+    for role, chunks in by_role(seqs, chunks_of_mb):
         step.watch.role_starts(policy, p)
         step.balance.role_starts(policy, p)
         for chunk in chunks:
@@ -310,7 +314,9 @@ def old_logprobs(policy: MultiAdapterPolicy, step: Step, idx: list[int]) -> None
     """π_old of sequences `idx` (those after an adapter's first mini-batch), before its
     first update; every rank's share merged."""
     g, seqs = step.spec.grpo, step.seqs
-    for chunk, real in forward_chunks(seqs, idx, g, policy.rank, policy.world_size):
+    for chunk, real in forward_chunks(
+        seqs, idx, g, policy.rank, policy.world_size, varlen=policy.varlen
+    ):
         logp, _, lengths = completion_logprobs(
             policy, [seqs[i] for i in chunk], step.spec.sampling.temperature,
             row_tokens=g.row_tokens,

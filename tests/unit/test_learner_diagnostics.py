@@ -24,6 +24,7 @@ class FixedPolicy:
     logits are fixed, [ln 3, 0] with the adapter (p = 3/4, 1/4) and [0, 0] without it."""
 
     pad_id = 0
+    varlen = False
 
     def activate(self, policy: str) -> None:
         pass
