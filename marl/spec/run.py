@@ -198,8 +198,8 @@ class GRPOSpec(_Spec):
     Qwen2/3 model with no sliding window: each micro-batch's sequences one after another
     in a single row with no padding, attention per sequence by FlashAttention's
     variable-length kernel (services/learner/varlen.py); `max_tokens_per_micro_batch` then
-    counts those positions. Elsewhere, or False: padded rows with block masks
-    (prompt_rows.py). No effect on the math beyond float rounding."""
+    counts those positions. Elsewhere, with `torch_compile`, or False: padded rows with
+    block masks (prompt_rows.py). No effect on the math beyond float rounding."""
     normalize_std: bool = True
     """Divide group-relative advantages by the group's std (GRPO); False = Dr. GRPO."""
     importance_cap: float = Field(2.0, ge=1)

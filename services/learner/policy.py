@@ -302,8 +302,10 @@ class MultiAdapterPolicy:
 
     def set_varlen(self, on: bool) -> None:
         """`grpo.varlen_attention`: off, dense rows; on, the kernel in use, or
-        FlashAttention's where `varlen_supported`."""
-        if not on:
+        FlashAttention's where `varlen_supported`. A compiled decoder (`set_compiled`,
+        called first) keeps dense rows: dynamo would specialise on every layout's segment
+        lengths, a graph per micro-batch."""
+        if not on or self._compiled:
             self.use_varlen(None)
         elif self.varlen_kernel is None and varlen_supported(
             self.model.get_base_model(), self.device

@@ -232,3 +232,21 @@ def test_flash_kernel_is_the_segment_kernel_on_a_gpu() -> None:
             t.grad = None
     for got, want in zip(out["flash"], out["segment"], strict=True):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_varlen_follows_the_spec_and_stays_off_under_compile(
+    small_vocab: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(policy_module, "varlen_supported", lambda model, device: True)
+    monkeypatch.setattr(policy_module, "flash_kernel", segment_kernel)
+    policy = varlen_policy(small_vocab)
+    assert policy.varlen  # chosen where supported
+    policy.set_varlen(False)
+    assert not policy.varlen
+    assert policy.model.get_base_model().config._attn_implementation == "sdpa"
+    policy.set_varlen(True)
+    assert policy.varlen_kernel is segment_kernel
+    policy.set_compiled(True)  # a graph per layout: dense rows
+    policy.set_varlen(True)
+    assert not policy.varlen
+    policy.set_compiled(False)
