@@ -181,6 +181,7 @@ class MultiAdapterPolicy:
         self._compiled = False
         self._split = self._split_check()
         self._custom_masks = base.config._attn_implementation in CUSTOM_MASK_ATTENTION
+        self._dense_attention: str = base.config._attn_implementation
         self.varlen_kernel: Kernel | None = None
         self.set_varlen(True)
         self.pace: Callable[[], None] = _keep_threads
@@ -314,11 +315,10 @@ class MultiAdapterPolicy:
 
     def use_varlen(self, kernel: Kernel | None) -> None:
         """Lay micro-batches out as varlen rows, attention by `kernel` (varlen.py); None:
-        dense rows (prompt_rows.layout). Chosen at construction: FlashAttention's kernel
-        where `varlen_supported`, else dense."""
+        dense rows (prompt_rows.layout), with the attention the model was loaded with."""
         if (kernel is None) != (self.varlen_kernel is None):
             causal: Any = self.model.get_base_model()
-            causal.set_attn_implementation(VARLEN if kernel is not None else "sdpa")
+            causal.set_attn_implementation(VARLEN if kernel is not None else self._dense_attention)
         self.varlen_kernel = kernel
 
     def features(
