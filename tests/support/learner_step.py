@@ -11,6 +11,7 @@ import torch
 from marl.rollout import AdapterRef, Rollout, Turn
 from marl.spec.run import parse_spec
 from services.learner.policy import MultiAdapterPolicy
+from services.learner.sequences import Sequence
 from services.learner.update import grpo_step
 
 
@@ -29,6 +30,12 @@ def tiny_model(out: Path, vocab: int) -> Path:
     Qwen3ForCausalLM(config).save_pretrained(out)
     build_tokenizer(["What is"]).save_pretrained(out)
     return out
+
+
+def one_turn(prompt: list[int], completion: list[int]) -> Sequence:
+    """A solver's sequence of the shared adapter: `prompt` then `completion`."""
+    return Sequence("shared", "solver", prompt + completion, len(prompt), 1.0,
+                    [0.0] * len(completion))
 
 
 def rollouts(n: int, prompt: int, completion: int, vocab: int, seed: int = 0) -> list[Rollout]:

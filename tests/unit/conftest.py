@@ -20,6 +20,15 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def small_vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Qwen3-shaped model with grouped-query attention and a 512-token vocabulary
+    (tests.support.learner_step.tiny_model)."""
+    from tests.support.learner_step import tiny_model
+
+    return tiny_model(tmp_path_factory.mktemp("tiny"), 512)
+
+
 NUMERICS_SOURCES = ("import torch", "model_dir", "services.learner", "services.inference")
 """A unit-test module that names one of these computes with torch kernels, whose float32
 results differ with the CPU's kernel set: `make test-kernels` runs these (`-m numerics`)

@@ -25,11 +25,6 @@ ROOT = Path(__file__).resolve().parents[2]
 QWEN3_VOCAB = 151936  # Qwen3's embedding rows: vocabulary-wide logits dominate memory
 
 
-@pytest.fixture(scope="module")
-def small_vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model(tmp_path_factory.mktemp("tiny"), 512)
-
-
 def test_pack_respects_both_limits() -> None:
     seqs = [Sequence("p", "r", [1] * n, 1, 0.0, []) for n in (2, 3, 3, 5, 9, 20)]
     assert pack_rows(seqs, list(range(6)), 8, 10, 0) == [[0, 1, 2], [3], [4], [5]]

@@ -11,19 +11,9 @@ import torch
 from marl.spec.run import parse_spec
 from services.learner.policy import MultiAdapterPolicy
 from services.learner.prompt_rows import Rows, layout, pack_blocks, pack_rows, plan_rows
-from services.learner.sequences import Sequence
 from services.learner.update import completion_logprobs
-from tests.support.learner_step import rollouts, run_step, tiny_model
-
-
-def seq(prompt: list[int], completion: list[int]) -> Sequence:
-    return Sequence("shared", "solver", prompt + completion, len(prompt), 1.0,
-                    [0.0] * len(completion))
-
-
-@pytest.fixture(scope="module")
-def small_vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model(tmp_path_factory.mktemp("tiny"), 512)
+from tests.support.learner_step import one_turn as seq
+from tests.support.learner_step import rollouts, run_step
 
 
 def test_rows_group_equal_prompts_within_the_cap() -> None:
